@@ -1,0 +1,5 @@
+from mempo_trl.cli import main
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""`mempo-trl` command line: one subcommand per concern, each registered by its own module.
+
+Every module listed in `COMMAND_MODULES` exposes `add_cli(subparsers)`, which adds its subcommand(s) and sets
+`func(args) -> int` on them. Heavy imports (torch, transformers, fastapi) stay inside those `func`s so that
+`mempo-trl --help` is instant.
+"""
+
+import argparse
+import importlib
+import sys
+
+
+COMMAND_MODULES = (
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mempo-trl", description="MemPO search-agent training on TRL.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_cli(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
