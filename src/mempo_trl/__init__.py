@@ -1,3 +1,55 @@
-"""MemPO (Self-Memory Policy Optimization) for search agents on Hugging Face TRL."""
+"""MemPO (Self-Memory Policy Optimization) for search agents on Hugging Face TRL.
+
+Public names are imported lazily, so that `import mempo_trl` (and the `mempo-trl` CLI) stays fast.
+"""
+
+import importlib
+
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "MemPOConfig": "mempo_trl.config",
+    "MemPOTrainer": "mempo_trl.trainer",
+    "RolloutEngine": "mempo_trl.rollout",
+    "Episode": "mempo_trl.rollout",
+    "initial_messages": "mempo_trl.context",
+    "round_messages": "mempo_trl.context",
+    "parse_turn": "mempo_trl.protocol",
+    "Turn": "mempo_trl.protocol",
+    "render_information": "mempo_trl.protocol",
+    "render_gold_answer": "mempo_trl.protocol",
+    "locate_mem_span": "mempo_trl.protocol",
+    "normalize_answer": "mempo_trl.rewards",
+    "exact_match": "mempo_trl.rewards",
+    "f1_score": "mempo_trl.rewards",
+    "outcome_score": "mempo_trl.rewards",
+    "mempo_outcome_reward": "mempo_trl.rewards",
+    "answer_probability": "mempo_trl.memory",
+    "memory_reward": "mempo_trl.memory",
+    "compute_memory_advantages": "mempo_trl.memory",
+    "group_outcome_advantages": "mempo_trl.advantages",
+    "combine_advantages": "mempo_trl.advantages",
+    "Passage": "mempo_trl.retrieval",
+    "BM25Retriever": "mempo_trl.retrieval",
+    "HttpRetriever": "mempo_trl.retrieval",
+    "load_retriever": "mempo_trl.retrieval",
+    "load_qa": "mempo_trl.data",
+    "DataError": "mempo_trl.data",
+    "build_tiny_model": "mempo_trl.tiny",
+    "load_tiny": "mempo_trl.tiny",
+    "generate_world": "mempo_trl.demo_world",
+    "demo_paths": "mempo_trl.demo_world",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mempo_trl' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

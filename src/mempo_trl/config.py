@@ -1,0 +1,139 @@
+"""`MemPOConfig`: `GRPOConfig` plus the fields of the MemPO search loop and memory advantage."""
+
+import math
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from mempo_trl.context import CONTEXT_MODES, DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
+
+
+TOKEN_LEVEL_LOSSES = ("dapo", "bnpo", "cispo", "vespo")
+
+
+@dataclass
+class MemPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`MemPOTrainer`]. Only the fields below are added to [`~trl.GRPOConfig`]; every
+    GRPO field keeps its meaning, except that `max_completion_length` is the budget of **one turn** and the
+    micro-batches hold one row per turn.
+
+    Parameters:
+        > Parameters that control the search episode
+
+        max_turns (`int`, *optional*, defaults to `8`):
+            Rounds per episode at most. An episode also ends on `<answer>` or on an invalid turn (outcome 0).
+        retrieval_topk (`int`, *optional*, defaults to `3`):
+            Passages returned for each `<search>`.
+        context_mode (`str`, *optional*, defaults to `"memory"`):
+            `"memory"` (MemPO: round t sees the question, round t-1's output and its search result) or
+            `"full_history"` (Search-R1 baseline: the context grows every round; no memory advantage is computed).
+        system_prompt (`str`, *optional*, defaults to `"You are a helpful assistant."`):
+            System message of every context.
+        instruction (`str`, *optional*):
+            User message template with a `{question}` placeholder; it shows the tags.
+
+        > Parameters that control the memory advantage
+
+        memory_coef (`float`, *optional*, defaults to `1.0`):
+            Weight of the memory advantage added on the `<mem>` tokens. `0` turns memory scoring off.
+        memory_threshold (`float` or `None`, *optional*, defaults to `log(0.5)`):
+            Answer tokens with `log p` at or below it are left out of P_mem / P_full. `None` keeps all tokens.
+        memory_threshold_quantile (`float` or `None`, *optional*, defaults to `None`):
+            Variant (spec 5.4): the threshold is this quantile of the batch's answer-token log-probs instead.
+        memory_reward_type (`str`, *optional*, defaults to `"diff"`):
+            `"diff"`: P_mem - P_full (paper). `"log_ratio"`: log(P_mem + eps) - log(P_full + eps) (spec 5.2).
+        memory_reward_eps (`float`, *optional*, defaults to `1e-6`):
+            The eps of `"log_ratio"`.
+        memory_length_penalty (`float`, *optional*, defaults to `0.0`):
+            Variant (spec 5.5): subtract `lambda * len(<mem> tokens) / max_completion_length` from the memory reward.
+        memory_pooling (`str`, *optional*, defaults to `"question"`):
+            `"question"`: normalise over all rounds of all trajectories of a question (paper). `"question_round"`:
+            normalise per (question, round index) (spec 5.1).
+        memory_gate_on_outcome (`bool`, *optional*, defaults to `False`):
+            Variant: add the memory advantage only on rows whose outcome advantage is >= 0.
+        memory_full_from_reference (`bool`, *optional*, defaults to `False`):
+            Variant (spec 5.3): score P_full with the reference model (needs `beta > 0` or a PEFT adapter).
+        memory_scoring_batch_size (`int`, *optional*, defaults to `8`):
+            Sequences per no-grad forward when scoring P_full / P_mem (bounds memory).
+
+    Why a token-level `loss_type`: each turn is its own row and episodes have different numbers of turns, so rows
+    are padded with fully masked placeholder rows to keep every process in step. `"dapo"` (the default) and
+    `"bnpo"` average over real completion tokens, so placeholders change nothing; `"grpo"` would average per row
+    (placeholders dilute it) and `"dr_grpo"` divides by rows x `max_completion_length`. Those are rejected.
+    """
+
+    max_turns: int = field(default=8, metadata={"help": "Rounds per episode at most."})
+    retrieval_topk: int = field(default=3, metadata={"help": "Passages returned for each search."})
+    context_mode: str = field(
+        default="memory",
+        metadata={"help": "`memory` (MemPO) or `full_history` (Search-R1 baseline).", "choices": list(CONTEXT_MODES)},
+    )
+    system_prompt: str = field(default=DEFAULT_SYSTEM_PROMPT, metadata={"help": "System message of every context."})
+    instruction: str = field(
+        default=DEFAULT_INSTRUCTION, metadata={"help": "User message template with a `{question}` placeholder."}
+    )
+    memory_coef: float = field(default=1.0, metadata={"help": "Weight of the memory advantage on `<mem>` tokens."})
+    memory_threshold: float | None = field(
+        default=math.log(0.5),
+        metadata={"help": "Keep answer tokens with log p above it when computing P; None keeps all."},
+    )
+    memory_threshold_quantile: float | None = field(
+        default=None, metadata={"help": "Use this quantile of the batch's answer-token log-probs as the threshold."}
+    )
+    memory_reward_type: str = field(
+        default="diff", metadata={"help": "`diff` (P_mem - P_full) or `log_ratio`.", "choices": ["diff", "log_ratio"]}
+    )
+    memory_reward_eps: float = field(default=1e-6, metadata={"help": "eps of the log-ratio memory reward."})
+    memory_length_penalty: float = field(
+        default=0.0, metadata={"help": "lambda of the `<mem>` length penalty (0 = off)."}
+    )
+    memory_pooling: str = field(
+        default="question",
+        metadata={
+            "help": "`question` or `question_round` normalisation pool.",
+            "choices": ["question", "question_round"],
+        },
+    )
+    memory_gate_on_outcome: bool = field(
+        default=False, metadata={"help": "Memory advantage only where the outcome advantage is >= 0."}
+    )
+    memory_full_from_reference: bool = field(
+        default=False, metadata={"help": "Score P_full with the reference model."}
+    )
+    memory_scoring_batch_size: int = field(default=8, metadata={"help": "Sequences per memory-scoring forward."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        problems = []
+        if self.max_turns < 1:
+            problems.append(f"max_turns must be >= 1, got {self.max_turns}.")
+        if self.retrieval_topk < 1:
+            problems.append(f"retrieval_topk must be >= 1, got {self.retrieval_topk}.")
+        if self.context_mode not in CONTEXT_MODES:
+            problems.append(f"context_mode must be one of {CONTEXT_MODES}, got {self.context_mode!r}.")
+        if "{question}" not in self.instruction:
+            problems.append("instruction must contain the `{question}` placeholder.")
+        if self.loss_type not in TOKEN_LEVEL_LOSSES:
+            problems.append(
+                f"loss_type={self.loss_type!r} does not work with one row per turn; use one of {TOKEN_LEVEL_LOSSES} "
+                "(see the MemPOConfig docstring)."
+            )
+        if self.memory_threshold is not None and self.memory_threshold_quantile is not None:
+            problems.append(
+                "Set memory_threshold or memory_threshold_quantile, not both (use memory_threshold: null)."
+            )
+        if self.memory_threshold_quantile is not None and not 0.0 <= self.memory_threshold_quantile <= 1.0:
+            problems.append(f"memory_threshold_quantile must be in [0, 1], got {self.memory_threshold_quantile}.")
+        if self.memory_reward_type not in ("diff", "log_ratio"):
+            problems.append(f"memory_reward_type must be 'diff' or 'log_ratio', got {self.memory_reward_type!r}.")
+        if self.memory_length_penalty < 0:
+            problems.append(f"memory_length_penalty must be >= 0, got {self.memory_length_penalty}.")
+        if self.memory_pooling not in ("question", "question_round"):
+            problems.append(f"memory_pooling must be 'question' or 'question_round', got {self.memory_pooling!r}.")
+        if self.memory_scoring_batch_size < 1:
+            problems.append(f"memory_scoring_batch_size must be >= 1, got {self.memory_scoring_batch_size}.")
+        if self.multi_objective_aggregation != "sum_then_normalize":
+            problems.append("MemPOTrainer supports multi_objective_aggregation='sum_then_normalize' only.")
+        if problems:
+            raise ValueError("Invalid MemPOConfig:\n- " + "\n- ".join(problems))

@@ -1,0 +1,202 @@
+"""Memory reward and memory advantage (spec sections 3 to 5).
+
+``P = exp(mean kept log p(answer token))`` under the full history and under the ``<mem>`` block only;
+``mem_reward = P_mem - P_full``; rewards are normalised per question (optionally per question and round) and written
+on the ``<mem>…</mem>`` tokens of their round.
+"""
+
+import math
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+
+import torch
+
+
+def answer_probability(
+    logps: torch.Tensor, mask: torch.Tensor, threshold: float | None = math.log(0.5)
+) -> torch.Tensor:
+    """Geometric-mean probability of the kept answer tokens, ``(N, K) -> (N,)``.
+
+    Kept = ``mask & (logps > threshold)`` (just ``mask`` when ``threshold`` is ``None``). A row with no kept token
+    gets P = 0 (the reference's ``count + 1e-8`` would give 1). Values at masked-out positions are never read.
+
+    >>> answer_probability(torch.tensor([[-0.1, -0.3, -2.0], [-2.0, -3.0, 0.0]]), torch.tensor([[1, 1, 1], [1, 1, 0]]))
+    tensor([0.8187, 0.0000])
+    """
+    if logps.shape != mask.shape:
+        raise ValueError(f"logps {tuple(logps.shape)} and mask {tuple(mask.shape)} must have the same shape")
+    keep = mask.bool()
+    if threshold is not None:
+        keep = keep & (logps > threshold)
+    count = keep.sum(dim=-1)
+    total = torch.where(keep, logps, torch.zeros_like(logps)).sum(dim=-1)
+    mean = total / count.clamp(min=1).to(total.dtype)
+    return torch.where(count > 0, mean.exp(), torch.zeros_like(mean))
+
+
+def quantile_threshold(logps: torch.Tensor, mask: torch.Tensor, q: float) -> float:
+    """The ``q``-quantile (linear interpolation, like ``numpy.quantile``) of the masked log-probs of the batch.
+
+    For the adaptive confidence filter (spec 5.4): pass the result as ``threshold`` to :func:`answer_probability`.
+    An empty mask returns ``-inf`` (no filter; nothing is scored anyway). ``-inf`` log-probs sort first.
+
+    >>> quantile_threshold(torch.tensor([[-0.1, -0.5], [-1.0, -9.0]]), torch.tensor([[1, 1], [1, 0]]), 0.5)
+    -0.5
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be in [0, 1], got {q}")
+    if logps.shape != mask.shape:
+        raise ValueError(f"logps {tuple(logps.shape)} and mask {tuple(mask.shape)} must have the same shape")
+    values = torch.sort(logps[mask.bool()].double()).values.tolist()
+    if not values:
+        return float("-inf")
+    pos = q * (len(values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(values) - 1)
+    low, high = values[lo], values[hi]
+    if pos == lo or low == high or math.isinf(low):
+        return low
+    return low + (pos - lo) * (high - low)
+
+
+def memory_reward(
+    p_mem: torch.Tensor,
+    p_full: torch.Tensor,
+    mode: str = "diff",
+    eps: float = 1e-6,
+    mem_lengths: torch.Tensor | Sequence[int] | None = None,
+    length_penalty: float = 0.0,
+    max_mem_tokens: int | None = None,
+) -> torch.Tensor:
+    """Memory reward per round, ``(N,), (N,) -> (N,)``.
+
+    ``"diff"``: ``p_mem - p_full`` (paper); ``"log_ratio"``: ``log(p_mem + eps) - log(p_full + eps)`` (spec 5.2).
+    With ``length_penalty > 0`` subtracts ``length_penalty * mem_lengths / max_mem_tokens`` (spec 5.5).
+
+    >>> memory_reward(torch.tensor([0.12, 0.71]), torch.tensor([0.35, 0.68]))
+    tensor([-0.2300,  0.0300])
+    """
+    if p_mem.shape != p_full.shape:
+        raise ValueError(f"p_mem {tuple(p_mem.shape)} and p_full {tuple(p_full.shape)} must have the same shape")
+    if mode == "diff":
+        reward = p_mem - p_full
+    elif mode == "log_ratio":
+        if eps <= 0:
+            raise ValueError(f"eps must be > 0 for mode='log_ratio', got {eps}")
+        reward = torch.log(p_mem + eps) - torch.log(p_full + eps)
+    else:
+        raise ValueError(f"mode must be 'diff' or 'log_ratio', got {mode!r}")
+    if length_penalty < 0:
+        raise ValueError(f"length_penalty must be >= 0, got {length_penalty}")
+    if length_penalty > 0:
+        if mem_lengths is None or max_mem_tokens is None or max_mem_tokens <= 0:
+            raise ValueError("length_penalty > 0 needs mem_lengths and a positive max_mem_tokens")
+        lengths = torch.as_tensor(mem_lengths, dtype=reward.dtype, device=reward.device)
+        if lengths.shape != reward.shape:
+            raise ValueError(f"mem_lengths {tuple(lengths.shape)} must have the shape of p_mem {tuple(reward.shape)}")
+        reward = reward - length_penalty * lengths / max_mem_tokens
+    return reward
+
+
+def _pool_stats(values: list[float]) -> tuple[float, float]:
+    """Mean and unbiased std of a pool; ``(0, 1)`` for fewer than two values, exactly ``(v, 0)`` for equal values."""
+    if len(values) < 2:
+        return 0.0, 1.0
+    if min(values) == max(values):
+        return values[0], 0.0
+    mean = math.fsum(values) / len(values)
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def normalize_memory_rewards(
+    group_ids: Sequence[Hashable],
+    rewards: Sequence[Sequence[float]],
+    round_ids: Sequence[Sequence[Hashable]] | None = None,
+) -> list[list[float]]:
+    """Normalise memory rewards within their pool, keeping the nested per-row structure.
+
+    Pool = all rewards of the rows with the same group id (the G trajectories of a question, all rounds), or per
+    ``(group, round)`` when ``round_ids`` (aligned with ``rewards``) is given. ``(r - mean) / (std + 1e-6)`` with
+    unbiased std, ``r - mean`` where std is 0; a pool of 0 or 1 values uses mean 0, std 1. Pure function: call it
+    on the rewards of all ranks, then slice.
+
+    >>> normalize_memory_rewards(["q1", "q2", "q1"], [[1.0], [5.0], [3.0, 2.0]])
+    [[-0.99999...], [4.99999...], [0.99999..., 0.0]]
+    """
+    if len(group_ids) != len(rewards):
+        raise ValueError(f"{len(group_ids)} group ids for {len(rewards)} reward rows")
+    if round_ids is not None and (
+        len(round_ids) != len(rewards) or any(len(r) != len(v) for r, v in zip(round_ids, rewards))
+    ):
+        raise ValueError("round_ids must have the nested shape of rewards")
+    keys = [
+        [(gid,) if round_ids is None else (gid, round_ids[i][j]) for j in range(len(row))]
+        for i, (gid, row) in enumerate(zip(group_ids, rewards))
+    ]
+    pools: dict[tuple, list[float]] = defaultdict(list)
+    for row_keys, row in zip(keys, rewards):
+        for key, value in zip(row_keys, row):
+            pools[key].append(float(value))
+    stats = {key: _pool_stats(values) for key, values in pools.items()}
+    out = []
+    for row_keys, row in zip(keys, rewards):
+        normed = []
+        for key, value in zip(row_keys, row):
+            mean, std = stats[key]
+            normed.append((float(value) - mean) / (std + 1e-6) if std > 0 else float(value) - mean)
+        out.append(normed)
+    return out
+
+
+def scatter_span_values(
+    completion_mask: torch.Tensor,
+    span_starts: Sequence[Sequence[int]],
+    span_ends: Sequence[Sequence[int]],
+    values: Sequence[Sequence[float]],
+) -> torch.Tensor:
+    """Write each value on its inclusive ``[start, end]`` token span, ``(B, T) -> (B, T)`` float32.
+
+    Spans are clipped to ``[0, T)``, the result is multiplied by ``completion_mask``; other positions are 0.
+
+    >>> scatter_span_values(torch.ones(2, 4), [[1], []], [[2], []], [[0.5], []])
+    tensor([[0.0000, 0.5000, 0.5000, 0.0000],
+            [0.0000, 0.0000, 0.0000, 0.0000]])
+    """
+    batch, length = completion_mask.shape
+    if not len(span_starts) == len(span_ends) == len(values) == batch:
+        raise ValueError(f"span_starts, span_ends and values need {batch} rows")
+    out = torch.zeros(batch, length, dtype=torch.float32, device=completion_mask.device)
+    for i, (starts, ends, row) in enumerate(zip(span_starts, span_ends, values)):
+        if not len(starts) == len(ends) == len(row):
+            raise ValueError(f"row {i}: {len(starts)} starts, {len(ends)} ends and {len(row)} values")
+        for start, end, value in zip(starts, ends, row):
+            lo, hi = max(int(start), 0), min(int(end), length - 1)
+            if lo <= hi:
+                out[i, lo : hi + 1] = float(value)
+    return out * completion_mask.to(out.dtype)
+
+
+def compute_memory_advantages(
+    completion_mask: torch.Tensor,
+    group_ids: Sequence[Hashable],
+    span_starts: Sequence[Sequence[int]],
+    span_ends: Sequence[Sequence[int]],
+    mem_rewards: Sequence[Sequence[float]],
+    round_ids: Sequence[Sequence[Hashable]] | None = None,
+    outcome_advantages: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token memory advantage ``(B, T)``: :func:`normalize_memory_rewards` then :func:`scatter_span_values`.
+
+    With ``outcome_advantages`` ``(B,)`` (gated variant) rows whose outcome advantage is < 0 get 0.
+
+    >>> compute_memory_advantages(torch.ones(2, 3), ["q", "q"], [[0], [1]], [[1], [2]], [[0.2], [0.4]])
+    tensor([[-0.7071, -0.7071,  0.0000],
+            [ 0.0000,  0.7071,  0.7071]])
+    """
+    normed = normalize_memory_rewards(group_ids, mem_rewards, round_ids)
+    advantages = scatter_span_values(completion_mask, span_starts, span_ends, normed)
+    if outcome_advantages is not None:
+        if outcome_advantages.shape != (advantages.shape[0],):
+            raise ValueError(f"outcome_advantages must have shape ({advantages.shape[0]},)")
+        advantages = advantages * (outcome_advantages >= 0).to(advantages.device, advantages.dtype).unsqueeze(1)
+    return advantages

@@ -1,0 +1,156 @@
+"""Outcome scores: SQuAD answer normalisation with Search-R1 ``qa_em`` semantics, token F1, multi-objective rows."""
+
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mempo_trl.protocol import parse_turn, split_answers
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD normalisation: lower-case, drop punctuation and articles, collapse white space.
+
+    >>> normalize_answer("  The Eiffel-Tower, Paris! ")
+    'eiffeltower paris'
+    """
+    s = "".join(ch for ch in s.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", s).split())
+
+
+def _aliases(golden_answers: str | Sequence[str]) -> list[str]:
+    return [golden_answers] if isinstance(golden_answers, str) else [str(g) for g in golden_answers]
+
+
+def exact_match(prediction: str | None, golden_answers: str | Sequence[str]) -> float:
+    """1.0 if the normalised prediction equals any normalised alias, else 0.0 (0.0 for ``None``).
+
+    >>> exact_match("the Paris", ["paris", "Paris, France"])
+    1.0
+    """
+    if prediction is None:
+        return 0.0
+    pred = normalize_answer(prediction)
+    return float(any(normalize_answer(g) == pred for g in _aliases(golden_answers)))
+
+
+def sub_exact_match(prediction: str | None, golden_answers: str | Sequence[str]) -> float:
+    """1.0 if any normalised alias is a substring of the normalised prediction (Search-R1 ``subem_check``).
+
+    An alias that normalises to the empty string only matches an empty prediction.
+
+    >>> sub_exact_match("It is Paris.", ["paris"])
+    1.0
+    """
+    if prediction is None:
+        return 0.0
+    pred = normalize_answer(prediction)
+    for g in _aliases(golden_answers):
+        gold = normalize_answer(g)
+        if (gold in pred) if gold else not pred:
+            return 1.0
+    return 0.0
+
+
+def _token_f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
+    if not pred_tokens or not gold_tokens:
+        return float(pred_tokens == gold_tokens)
+    same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred_tokens), same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(prediction: str | None, golden_answers: str | Sequence[str]) -> float:
+    """SQuAD token F1 of the normalised texts, max over aliases; two empty texts score 1.0.
+
+    >>> round(f1_score("Paris France", ["paris"]), 4)
+    0.6667
+    """
+    if prediction is None:
+        return 0.0
+    pred = normalize_answer(prediction).split()
+    return max((_token_f1(pred, normalize_answer(g).split()) for g in _aliases(golden_answers)), default=0.0)
+
+
+@dataclass(frozen=True)
+class OutcomeScore:
+    """Outcome metrics of one trajectory; ``per_question_em`` has one entry per (sub-)question."""
+
+    em: float
+    f1: float
+    sub_em: float
+    per_question_em: tuple[float, ...]
+
+
+def outcome_score(
+    answer: str | None,
+    golden_answers: str | Sequence[str],
+    sub_answers: Sequence[Sequence[str]] | None = None,
+    format_valid: bool = True,
+) -> OutcomeScore:
+    """Score a final answer; all zeros if the format is invalid or there is no answer.
+
+    Multi-objective rows (non-empty ``sub_answers``): the answer is split on ``;``, part ``i`` is scored against
+    ``sub_answers[i]`` (a missing part scores 0) and ``em``/``f1``/``sub_em`` are means over the questions.
+
+    >>> outcome_score("Ulm; Bob", [], [["Ulm"], ["Max"]])
+    OutcomeScore(em=0.5, f1=0.5, sub_em=0.5, per_question_em=(1.0, 0.0))
+    """
+    questions = list(sub_answers) if sub_answers else [golden_answers]
+    if not format_valid or answer is None:
+        return OutcomeScore(0.0, 0.0, 0.0, (0.0,) * len(questions))
+    parts = split_answers(answer) if sub_answers else [answer]
+    preds = [parts[i] if i < len(parts) else None for i in range(len(questions))]
+    ems = tuple(exact_match(p, g) for p, g in zip(preds, questions))
+    f1s = [f1_score(p, g) for p, g in zip(preds, questions)]
+    subs = [sub_exact_match(p, g) for p, g in zip(preds, questions)]
+    n = len(questions)
+    return OutcomeScore(sum(ems) / n, sum(f1s) / n, sum(subs) / n, ems)
+
+
+def _completion_text(completion: Any) -> str:
+    """Text of a completion: a string, or the content of the last message of a conversational completion."""
+    if isinstance(completion, str):
+        return completion
+    if not completion:
+        return ""
+    content = completion[-1].get("content") or ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def mempo_outcome_reward(
+    prompts: list[Any],
+    completions: list[Any],
+    golden_answers: list[Sequence[str]],
+    sub_answers: list[Sequence[Sequence[str]] | None] | None = None,
+    format_valid: list[bool] | None = None,
+    **kwargs: Any,
+) -> list[float]:
+    """TRL reward function: exact match of the answer in each completion (``outcome_score(...).em``).
+
+    Each completion (a string, or chat messages whose last message is used) is parsed as the episode's final turn;
+    its answer counts only if that turn is a valid answer turn and ``format_valid[i]`` (when given, e.g. the
+    validity of all earlier rounds) is true. ``prompts`` and extra dataset columns in ``kwargs`` are ignored.
+
+    >>> done = "<mem>m</mem><think>t</think><answer>Ulm</answer>"
+    >>> mempo_outcome_reward(["q", "q"], [done, [{"role": "assistant", "content": "Ulm"}]], [["ulm"], ["ulm"]])
+    [1.0, 0.0]
+    """
+    rewards = []
+    for i, completion in enumerate(completions):
+        turn = parse_turn(_completion_text(completion))
+        answer = turn.content if turn.valid and turn.action == "answer" else None
+        valid = True if format_valid is None else bool(format_valid[i])
+        subs = sub_answers[i] if sub_answers is not None else None
+        rewards.append(outcome_score(answer, golden_answers[i], subs, format_valid=valid).em)
+    return rewards

@@ -1,0 +1,206 @@
+"""Multi-turn search episodes with the MemPO context rebuild (spec sections 1-2).
+
+`RolloutEngine.run` plays a batch of episodes round by round: it renders each active episode's context with
+`mempo_trl.context`, asks a generation function for one turn per episode, cuts each turn after its action,
+parses it with `mempo_trl.protocol.parse_turn`, answers all ``<search>`` actions of the round with one batched
+retriever call, and ends an episode on ``<answer>``, on an invalid turn, or at ``max_turns``. The generation
+function is the only backend-specific piece: the trainer passes TRL's generation (HF or vLLM), the evaluator its
+own, so that training, evaluation and inference see exactly the same contexts.
+"""
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from mempo_trl.context import (
+    DEFAULT_INSTRUCTION,
+    DEFAULT_SYSTEM_PROMPT,
+    ContextMode,
+    initial_messages,
+    render_prompt,
+    round_messages,
+)
+from mempo_trl.protocol import Turn, locate_mem_span, parse_turn, render_information, token_char_offsets
+
+
+ACTION_STOPS = ("</search>", "</answer>")
+
+GenerateFn = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None]]
+"""Maps prompts (token id lists) to one completion each (token id lists) and, optionally, their sampling log-probs."""
+
+
+@dataclass
+class RoundRecord:
+    """One generated turn: the context it was sampled from and what came out.
+
+    ``mem_span`` holds the inclusive token indices of the ``<mem>...</mem>`` block inside ``completion_ids``.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    turn: Turn
+    mem_span: tuple[int, int] | None
+    truncated: bool
+    logprobs: list[float] | None = None
+    information: str | None = None
+
+
+@dataclass
+class Episode:
+    """A question and the rounds played on it so far."""
+
+    row: dict
+    base_messages: list[dict[str, str]]
+    rounds: list[RoundRecord] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def format_valid(self) -> bool:
+        """Every round parsed as a valid turn and the episode ended on an answer."""
+        return bool(self.rounds) and all(r.turn.valid for r in self.rounds) and self.answer is not None
+
+    @property
+    def answer(self) -> str | None:
+        """The final answer, or None when the episode did not end on a valid ``<answer>``."""
+        last = self.rounds[-1].turn if self.rounds else None
+        return last.content if last is not None and last.valid and last.action == "answer" else None
+
+    @property
+    def num_searches(self) -> int:
+        return sum(1 for r in self.rounds if r.turn.valid and r.turn.action == "search")
+
+    def history(self) -> list[tuple[str, str]]:
+        """``(output, information)`` of every round that searched, oldest first."""
+        return [(r.text, r.information) for r in self.rounds if r.information is not None]
+
+
+@dataclass
+class RolloutTimings:
+    generation: float = 0.0
+    retrieval: float = 0.0
+
+
+def cut_after_action(completion_ids: list[int], tokenizer, eos_token_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """Cut a completion after the first ``</search>`` or ``</answer>``; say whether it was truncated.
+
+    Generation stops on those tags when they are single tokens (eos ids) or with vLLM stop strings; when a tag spans
+    several tokens the HF path cannot stop on it, so the turn is cut here, at token granularity, from exact offsets.
+    A completion is *truncated* when it has neither an action tag nor an eos token: it hit the length budget.
+    Offsets are only computed when there is something to cut.
+    """
+    text = tokenizer.decode(completion_ids, skip_special_tokens=False)
+    ends = [text.find(stop) + len(stop) for stop in ACTION_STOPS if stop in text]
+    if not ends:
+        truncated = not completion_ids or completion_ids[-1] not in eos_token_ids
+        return completion_ids, truncated
+    if min(ends) == len(text):
+        return completion_ids, False
+    text, offsets = token_char_offsets(completion_ids, tokenizer)
+    cut_char = min(text.find(stop) + len(stop) for stop in ACTION_STOPS if stop in text)
+    keep = next((i + 1 for i, (_, end) in enumerate(offsets) if end >= cut_char), len(completion_ids))
+    return completion_ids[:keep], False
+
+
+class RolloutEngine:
+    """Plays MemPO episodes with a retriever; generation is delegated to a `GenerateFn`.
+
+    Args:
+        tokenizer: the policy's tokenizer (with a chat template).
+        retriever: any object with ``search(queries: list[str], topk: int) -> list[list[Passage]]``.
+        max_turns: rounds per episode at most.
+        topk: passages per search.
+        context_mode: ``"memory"`` (MemPO) or ``"full_history"`` (Search-R1 baseline).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        retriever,
+        max_turns: int = 8,
+        topk: int = 3,
+        context_mode: ContextMode = "memory",
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        instruction: str = DEFAULT_INSTRUCTION,
+        eos_token_ids: Sequence[int] = (),
+    ):
+        self.tokenizer = tokenizer
+        self.retriever = retriever
+        self.max_turns = max_turns
+        self.topk = topk
+        self.context_mode = context_mode
+        self.system_prompt = system_prompt
+        self.instruction = instruction
+        self.eos_token_ids = list(eos_token_ids)
+
+    def new_episode(self, row: dict) -> Episode:
+        return Episode(row=row, base_messages=initial_messages(row["question"], self.system_prompt, self.instruction))
+
+    def context_messages(self, episode: Episode) -> list[dict[str, str]]:
+        """Messages of the episode's next round (spec section 2)."""
+        return round_messages(episode.base_messages, episode.history(), self.context_mode)
+
+    def run(
+        self,
+        rows: Sequence[dict],
+        generate: GenerateFn,
+        global_active: Callable[[int], int] | None = None,
+    ) -> tuple[list[Episode], RolloutTimings]:
+        """Play one episode per row to the end.
+
+        Args:
+            rows: dicts with at least ``question``.
+            generate: the generation backend.
+            global_active: for multi-process runs, maps this process's number of active episodes to the number over
+                all processes; while it is positive, a process without active episodes still calls ``generate`` (on
+                one placeholder prompt) so that every process issues the same generation calls (vLLM server and
+                ZeRO-3 generation are collectives).
+        """
+        episodes = [self.new_episode(dict(row)) for row in rows]
+        timings = RolloutTimings()
+        for round_index in range(self.max_turns):
+            active = [ep for ep in episodes if not ep.finished]
+            if global_active is not None:
+                if global_active(len(active)) == 0:
+                    break
+            elif not active:
+                break
+            prompts = [render_prompt(self.tokenizer, self.context_messages(ep)) for ep in active]
+            start = time.perf_counter()
+            completions, logprobs = generate(prompts or [render_prompt(self.tokenizer, episodes[0].base_messages)])
+            timings.generation += time.perf_counter() - start
+            searches: list[tuple[Episode, str]] = []
+            for i, (ep, prompt_ids) in enumerate(zip(active, prompts)):
+                record = self._make_record(prompt_ids, completions[i], None if logprobs is None else logprobs[i])
+                ep.rounds.append(record)
+                last_round = round_index + 1 == self.max_turns
+                if record.turn.valid and record.turn.action == "search" and not last_round:
+                    searches.append((ep, record.turn.content))
+                else:
+                    ep.finished = True
+            if searches:
+                start = time.perf_counter()
+                results = self.retriever.search([query for _, query in searches], self.topk)
+                timings.retrieval += time.perf_counter() - start
+                for (ep, _), passages in zip(searches, results):
+                    ep.rounds[-1].information = render_information(passages)
+        for ep in episodes:
+            ep.finished = True
+        return episodes, timings
+
+    def _make_record(self, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float] | None):
+        completion_ids, truncated = cut_after_action(list(completion_ids), self.tokenizer, self.eos_token_ids)
+        if logprobs is not None:
+            logprobs = list(logprobs[: len(completion_ids)])
+        text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
+        turn = parse_turn(text)
+        mem_span = locate_mem_span(completion_ids, self.tokenizer) if turn.mem_span is not None else None
+        return RoundRecord(
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            text=text,
+            turn=turn,
+            mem_span=mem_span,
+            truncated=truncated,
+            logprobs=logprobs,
+        )

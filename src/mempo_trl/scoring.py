@@ -1,0 +1,143 @@
+"""Teacher-forced scoring of the gold answer under the full-history and memory contexts (spec section 3).
+
+For every round t >= 2 whose output holds a well-formed ``<mem>`` block, `memory_scoring_items` builds two
+sequences that end with the same gold-answer continuation ``<answer> GOLD </answer>``:
+
+- ``full``: the full-history context of round t (all earlier rounds and their results) + the answer;
+- ``mem``: ``system + user(question)`` + round t's ``<mem>`` block + the answer.
+
+`answer_token_logps` scores a list of such items with one batched no-grad forward per chunk (contexts left-padded,
+answers right-padded, positions counted from the first real token, logits untempered) and returns the per-token
+log-probs of the answer and the mask of the GOLD tokens, ready for `mempo_trl.memory.answer_probability`.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mempo_trl.context import render_prompt, round_messages
+from mempo_trl.protocol import render_gold_answer
+from mempo_trl.rollout import Episode
+
+
+@dataclass(frozen=True)
+class ScoringItem:
+    """A context and the answer continuation to score after it; ``answer_mask`` marks the GOLD tokens."""
+
+    context_ids: list[int]
+    answer_ids: list[int]
+    answer_mask: list[int]
+
+
+@dataclass(frozen=True)
+class MemoryScoringPair:
+    """The two scoring items of one round: ``round_index`` is 0-based (so always >= 1 here)."""
+
+    round_index: int
+    full: ScoringItem
+    mem: ScoringItem
+
+
+def gold_answer_tokens(tokenizer, golden_answers: Sequence[str], sub_answers=None) -> tuple[list[int], list[int]]:
+    """Token ids of ``<answer> GOLD </answer>`` and the 0/1 mask of the tokens that overlap GOLD.
+
+    Example:
+        >>> ids, mask = gold_answer_tokens(tokenizer, ["Paris"])  # doctest: +SKIP
+    """
+    text, (start, end) = render_gold_answer(golden_answers, sub_answers)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(s < end and e > start) for s, e in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), mask
+
+
+def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]:
+    """The (full, mem) scoring pair of every round t >= 2 of ``episode`` that wrote a well-formed ``<mem>``."""
+    row = episode.row
+    answer_ids, answer_mask = gold_answer_tokens(tokenizer, row["golden_answers"], row.get("sub_answers") or None)
+    base_ids = render_prompt(tokenizer, episode.base_messages)
+    history = episode.history()
+    pairs = []
+    for t, record in enumerate(episode.rounds):
+        if t == 0 or record.turn.mem_span is None or len(history) < t:
+            continue
+        full_ids = render_prompt(tokenizer, round_messages(episode.base_messages, history[:t], "full_history"))
+        start, end = record.turn.mem_span
+        mem_ids = base_ids + tokenizer(record.text[start:end], add_special_tokens=False)["input_ids"]
+        pairs.append(
+            MemoryScoringPair(
+                round_index=t,
+                full=ScoringItem(full_ids, answer_ids, answer_mask),
+                mem=ScoringItem(mem_ids, answer_ids, answer_mask),
+            )
+        )
+    return pairs
+
+
+def _pad_batch(items: Sequence[ScoringItem], pad_token_id: int) -> tuple[torch.Tensor, ...]:
+    ctx_len = max(len(it.context_ids) for it in items)
+    ans_len = max(len(it.answer_ids) for it in items)
+    n = len(items)
+    input_ids = torch.full((n, ctx_len + ans_len), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((n, ctx_len + ans_len), dtype=torch.long)
+    answer_ids = torch.full((n, ans_len), pad_token_id, dtype=torch.long)
+    answer_mask = torch.zeros((n, ans_len), dtype=torch.bool)
+    for i, it in enumerate(items):
+        c, a = len(it.context_ids), len(it.answer_ids)
+        input_ids[i, ctx_len - c : ctx_len] = torch.tensor(it.context_ids)
+        input_ids[i, ctx_len : ctx_len + a] = torch.tensor(it.answer_ids)
+        attention[i, ctx_len - c : ctx_len + a] = 1
+        answer_ids[i, :a] = torch.tensor(it.answer_ids)
+        answer_mask[i, :a] = torch.tensor(it.answer_mask, dtype=torch.bool)
+    return input_ids, attention, answer_ids, answer_mask
+
+
+@torch.no_grad()
+def answer_token_logps(
+    model,
+    items: Sequence[ScoringItem],
+    pad_token_id: int,
+    batch_size: int = 8,
+    num_forwards: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Untempered log p(answer token | context) for each item.
+
+    Args:
+        model: a causal LM (the policy, a PEFT model or a reference model).
+        items: N scoring items.
+        pad_token_id: id used for padding (masked out).
+        batch_size: items per forward.
+        num_forwards: run exactly this many forwards (>= the number needed), the extra ones on a one-token
+            placeholder, so that every process of a ZeRO-3 run issues the same number of forwards.
+
+    Returns:
+        ``logps`` (N, K) float32 and ``gold_mask`` (N, K) bool, K the longest answer; padded slots are 0 / False.
+    """
+    device = next(model.parameters()).device
+    chunks = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+    if num_forwards is not None:
+        if num_forwards < len(chunks):
+            raise ValueError(f"num_forwards={num_forwards} is less than the {len(chunks)} forwards needed.")
+        chunks += [None] * (num_forwards - len(chunks))
+    all_logps, all_masks = [], []
+    for chunk in chunks:
+        batch = chunk or [ScoringItem([pad_token_id], [pad_token_id], [0])]
+        input_ids, attention, answer_ids, answer_mask = _pad_batch(batch, pad_token_id)
+        k = answer_ids.size(1)
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        logits = model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention.to(device),
+            position_ids=position_ids.to(device),
+            logits_to_keep=k + 1,
+        ).logits[:, :-1]
+        logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, answer_ids.to(device).unsqueeze(-1)).squeeze(-1)
+        if chunk is not None:
+            all_logps.append(logps.masked_fill(~answer_mask.to(device), 0.0))
+            all_masks.append(answer_mask.to(device))
+    if not all_logps:
+        return torch.zeros((0, 0), device=device), torch.zeros((0, 0), dtype=torch.bool, device=device)
+    width = max(x.size(1) for x in all_logps)
+    logps = torch.cat([torch.nn.functional.pad(x, (0, width - x.size(1))) for x in all_logps])
+    masks = torch.cat([torch.nn.functional.pad(x, (0, width - x.size(1))) for x in all_masks])
+    return logps, masks

@@ -1,0 +1,451 @@
+"""`MemPOTrainer`: TRL's `GRPOTrainer` with a multi-turn search rollout and the MemPO memory advantage."""
+
+import math
+import textwrap
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+
+import torch
+from accelerate.utils import gather_object, is_peft_model
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import nanstd, pad, use_adapter
+
+from mempo_trl.advantages import combine_advantages, group_outcome_advantages
+from mempo_trl.config import MemPOConfig
+from mempo_trl.data import validate_qa_rows
+from mempo_trl.memory import (
+    answer_probability,
+    memory_reward,
+    normalize_memory_rewards,
+    quantile_threshold,
+    scatter_span_values,
+)
+from mempo_trl.rewards import mempo_outcome_reward, outcome_score
+from mempo_trl.rollout import ACTION_STOPS, Episode, RolloutEngine
+from mempo_trl.scoring import answer_token_logps, memory_scoring_items
+
+
+class MemPOTrainer(GRPOTrainer):
+    """
+    Trainer for MemPO (Self-Memory Policy Optimization, arXiv 2603.00680) search agents.
+
+    What changes w.r.t. [`~trl.GRPOTrainer`] is `_generate_and_score_completions` only; the loss, the sampler,
+    PEFT, DeepSpeed/FSDP, vLLM weight sync and logging are inherited unchanged:
+
+    - each question is played as a multi-turn search episode (`mempo_trl.rollout.RolloutEngine`) whose context is
+      rebuilt every round from the question, the previous turn and its search result (`context_mode="memory"`),
+      generating each turn with TRL's own `_generate_single_turn` (HF generate, vLLM colocate or server);
+    - every round becomes its own training row (prompt = the context it was sampled from, completion = the turn),
+      padded with fully masked rows to the same count on every process;
+    - the outcome advantage is GRPO's group-normalised reward of the whole trajectory, copied to all its rows;
+    - the memory advantage (P_mem - P_full of the gold answer, normalised per question across processes) is added on
+      the `<mem>...</mem>` tokens of rounds >= 2, giving per-token advantages of shape (rows, completion tokens).
+
+    Args:
+        model: model id/path or instance, as for `GRPOTrainer`.
+        retriever: any object with `search(queries: list[str], topk: int) -> list[list[Passage]]`
+            (`mempo_trl.retrieval.BM25Retriever`, `HttpRetriever`, ...).
+        reward_funcs: outcome reward functions; defaults to `mempo_outcome_reward` (exact match, 0 on bad format).
+            They receive the final turn as `completions` plus `trajectory` (all turn texts) and `format_valid`.
+        args: a `MemPOConfig`.
+        train_dataset / eval_dataset: QA rows with `question` and `golden_answers` (Search-R1/FlashRAG format).
+        processing_class, callbacks, optimizers, peft_config, quantization_config: as for `GRPOTrainer`.
+    """
+
+    _tag_names = ["trl", "mempo", "grpo", "search-agent"]
+    _name = "MemPO"
+    _paper = {
+        "title": "MemPO: Self-Memory Policy Optimization for Long-Horizon Agents",
+        "id": "2603.00680",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{li2026mempo,
+                title        = {{MemPO: Self-Memory Policy Optimization for Long-Horizon Agents}},
+                author       = {Li and others},
+                year         = 2026,
+                eprint       = {arXiv:2603.00680},
+            }"""),
+    }
+
+    def __init__(
+        self,
+        model,
+        retriever,
+        reward_funcs=None,
+        args: MemPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        quantization_config=None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = MemPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-MemPO")
+        if not isinstance(args, MemPOConfig):
+            raise TypeError(f"MemPOTrainer needs a MemPOConfig, got {type(args).__name__}.")
+        if args.remove_unused_columns:
+            raise ValueError(
+                "MemPOTrainer reads the `question`/`golden_answers` columns: set remove_unused_columns=False."
+            )
+        if train_dataset is not None:
+            validate_qa_rows(train_dataset, "train_dataset")
+        if eval_dataset is not None:
+            for name, dataset in eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]:
+                validate_qa_rows(dataset, f"eval_dataset{'[' + name + ']' if name else ''}")
+        if args.use_vllm:
+            # vLLM stops on the closing action tags as strings, whatever their tokenisation.
+            args.generation_kwargs = {
+                "stop": list(ACTION_STOPS),
+                "include_stop_str_in_output": True,
+                **(args.generation_kwargs or {}),
+            }
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs if reward_funcs is not None else [mempo_outcome_reward],
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            quantization_config=quantization_config,
+        )
+        if args.memory_full_from_reference and self.ref_model is None and not is_peft_model(self.model):
+            raise ValueError(
+                "memory_full_from_reference=True needs a reference model: set beta > 0 or train a PEFT adapter."
+            )
+        # HF generation stops on the closing action tags when each is a single token.
+        for stop in ACTION_STOPS:
+            ids = self._tokenizer(stop, add_special_tokens=False)["input_ids"]
+            if len(ids) == 1 and ids[0] not in self.eos_token_ids:
+                self.eos_token_ids.append(ids[0])
+        if not self.use_vllm:
+            self.generation_config.eos_token_id = list(self.eos_token_ids)
+            self.generation_kwargs["eos_token_id"] = list(self.eos_token_ids)
+        self.retriever = retriever
+        self.rollout_engine = RolloutEngine(
+            self._tokenizer,
+            retriever,
+            max_turns=args.max_turns,
+            topk=args.retrieval_topk,
+            context_mode=args.context_mode,
+            system_prompt=args.system_prompt,
+            instruction=args.instruction,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    # ------------------------------------------------------------------ generation helpers
+
+    def _generate_turns(self, prompt_ids: list[list[int]]):
+        """One turn per prompt with TRL's backend (HF generate, vLLM colocate or server)."""
+        return self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+
+    def _global_sum(self, value: int) -> int:
+        if self.accelerator.num_processes == 1:
+            return value
+        return int(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).sum().item())
+
+    def _global_max(self, value: int) -> int:
+        if self.accelerator.num_processes == 1:
+            return value
+        return int(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).max().item())
+
+    # ------------------------------------------------------------------ memory reward
+
+    def _score_items(self, items, use_reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Answer-token log-probs of scoring items, with the same number of forwards on every process."""
+        bs = self.args.memory_scoring_batch_size
+        num_forwards = self._global_max(math.ceil(len(items) / bs))
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if use_reference and self.ref_model is not None:
+            model, adapter_ctx = self.ref_model, nullcontext()
+        elif use_reference:
+            model = self.model
+            adapter_ctx = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+        else:
+            model, adapter_ctx = self.model, nullcontext()
+        with adapter_ctx, self.accelerator.autocast():
+            return answer_token_logps(model, items, self._tokenizer.pad_token_id, bs, num_forwards)
+
+    def _memory_rewards(self, episodes: list[Episode]) -> dict[tuple[int, int], dict[str, float]]:
+        """P_full, P_mem and the memory reward of every scored round, keyed by (episode index, round index)."""
+        keys, pairs = [], []
+        for e, episode in enumerate(episodes):
+            for pair in memory_scoring_items(episode, self._tokenizer):
+                keys.append((e, pair.round_index))
+                pairs.append(pair)
+        args = self.args
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+            if args.memory_full_from_reference:
+                full_logps, full_mask = self._score_items([p.full for p in pairs], use_reference=True)
+                mem_logps, mem_mask = self._score_items([p.mem for p in pairs], use_reference=False)
+            else:
+                logps, mask = self._score_items([p.full for p in pairs] + [p.mem for p in pairs], False)
+                full_logps, mem_logps = logps[: len(pairs)], logps[len(pairs) :]
+                full_mask, mem_mask = mask[: len(pairs)], mask[len(pairs) :]
+        if not pairs:
+            return {}
+        threshold = args.memory_threshold
+        if args.memory_threshold_quantile is not None:
+            threshold = quantile_threshold(
+                torch.cat([full_logps, mem_logps]), torch.cat([full_mask, mem_mask]), args.memory_threshold_quantile
+            )
+        p_full = answer_probability(full_logps, full_mask, threshold)
+        p_mem = answer_probability(mem_logps, mem_mask, threshold)
+        mem_lengths = torch.tensor(
+            [float(episodes[e].rounds[t].mem_span[1] - episodes[e].rounds[t].mem_span[0] + 1) for e, t in keys]
+        )
+        rewards = memory_reward(
+            p_mem.cpu(),
+            p_full.cpu(),
+            mode=args.memory_reward_type,
+            eps=args.memory_reward_eps,
+            mem_lengths=mem_lengths,
+            length_penalty=args.memory_length_penalty,
+            max_mem_tokens=args.max_completion_length,
+        )
+        return {
+            key: {"p_full": float(pf), "p_mem": float(pm), "reward": float(r)}
+            for key, pf, pm, r in zip(keys, p_full.tolist(), p_mem.tolist(), rewards.tolist())
+        }
+
+    # ------------------------------------------------------------------ the override
+
+    def _generate_and_score_completions(self, inputs: list[dict]) -> dict[str, torch.Tensor]:
+        device = self.accelerator.device
+        mode = "train" if self.model.training else "eval"
+        args = self.args
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        rank, n_local = self.accelerator.process_index, len(inputs)
+        group_ids = [(rank * n_local + i) // num_generations for i in range(n_local)]
+
+        # 1. Play the episodes.
+        global_active = self._global_sum if self.accelerator.num_processes > 1 else None
+        episodes, timings = self.rollout_engine.run(inputs, self._generate_turns, global_active)
+
+        # 2. Outcome reward and GRPO advantage per trajectory (gathered over processes inside _calculate_rewards).
+        prompts = [ep.base_messages for ep in episodes]
+        completions = [[{"role": "assistant", "content": ep.rounds[-1].text}] for ep in episodes]
+        reward_inputs = [
+            {**row, "trajectory": [r.text for r in ep.rounds], "format_valid": ep.format_valid}
+            for row, ep in zip(inputs, episodes)
+        ]
+        rewards_per_func = self._calculate_rewards(
+            reward_inputs, prompts, completions, [ep.rounds[-1].completion_ids for ep in episodes]
+        )
+        rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        all_outcome_adv = group_outcome_advantages(rewards, num_generations, self.scale_rewards)
+        outcome_adv = all_outcome_adv[rank * n_local : (rank + 1) * n_local]
+
+        # 3. One row per round, padded with masked rows to the same count on every process.
+        rows = [(e, t) for e, ep in enumerate(episodes) for t in range(len(ep.rounds))]
+        per_step = args.steps_per_generation if mode == "train" else 1
+        num_rows = math.ceil(self._global_max(len(rows)) / per_step) * per_step
+        num_dummy = num_rows - len(rows)
+        records = [episodes[e].rounds[t] for e, t in rows]
+        pad_id = self._tokenizer.pad_token_id
+        prompt_list = [torch.tensor(r.prompt_ids) for r in records] + [torch.tensor([pad_id])] * num_dummy
+        completion_list = [torch.tensor(r.completion_ids) for r in records] + [torch.tensor([pad_id])] * num_dummy
+        prompt_ids = pad(prompt_list, padding_value=pad_id, padding_side="left").to(device)
+        prompt_mask = pad([torch.ones_like(p) for p in prompt_list], padding_value=0, padding_side="left").to(device)
+        completion_ids = pad(completion_list, padding_value=pad_id, padding_side="right").to(device)
+        real = [torch.ones_like(c) for c in completion_list[: len(rows)]]
+        completion_mask = pad(
+            real + [torch.zeros_like(c) for c in completion_list[len(rows) :]], padding_value=0, padding_side="right"
+        ).to(device)
+        if self.mask_truncated_completions:
+            truncated = torch.tensor([r.truncated for r in records] + [False] * num_dummy, device=device)
+            completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
+        num_items_in_batch = self.accelerator.gather(completion_mask.sum()).sum()
+
+        # 4. Memory advantage on the <mem> spans, normalised per question over all processes.
+        scoring_start = time.perf_counter()
+        scored = {}
+        if args.context_mode == "memory" and args.memory_coef != 0.0:
+            scored = self._memory_rewards(episodes)
+        row_rewards = [[scored[(e, t)]["reward"]] if (e, t) in scored else [] for e, t in rows]
+        entries = [(rank, group_ids[e], rr, [t] * len(rr)) for (e, t), rr in zip(rows, row_rewards)]
+        all_entries = gather_object(entries) if self.accelerator.num_processes > 1 else entries
+        normalized = normalize_memory_rewards(
+            [g for _, g, _, _ in all_entries],
+            [rr for _, _, rr, _ in all_entries],
+            [rt for _, _, _, rt in all_entries] if args.memory_pooling == "question_round" else None,
+        )
+        local_values = [v for (r, _, _, _), v in zip(all_entries, normalized) if r == rank]
+        if args.memory_gate_on_outcome:
+            local_values = [v if outcome_adv[e] >= 0 else [0.0] * len(v) for (e, _), v in zip(rows, local_values)]
+        spans = [[records[i].mem_span] if row_rewards[i] else [] for i in range(len(rows))]
+        memory_adv = scatter_span_values(
+            completion_mask.cpu(),
+            [[s for s, _ in sp] for sp in spans] + [[]] * num_dummy,
+            [[e for _, e in sp] for sp in spans] + [[]] * num_dummy,
+            local_values + [[]] * num_dummy,
+        ).to(device)
+        timings_scoring = time.perf_counter() - scoring_start
+        row_episode = torch.tensor([e for e, _ in rows], dtype=torch.long, device=device)
+        row_outcome = torch.cat([outcome_adv[row_episode], torch.zeros(num_dummy, device=device)])
+        advantages = combine_advantages(row_outcome, memory_adv, completion_mask, args.memory_coef)
+
+        # 5. What the inherited loss needs: old / sampling / reference log-probs and the vLLM IS ratio.
+        prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        output = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "advantages": advantages,
+            "num_items_in_batch": num_items_in_batch,
+        }
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+            generate_every = args.steps_per_generation * self.num_iterations
+            use_is = self.use_vllm and self.vllm_importance_sampling_correction
+            if args.gradient_accumulation_steps % generate_every != 0 or use_is:
+                old_logps, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size
+                )
+                output["old_per_token_logps"] = old_logps
+            if self.use_vllm and all(r.logprobs is not None for r in records):
+                sampling = pad(
+                    [torch.tensor(r.logprobs, dtype=torch.float32) for r in records] + [torch.zeros(1)] * num_dummy,
+                    padding_value=0.0,
+                    padding_side="right",
+                ).to(device)
+                output["sampling_per_token_logps"] = sampling
+                if use_is:
+                    output["importance_sampling_ratio"] = self._importance_sampling_ratio(
+                        output["old_per_token_logps"], sampling, completion_mask
+                    )
+            if self.beta != 0.0:
+                if self.ref_model is not None:
+                    ref_logps, _, _ = self._get_per_token_logps_and_entropies(
+                        self.ref_model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size
+                    )
+                else:
+                    unwrapped = self.accelerator.unwrap_model(self.model)
+                    with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                        ref_logps, _, _ = self._get_per_token_logps_and_entropies(
+                            self.model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size
+                        )
+                output["ref_per_token_logps"] = ref_logps
+
+        self._log_episode_metrics(
+            mode,
+            episodes,
+            rows,
+            records,
+            scored,
+            memory_adv,
+            completion_mask,
+            rewards_per_func,
+            rewards,
+            timings.generation,
+            timings.retrieval,
+            timings_scoring,
+        )
+        self._log_completion_rows(prompts, episodes, rewards_per_func, all_outcome_adv)
+        return output
+
+    def _importance_sampling_ratio(self, old_logps, sampling_logps, mask):
+        """vLLM importance-sampling ratio with TRL's truncate/mask modes, per token or per sequence."""
+        diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+        if self.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate"):
+            diff = diff.sum(dim=-1, keepdim=True)
+        ratio = torch.exp(diff)
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if self.vllm_importance_sampling_mode.endswith("truncate"):
+            return torch.clamp(ratio, min=low, max=high)
+        low = -math.inf if low is None else low
+        high = math.inf if high is None else high
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+    # ------------------------------------------------------------------ logging
+
+    def _metric_names(self) -> list[str]:
+        names = [
+            "episode/em", "episode/f1", "episode/sub_em", "episode/format_valid", "episode/answer_rate",
+            "episode/turns", "episode/searches", "episode/truncated_turns",
+            "tokens/prompt_per_round", "tokens/mem_length",
+            "memory/p_full", "memory/p_mem", "memory/reward", "memory/advantage", "memory/scored_rounds",
+        ]  # fmt: skip
+        for t in range(2, self.args.max_turns + 1):
+            names += [f"memory/reward/round_{t}", f"memory/advantage/round_{t}"]
+        return names
+
+    def _log_episode_metrics(
+        self, mode, episodes, rows, records, scored, memory_adv, completion_mask, rewards_per_func, rewards,
+        t_generation, t_retrieval, t_scoring,
+    ):  # fmt: skip
+        """Log episode, token, memory and timing metrics, each averaged over all processes."""
+        device = self.accelerator.device
+        values: dict[str, list[float]] = defaultdict(list)
+        for ep in episodes:
+            score = outcome_score(ep.answer, ep.row["golden_answers"], ep.row.get("sub_answers"), ep.format_valid)
+            values["episode/em"].append(score.em)
+            values["episode/f1"].append(score.f1)
+            values["episode/sub_em"].append(score.sub_em)
+            values["episode/format_valid"].append(float(ep.format_valid))
+            values["episode/answer_rate"].append(float(ep.answer is not None))
+            values["episode/turns"].append(float(len(ep.rounds)))
+            values["episode/searches"].append(float(ep.num_searches))
+        for i, ((e, t), record) in enumerate(zip(rows, records)):
+            values["episode/truncated_turns"].append(float(record.truncated))
+            values["tokens/prompt_per_round"].append(float(len(record.prompt_ids)))
+            if record.mem_span is not None:
+                values["tokens/mem_length"].append(float(record.mem_span[1] - record.mem_span[0] + 1))
+            if (e, t) in scored:
+                s = scored[(e, t)]
+                adv = float(memory_adv[i, record.mem_span[0]].item())
+                values["memory/p_full"].append(s["p_full"])
+                values["memory/p_mem"].append(s["p_mem"])
+                values["memory/reward"].append(s["reward"])
+                values["memory/advantage"].append(adv)
+                values[f"memory/reward/round_{t + 1}"].append(s["reward"])
+                values[f"memory/advantage/round_{t + 1}"].append(adv)
+        values["memory/scored_rounds"].append(float(len(scored)))
+        names = self._metric_names()
+        local = torch.tensor(
+            [[sum(values[n]), len(values[n]), sum(v * v for v in values[n])] for n in names], device=device
+        )
+        totals = self.accelerator.gather(local.unsqueeze(0)).sum(dim=0)
+        for name, (total, count, total_sq) in zip(names, totals.tolist()):
+            if count:
+                mean = total / count
+                self._metrics[mode][name].append(mean)
+                if name in ("memory/reward", "memory/advantage"):
+                    self._metrics[mode][f"{name}_std"].append(math.sqrt(max(total_sq / count - mean * mean, 0.0)))
+        peak = self._global_max(max((len(r.prompt_ids) for r in records), default=0))
+        self._metrics[mode]["tokens/prompt_peak"].append(float(peak))
+        seconds = torch.tensor([t_generation, t_retrieval, t_scoring], device=device)
+        slowest = self.accelerator.gather(seconds.unsqueeze(0)).max(dim=0).values.tolist()
+        for name, value in zip(("generation", "retrieval", "memory_scoring"), slowest):
+            self._metrics[mode][f"time/{name}"].append(value)
+        completion_tokens = self.accelerator.gather(completion_mask.sum()).sum().item()
+        prompt_tokens = self._global_sum(sum(len(r.prompt_ids) for r in records))
+        if mode == "train":
+            self.state.num_input_tokens_seen += prompt_tokens + completion_tokens
+        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
+        for i, name in enumerate(self.reward_func_names):
+            self._metrics[mode][f"rewards/{name}/mean"].append(torch.nanmean(rewards_per_func[:, i]).item())
+            self._metrics[mode][f"rewards/{name}/std"].append(nanstd(rewards_per_func[:, i]).item())
+        self._metrics[mode]["reward"].append(torch.nanmean(rewards).item())
+        self._metrics[mode]["reward_std"].append(nanstd(rewards).item())
+
+    def _log_completion_rows(self, prompts, episodes, rewards_per_func, all_outcome_adv):
+        """Completion table rows (one per trajectory): the question, the joined turns and their results."""
+        trajectories = [
+            "\n".join(r.text + ("\n" + r.information if r.information else "") for r in ep.rounds) for ep in episodes
+        ]
+        self._logs["prompt"].extend(gather_object(prompts))
+        self._logs["completion"].extend(gather_object(trajectories))
+        for i, name in enumerate(self.reward_func_names):
+            self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
+        self._logs["advantages"].extend(all_outcome_adv.tolist())

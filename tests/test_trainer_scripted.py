@@ -1,0 +1,188 @@
+"""MemPOTrainer on a scripted policy: contexts, rows, masks, <mem> spans and advantages checked by hand.
+
+Generation is replaced by a script keyed on (question, round) and the answer scorer by a table of P values, so every
+number below is computed by hand from the spec (sections 2-4).
+"""
+
+import math
+import re
+import statistics
+
+import pytest
+import torch
+from datasets import Dataset
+
+from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl.context import initial_messages, render_prompt, round_messages
+from mempo_trl.retrieval import Passage
+from mempo_trl.tiny import load_tiny
+
+
+class EchoRetriever:
+    """Returns one passage whose text repeats the query, and records the calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def search(self, queries, topk):
+        self.calls.append(list(queries))
+        return [[Passage(id=q, title=f"T {q}", text=f"about {q}")] for q in queries]
+
+
+def turn(mem, action, content):
+    return f"<mem>{mem}</mem><think>t</think><{action}>{content}</{action}>"
+
+
+# question -> per trajectory (G = 2) the scripted turns
+SCRIPT = {
+    "Where is Alpha?": [
+        [turn("a1 one", "search", "alpha"), turn("a1 two", "answer", "Paris")],
+        [turn("a2 one", "search", "alpha"), turn("a2 two", "search", "alpha 2"), turn("a2 three", "answer", "Lyon")],
+    ],
+    "Where is Beta?": [
+        ["<think>no memory</think><search>beta</search>"],  # invalid: ends the episode, outcome 0
+        [turn("b2 one", "search", "beta"), turn("b2 two", "answer", "Rome")],
+    ],
+}
+GOLDS = {"Where is Alpha?": ["Paris"], "Where is Beta?": ["Rome"]}
+# (P_full, P_mem) for every scored round, keyed by the round's <mem> text
+P_VALUES = {"a1 two": (0.35, 0.12), "a2 two": (0.68, 0.71), "a2 three": (0.5, 0.5), "b2 two": (0.2, 0.6)}
+PREVIOUS_MEM = {"a1 one": "a1 two", "a2 one": "a2 two", "a2 two": "a2 three", "b2 one": "b2 two"}
+
+
+@pytest.fixture
+def scripted_trainer(tiny_model_dir, tmp_path, monkeypatch):
+    model, tokenizer = load_tiny(tiny_model_dir)
+    dataset = Dataset.from_list([{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT])
+    args = MemPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=32,
+        max_turns=3,
+        memory_threshold=None,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=1,
+        seed=0,
+    )
+    retriever = EchoRetriever()
+    trainer = MemPOTrainer(model, retriever, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+    counters = {}
+
+    def scripted_generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        outs = []
+        for ids in prompt_ids:
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            question = next(q for q in SCRIPT if q in text)
+            seen = [(k, j) for k, turns in enumerate(SCRIPT[question]) for j, t in enumerate(turns) if t in text]
+            if seen:  # memory mode: the context holds the previous turn only
+                ((k, j),) = seen
+                outs.append(tokenizer(SCRIPT[question][k][j + 1], add_special_tokens=False)["input_ids"])
+            else:  # round 1 of the next trajectory of this question
+                counters[question] = counters.get(question, -1) + 1
+                text = SCRIPT[question][counters[question]][0]
+                outs.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return outs, None
+
+    def scripted_logps(model, items, pad_token_id, batch_size=8, num_forwards=None):
+        k = max((len(it.answer_ids) for it in items), default=0)
+        logps = torch.zeros(len(items), k)
+        mask = torch.zeros(len(items), k, dtype=torch.bool)
+        for i, it in enumerate(items):
+            text = tokenizer.decode(it.context_ids, skip_special_tokens=False)
+            last_mem = re.findall(r"<mem>(.*?)</mem>", text)[-1]
+            if text.endswith("</mem>"):  # mem context: system + question + this round's <mem>
+                p = P_VALUES[last_mem][1]
+            else:  # full context: ends with the previous round's result
+                p = P_VALUES[PREVIOUS_MEM[last_mem]][0]
+            n = sum(it.answer_mask)
+            logps[i, :n] = math.log(p)
+            mask[i, :n] = True
+        return logps, mask
+
+    monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
+    monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", scripted_logps)
+    return trainer, tokenizer, retriever
+
+
+def test_scripted_rollout_rows_contexts_and_advantages(scripted_trainer):
+    trainer, tokenizer, retriever = scripted_trainer
+    trainer.model.train()
+    inputs = [{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT for _ in range(2)]
+    out = trainer._generate_and_score_completions(inputs)
+
+    # Rows: A1 2 rounds, A2 3 rounds, B1 1 round, B2 2 rounds = 8 real rows (steps_per_generation = 1: no padding).
+    assert out["completion_ids"].shape[0] == 8
+    expected_rows = [("Where is Alpha?", 0, r) for r in range(2)] + [("Where is Alpha?", 1, r) for r in range(3)]
+    expected_rows += [("Where is Beta?", 0, 0)] + [("Where is Beta?", 1, r) for r in range(2)]
+    pad = tokenizer.pad_token_id
+    for i, (q, k, r) in enumerate(expected_rows):
+        # The completion is exactly the scripted turn, masked to its length.
+        turn_ids = tokenizer(SCRIPT[q][k][r], add_special_tokens=False)["input_ids"]
+        n = int(out["completion_mask"][i].sum())
+        assert out["completion_ids"][i, :n].tolist() == turn_ids
+        # The prompt is rebuilt from the question, the previous turn and its result only.
+        base = initial_messages(q)
+        history = [
+            (SCRIPT[q][k][j], f"<information>Doc 1(Title: T {query}) about {query}</information>")
+            for j, query in enumerate(re.findall(r"<search>(.*?)</search>", "".join(SCRIPT[q][k][:r])))
+        ]
+        expected_prompt = render_prompt(tokenizer, round_messages(base, history, "memory"))
+        prompt = [t for t, m in zip(out["prompt_ids"][i].tolist(), out["prompt_mask"][i].tolist()) if m]
+        assert prompt == expected_prompt, (q, k, r)
+        assert pad not in prompt
+    # One batched retriever call per round, with the queries of the searching episodes.
+    assert retriever.calls == [["alpha", "alpha", "beta"], ["alpha 2"]]
+
+    # Outcome: groups [1, 0] and [0, 1]; TRL: (r - mean) / (std + 1e-4) with the unbiased std.
+    a = 0.5 / (statistics.stdev([1.0, 0.0]) + 1e-4)
+    outcome = {
+        ("Where is Alpha?", 0): a,
+        ("Where is Alpha?", 1): -a,
+        ("Where is Beta?", 0): -a,
+        ("Where is Beta?", 1): a,
+    }
+    # Memory: pool A = rewards of a1 two, a2 two, a2 three; pool B has one value (mean 0, std 1).
+    rewards = {m: pm - pf for m, (pf, pm) in P_VALUES.items()}
+    assert rewards["a1 two"] == pytest.approx(-0.23) and rewards["a2 two"] == pytest.approx(0.03)
+    pool = [rewards["a1 two"], rewards["a2 two"], rewards["a2 three"]]
+    mean, std = statistics.mean(pool), statistics.stdev(pool)
+    mem_adv = {m: (rewards[m] - mean) / (std + 1e-6) for m in ("a1 two", "a2 two", "a2 three")}
+    mem_adv["b2 two"] = rewards["b2 two"]
+
+    adv = out["advantages"]
+    assert adv.shape == out["completion_ids"].shape
+    for i, (q, k, r) in enumerate(expected_rows):
+        ids = out["completion_ids"][i].tolist()
+        n = int(out["completion_mask"][i].sum())
+        expected = torch.full((adv.shape[1],), outcome[(q, k)])
+        expected[n:] = 0.0
+        mem = re.match(r"<mem>(.*?)</mem>", SCRIPT[q][k][r])
+        if r > 0:
+            start = ids.index(tokenizer.convert_tokens_to_ids("<mem>"))
+            end = ids.index(tokenizer.convert_tokens_to_ids("</mem>"))
+            assert tokenizer.decode(ids[start : end + 1]) == mem.group(0)
+            expected[start : end + 1] += mem_adv[mem.group(1)]
+        torch.testing.assert_close(adv[i], expected, rtol=1e-5, atol=1e-5)
+
+    assert int(out["num_items_in_batch"]) == int(out["completion_mask"].sum())
+    metrics = trainer._metrics["train"]
+    assert metrics["episode/em"][-1] == pytest.approx(0.5)
+    assert metrics["episode/format_valid"][-1] == pytest.approx(0.75)
+    assert metrics["episode/turns"][-1] == pytest.approx(8 / 4)
+    assert metrics["memory/reward"][-1] == pytest.approx(statistics.mean(rewards.values()))
+
+
+def test_invalid_first_turn_ends_episode_with_zero_outcome(scripted_trainer):
+    trainer, _, _ = scripted_trainer
+    trainer.model.train()
+    inputs = [{"question": "Where is Beta?", "golden_answers": ["Rome"], "data_source": "demo"}] * 2
+    out = trainer._generate_and_score_completions(inputs)
+    assert out["completion_ids"].shape[0] == 3  # B1: 1 round, B2: 2 rounds
+    assert trainer._metrics["train"]["episode/format_valid"][-1] == pytest.approx(0.5)
