@@ -1,7 +1,8 @@
 """`mempo-trl` command line: one subcommand per concern, each registered by its own module.
 
 Every module listed in `COMMAND_MODULES` exposes `add_cli(subparsers)`, which adds its subcommand(s) and sets
-`func(args) -> int` on them. Heavy imports (torch, transformers, fastapi) stay inside those `func`s so that
+`func(args) -> int` on them; a subcommand that parses its own arguments (`train`, TRL-style) also sets
+`accepts_extra=True` and reads them from `args.extra`. Heavy imports (torch, transformers, fastapi) stay inside those `func`s so that
 `mempo-trl --help` is instant.
 """
 
@@ -11,6 +12,11 @@ import sys
 
 
 COMMAND_MODULES = (
+    "mempo_trl.train",
+    "mempo_trl.retrieval.cli",
+    "mempo_trl.demo_world",
+    "mempo_trl.tiny",
+    "mempo_trl.evaluation",
 )
 
 
@@ -24,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if extra and not getattr(args, "accepts_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -5,6 +5,7 @@ import textwrap
 import time
 from collections import defaultdict
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object, is_peft_model
@@ -93,10 +94,11 @@ class MemPOTrainer(GRPOTrainer):
                 "MemPOTrainer reads the `question`/`golden_answers` columns: set remove_unused_columns=False."
             )
         if train_dataset is not None:
-            validate_qa_rows(train_dataset, "train_dataset")
-        if eval_dataset is not None:
-            for name, dataset in eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]:
-                validate_qa_rows(dataset, f"eval_dataset{'[' + name + ']' if name else ''}")
+            train_dataset = validate_qa_rows(train_dataset, "train_dataset")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {name: validate_qa_rows(ds, f"eval_dataset[{name}]") for name, ds in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = validate_qa_rows(eval_dataset, "eval_dataset")
         if args.use_vllm:
             # vLLM stops on the closing action tags as strings, whatever their tokenisation.
             args.generation_kwargs = {
@@ -129,6 +131,7 @@ class MemPOTrainer(GRPOTrainer):
             self.generation_config.eos_token_id = list(self.eos_token_ids)
             self.generation_kwargs["eos_token_id"] = list(self.eos_token_ids)
         self.retriever = retriever
+        self.model_card_info: dict[str, str] = {}
         self.rollout_engine = RolloutEngine(
             self._tokenizer,
             retriever,
@@ -449,3 +452,51 @@ class MemPOTrainer(GRPOTrainer):
         for i, name in enumerate(self.reward_func_names):
             self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
         self._logs["advantages"].extend(all_outcome_adv.tolist())
+
+    # ------------------------------------------------------------------ results and model card
+
+    def final_metrics(self) -> dict[str, float]:
+        """The last logged value of every numeric metric of the run (train and eval)."""
+        last: dict[str, float] = {}
+        for entry in self.state.log_history:
+            last.update({k: v for k, v in entry.items() if isinstance(v, int | float) and not isinstance(v, bool)})
+        return last
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card plus a MemPO section: base model, data, retriever, recipe and final metrics."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        info = {"base_model": self.model.config._name_or_path, "dataset": dataset_name, **self.model_card_info}
+        own_fields = [name for name in MemPOConfig.__annotations__ if name not in ("system_prompt", "instruction")]
+        recipe = {name: getattr(self.args, name) for name in own_fields}
+        recipe.update(
+            {name: getattr(self.args, name) for name in ("num_generations", "learning_rate", "beta", "loss_type")}
+        )
+        metrics = {k: v for k, v in self.final_metrics().items() if k.split("/")[0] in ("episode", "memory", "tokens")}
+        lines = [
+            "",
+            "## MemPO training",
+            "",
+            "Trained with [MemPO](https://arxiv.org/abs/2603.00680) (Self-Memory Policy Optimization) using "
+            "`mempo_trl` on [TRL](https://github.com/huggingface/trl): every turn the agent "
+            "writes a `<mem>` summary, the next turn sees only that turn and its search result, and a memory-level "
+            "advantage (P_mem - P_full of the gold answer) is added on the `<mem>` tokens.",
+            "",
+            *[f"- **{key.replace('_', ' ')}**: {value}" for key, value in info.items() if value],
+            "",
+            "### Recipe",
+            "",
+            "| field | value |",
+            "| --- | --- |",
+            *[f"| `{key}` | `{value}` |" for key, value in recipe.items()],
+            "",
+            "### Final metrics",
+            "",
+            "| metric | value |",
+            "| --- | --- |",
+            *[f"| `{key}` | {value:.4g} |" for key, value in sorted(metrics.items())],
+            "",
+        ]
+        card = Path(self.args.output_dir, "README.md")
+        card.write_text(card.read_text(encoding="utf-8") + "\n".join(lines), encoding="utf-8")

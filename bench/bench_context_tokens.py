@@ -1,0 +1,117 @@
+"""Context tokens per round, MemPO memory context vs the full-history (Search-R1) context, on the demo world.
+
+A scripted policy plays every demo test question for exactly `--rounds` rounds through the real `RolloutEngine`
+and BM25 retriever (via `mempo_trl.evaluation.evaluate`, which does the token accounting): each turn is
+``<mem> summary </mem> <think> ... </think>`` then a ``<search>`` (the question's hop queries, in turn) in rounds
+1..N-1 and the gold ``<answer>`` in round N. The summary is the question plus the titles and first sentences of the
+passages retrieved so far, kept to at most `--mem-tokens` tokens (the most recent notes win). Both context modes
+get the same scripted turns and the same retrieved passages; only the context differs.
+
+    python bench/bench_context_tokens.py                      # tiny tokenizer, 8 rounds, mem <= 128 tokens
+    python bench/bench_context_tokens.py --tokenizer DIR      # any local tokenizer with a chat template
+"""
+
+import argparse
+import re
+import tempfile
+from collections import defaultdict
+
+from mempo_trl.data import load_qa
+from mempo_trl.demo_world import demo_paths
+from mempo_trl.evaluation import compare_modes, evaluate, load_eval_tokenizer
+from mempo_trl.retrieval import BM25Retriever
+
+
+_QUESTION = re.compile(r"Question: (.*?)<\|im_end\|>", re.DOTALL)
+_DOC = re.compile(r"Doc \d+\(Title: (.*?)\) ([^.\n]*\.?)")
+THINK = "I should check the retrieved passages before answering."
+
+
+class ScriptedAgent:
+    """`GenerateFn` that plays the scripted turns; it recognises each question in the prompt and counts its rounds."""
+
+    def __init__(self, tokenizer, rows: list[dict], rounds: int, mem_tokens: int):
+        self.tokenizer = tokenizer
+        self.rows = {row["question"]: row for row in rows}
+        self.rounds = rounds
+        self.mem_tokens = mem_tokens
+        self.played = defaultdict(int)
+        self.notes = defaultdict(list)
+
+    def _memory(self, question: str) -> str:
+        head = f"Question: {question} Notes:"
+        budget = self.mem_tokens - len(self.tokenizer(head, add_special_tokens=False).input_ids)
+        notes = self.tokenizer(" " + " ".join(self.notes[question]), add_special_tokens=False).input_ids
+        return head + (self.tokenizer.decode(notes[-budget:]) if budget > 0 and self.notes[question] else "")
+
+    def __call__(self, prompts: list[list[int]]):
+        completions = []
+        for ids in prompts:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            question = _QUESTION.search(text).group(1)
+            row = self.rows[question]
+            info = text.rsplit("<information>", 1)[1].split("</information>")[0] if self.played[question] else ""
+            self.notes[question] += [f"{title}: {first}" for title, first in _DOC.findall(info)]
+            self.played[question] += 1
+            if self.played[question] < self.rounds:
+                queries = row["hop_queries"]
+                action = f"<search> {queries[(self.played[question] - 1) % len(queries)]} </search>"
+            else:
+                action = f"<answer> {row['golden_answers'][0]} </answer>"
+            turn = f"<mem> {self._memory(question)} </mem>\n<think> {THINK} </think>\n{action}"
+            completions.append(self.tokenizer(turn, add_special_tokens=False).input_ids)
+        return completions, None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: build the tiny model)")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--mem-tokens", type=int, default=128, help="upper bound of the <mem> summary, in tokens")
+    parser.add_argument("--topk", type=int, default=3)
+    args = parser.parse_args()
+
+    if args.tokenizer is None:
+        from mempo_trl.tiny import build_tiny_model
+
+        tokenizer = load_eval_tokenizer(str(build_tiny_model(tempfile.mkdtemp(), seed=0)))
+    else:
+        tokenizer = load_eval_tokenizer(args.tokenizer)
+    paths = demo_paths()
+    rows = list(load_qa(paths.test))
+    retriever = BM25Retriever.from_corpus(paths.corpus)
+    results = {}
+    for mode in ("memory", "full_history"):
+        agent = ScriptedAgent(tokenizer, rows, args.rounds, args.mem_tokens)
+        results[mode] = evaluate(
+            None,
+            tokenizer,
+            rows,
+            retriever,
+            max_turns=args.rounds,
+            topk=args.topk,
+            context_mode=mode,
+            generator=agent,
+            progress=False,
+        )
+    memory, full = results["memory"].metrics["overall"], results["full_history"].metrics["overall"]
+    assert memory["em"] == full["em"] == 1.0 and memory["turns_per_question"] == args.rounds
+
+    print(
+        f"{len(rows)} demo test questions, {args.rounds} rounds, top-{args.topk} BM25, mem <= {args.mem_tokens} tokens"
+    )
+    print("| round | memory prompt tokens | full-history prompt tokens |")
+    print("|---:|---:|---:|")
+    for k, (m, f) in enumerate(zip(memory["prompt_tokens_per_round"], full["prompt_tokens_per_round"]), 1):
+        print(f"| {k} | {m:.1f} | {f:.1f} |")
+    print(
+        f"| total per question | {memory['total_tokens_per_question']:.1f} | {full['total_tokens_per_question']:.1f} |"
+    )
+    print(f"| peak context | {memory['peak_context_tokens']:.1f} | {full['peak_context_tokens']:.1f} |")
+    comparison = compare_modes(results["memory"], results["full_history"])
+    print(f"total-token reduction at {args.rounds} rounds: {comparison['total_token_reduction_pct']:.2f}%")
+    print(f"peak-context reduction: {comparison['peak_context_reduction_pct']:.2f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""QA data: load Search-R1/FlashRAG rows from a file, a local dataset or the Hub, and check them early.
+
+A row needs `question` (a string) and `golden_answers` (a non-empty list of accepted answer strings).
+Optional columns get defaults when missing: `id` (the row index), `data_source` ("unknown"),
+`sub_questions` and `sub_answers` (empty lists; filled for multi-objective rows, one alias list per
+sub-question). Other columns are kept. Problems raise `DataError` naming the file, the line and the field,
+before any training starts.
+"""
+
+import json
+from pathlib import Path
+
+import datasets
+
+
+_DEFAULTS = {"data_source": "unknown", "sub_questions": [], "sub_answers": []}
+_FEATURES = {
+    "id": datasets.Value("string"),
+    "question": datasets.Value("string"),
+    "golden_answers": datasets.List(datasets.Value("string")),
+    "data_source": datasets.Value("string"),
+    "sub_questions": datasets.List(datasets.Value("string")),
+    "sub_answers": datasets.List(datasets.List(datasets.Value("string"))),
+}
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DataError(ValueError):
+    """A QA or corpus file that cannot be used; the message names the file, the line, the field and a fix."""
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Read a JSON Lines file of objects; blank lines are skipped.
+
+    A line that is not valid JSON, or not a JSON object, raises `DataError` with the file and line number.
+
+    Example:
+        >>> from mempo_trl.demo_world import demo_paths
+        >>> read_jsonl(demo_paths().corpus)[0].keys()
+        dict_keys(['id', 'contents'])
+    """
+    return [row for _, row in _read_jsonl_lines(Path(path))]
+
+
+def _read_jsonl_lines(path: Path) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of `path`."""
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(
+                    f"{path}, line {number}: invalid JSON ({err.msg} at column {err.colno}). Every line must be "
+                    "one complete JSON object; fix or delete this line."
+                ) from None
+            if not isinstance(row, dict):
+                raise DataError(
+                    f"{path}, line {number}: expected a JSON object, got {type(row).__name__}. Write one "
+                    '{"question": ..., "golden_answers": [...]} object per line.'
+                )
+            rows.append((number, row))
+    return rows
+
+
+def _fail(source_name: str, line: int, field: str, problem: str, fix: str) -> DataError:
+    return DataError(f"{source_name}, line {line}: field '{field}' {problem}. {fix}")
+
+
+def _check_strings(value, source_name: str, line: int, field: str, what: str) -> None:
+    """`value` must be a non-empty list of non-empty strings."""
+    if not isinstance(value, list):
+        raise _fail(
+            source_name,
+            line,
+            field,
+            f"must be a list of {what}, got {type(value).__name__} {value!r}",
+            f'Wrap it in a list, e.g. ["{value}"].' if isinstance(value, str) else f"Write a list of {what}.",
+        )
+    if not value:
+        raise _fail(source_name, line, field, "is an empty list", f"Give at least one of the {what}.")
+    for k, alias in enumerate(value):
+        if not isinstance(alias, str) or not alias.strip():
+            raise _fail(
+                source_name,
+                line,
+                f"{field}[{k}]",
+                f"must be a non-empty string, got {alias!r}",
+                "Remove the empty entry or write the answer text.",
+            )
+
+
+def _check_row(row: dict, source_name: str, line: int) -> None:
+    question = row.get("question")
+    if not isinstance(question, str) or not question.strip():
+        problem = "is missing" if question is None else f"must be a non-empty string, got {question!r}"
+        raise _fail(source_name, line, "question", problem, "Every row needs the question text in 'question'.")
+    if row.get("golden_answers") is None:
+        raise _fail(
+            source_name,
+            line,
+            "golden_answers",
+            "is missing",
+            'Add the accepted answers as a list of strings, e.g. "golden_answers": ["1874"] (rename an '
+            "'answer' or 'answers' column).",
+        )
+    _check_strings(row["golden_answers"], source_name, line, "golden_answers", "accepted answer strings")
+    sub_questions, sub_answers = row.get("sub_questions") or [], row.get("sub_answers") or []
+    if not isinstance(sub_questions, list) or not all(isinstance(q, str) and q.strip() for q in sub_questions):
+        raise _fail(
+            source_name,
+            line,
+            "sub_questions",
+            f"must be a list of non-empty strings, got {sub_questions!r}",
+            "List the individual questions of a multi-objective row, or leave it empty.",
+        )
+    if not isinstance(sub_answers, list) or len(sub_answers) != len(sub_questions):
+        size = len(sub_answers) if isinstance(sub_answers, list) else type(sub_answers).__name__
+        raise _fail(
+            source_name,
+            line,
+            "sub_answers",
+            f"has {size} entries but 'sub_questions' has {len(sub_questions)}",
+            "Give one list of accepted answers per sub-question.",
+        )
+    for k, aliases in enumerate(sub_answers):
+        _check_strings(aliases, source_name, line, f"sub_answers[{k}]", "accepted answer strings")
+    data_source = row.get("data_source")
+    if data_source is not None and not isinstance(data_source, str):
+        raise _fail(
+            source_name,
+            line,
+            "data_source",
+            f"must be a string, got {data_source!r}",
+            'Name the data set the row comes from, e.g. "nq".',
+        )
+
+
+def _iter_rows(rows: datasets.Dataset | list[dict]):
+    """Rows as dicts; a `Dataset` is read in batches (much faster than row by row)."""
+    if not isinstance(rows, datasets.Dataset):
+        yield from rows
+        return
+    for batch in rows.iter(batch_size=1024):
+        names = list(batch)
+        for values in zip(*batch.values()):
+            yield dict(zip(names, values))
+
+
+def _fill_defaults(row: dict, index: int) -> dict:
+    """The optional columns of `row`, with defaults where they are missing or null; ids become strings."""
+    filled = {"id": str(index) if row.get("id") is None else str(row["id"])}
+    filled.update({name: default if row.get(name) is None else row[name] for name, default in _DEFAULTS.items()})
+    return filled
+
+
+def validate_qa_rows(
+    dataset_or_rows: datasets.Dataset | list[dict], source_name: str, line_numbers: list[int] | None = None
+) -> datasets.Dataset:
+    """Check QA rows and return them as a `Dataset` with the optional columns filled in.
+
+    Raises `DataError` naming `source_name`, the line (1-based row number, or `line_numbers[i]` when given)
+    and the field. The known columns get one schema (`golden_answers`: list of strings, `id`: string, ...).
+
+    Example:
+        >>> ds = validate_qa_rows([{"question": "Who?", "golden_answers": ["Ada"]}], "inline")
+        >>> ds[0]["id"], ds[0]["data_source"], ds[0]["sub_answers"]
+        ('0', 'unknown', [])
+    """
+    rows = dataset_or_rows
+    if not len(rows):
+        raise DataError(f"{source_name}: no rows. Give at least one question.")
+    lines = line_numbers or range(1, len(rows) + 1)
+    for line, row in zip(lines, _iter_rows(rows)):
+        _check_row(row, source_name, line)
+    if isinstance(rows, datasets.Dataset):
+        names = rows.column_names
+        incomplete = any(name not in names or None in rows[name] for name in ("id", *_DEFAULTS))
+        dataset = rows.map(_fill_defaults, with_indices=True) if incomplete else rows
+    else:
+        columns = list(dict.fromkeys(["id", "question", "golden_answers", *_DEFAULTS, *(k for r in rows for k in r)]))
+        filled = [
+            {**{name: row.get(name) for name in columns}, **_fill_defaults(row, i)} for i, row in enumerate(rows)
+        ]
+        dataset = datasets.Dataset.from_list(filled)
+    features = dataset.features.copy()
+    features.update({name: feature for name, feature in _FEATURES.items() if name in features})
+    return dataset.cast(features) if features != dataset.features else dataset
+
+
+def _read_file(path: Path) -> tuple[datasets.Dataset | list[dict], list[int] | None]:
+    """Rows of a .jsonl/.json/.parquet file, with line numbers where the file has lines."""
+    if path.suffix == ".parquet":
+        return datasets.Dataset.from_parquet(str(path)), None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            if err.msg != "Extra data":  # "Extra data": the .json file is JSON Lines
+                raise DataError(
+                    f"{path}, line {err.lineno}: invalid JSON ({err.msg} at column {err.colno}). Fix the JSON syntax."
+                ) from None
+        else:
+            if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
+                raise DataError(f"{path}: a .json file must hold a list of row objects (or one object per line).")
+            return data, None
+    numbered = _read_jsonl_lines(path)
+    return [row for _, row in numbered], [line for line, _ in numbered]
+
+
+def load_qa(source: str | Path, split: str = "train", config: str | None = None) -> datasets.Dataset:
+    """Load and validate QA rows from a file, a local dataset directory or a `datasets` Hub name.
+
+    `source` may be a `.jsonl`/`.json`/`.parquet` file; a directory holding `{split}.jsonl` (or `.json`,
+    `.parquet`) as FlashRAG data sets do, or a `Dataset.save_to_disk` directory; or a Hub name such as
+    `"RUC-NLPIR/FlashRAG_datasets"` with `config="nq"` (cached copies only when `HF_HUB_OFFLINE=1`).
+
+    Example:
+        >>> from mempo_trl.demo_world import demo_paths
+        >>> load_qa(demo_paths().train).column_names[:4]
+        ['id', 'question', 'golden_answers', 'data_source']
+    """
+    path = Path(source)
+    if path.is_dir():
+        files = [path / f"{split}{suffix}" for suffix in _FILE_SUFFIXES if (path / f"{split}{suffix}").is_file()]
+        if files:
+            path = files[0]
+        elif (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict) and split not in loaded:
+                raise DataError(f"{path}: no split {split!r}; the saved splits are {sorted(loaded)}.")
+            rows = loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+            return validate_qa_rows(rows, f"{path} [{split}]")
+        else:
+            return validate_qa_rows(datasets.load_dataset(str(path), config, split=split), f"{path} [{split}]")
+    if path.is_file():
+        if path.suffix not in _FILE_SUFFIXES:
+            raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl, .json or .parquet.")
+        rows, lines = _read_file(path)
+        return validate_qa_rows(rows, str(path), lines)
+    if path.suffix in _FILE_SUFFIXES:
+        raise DataError(f"{path}: file not found.")
+    return validate_qa_rows(datasets.load_dataset(str(source), config, split=split), f"{source} [{split}]")

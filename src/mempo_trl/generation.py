@@ -1,0 +1,168 @@
+"""Generation backends for evaluation: each is a `mempo_trl.rollout.GenerateFn` (prompt ids in, completion ids out).
+
+`HFGenerator` runs `model.generate` (batched, left-padded, greedy at temperature 0) and stops on the closing action
+tags when they are single tokens; `VLLMGenerator` runs vLLM's offline engine with the tags as stop strings. Both are
+given the same token ids by the rollout engine, so they see exactly the same prompts.
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from mempo_trl.rollout import ACTION_STOPS
+
+
+def stop_token_ids(tokenizer, model_eos: int | Sequence[int] | None = None) -> list[int]:
+    """Ids that end a turn: the model's and tokenizer's eos, plus each action tag that is one token.
+
+    Example:
+        >>> ids = stop_token_ids(tokenizer)  # doctest: +SKIP
+        >>> tokenizer.convert_ids_to_tokens(ids)  # doctest: +SKIP
+        ['<|im_end|>', '</search>', '</answer>']
+    """
+    if model_eos is None:
+        model_eos = []
+    ids = [model_eos] if isinstance(model_eos, int) else list(model_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    for stop in ACTION_STOPS:
+        tag_ids = tokenizer(stop, add_special_tokens=False)["input_ids"]
+        if len(tag_ids) == 1:
+            ids.append(tag_ids[0])
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def strip_completion(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
+    """Keep the generated ids up to and including the first stop id (what follows is padding).
+
+    Example:
+        >>> strip_completion([5, 6, 2, 0, 0], stop_ids=[2])
+        [5, 6, 2]
+    """
+    ids = [int(i) for i in ids]
+    stops = set(stop_ids)
+    end = next((k + 1 for k, token in enumerate(ids) if token in stops), len(ids))
+    return ids[:end]
+
+
+class HFGenerator:
+    """`GenerateFn` over a transformers causal LM: `model.generate` on left-padded batches of `batch_size` prompts.
+
+    Greedy when `temperature == 0`, else sampling with `temperature`/`top_p`. Generation stops on eos and on the
+    ``</search>``/``</answer>`` tags that are single tokens; when a tag spans several tokens the turn runs to
+    `max_new_tokens` and `mempo_trl.rollout.cut_after_action` cuts it. The model is put in eval mode during a call
+    and restored afterwards. Returns no log-probs.
+
+    Example:
+        >>> from mempo_trl.tiny import load_tiny
+        >>> model, tokenizer = load_tiny("tiny")  # doctest: +SKIP
+        >>> generate = HFGenerator(model, tokenizer, max_new_tokens=64)  # doctest: +SKIP
+        >>> completions, _ = generate([tokenizer("<|im_start|>user\\nhi<|im_end|>").input_ids])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_new_tokens: int = 512,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        batch_size: int = 16,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.batch_size = batch_size
+        self.eos_token_ids = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
+
+    def __call__(self, prompts: list[list[int]]) -> tuple[list[list[int]], None]:
+        import torch
+        from transformers import GenerationConfig
+
+        sample = self.temperature > 0
+        config = GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            do_sample=sample,
+            temperature=self.temperature if sample else None,
+            top_p=self.top_p if sample else None,
+            top_k=None,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+        )
+        # Similar lengths in one batch waste less padding; the order is restored at the end.
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        completions: list[list[int]] = [[] for _ in prompts]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                for start in range(0, len(order), self.batch_size):
+                    batch = order[start : start + self.batch_size]
+                    width = max(len(prompts[i]) for i in batch)
+                    input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+                    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+                    for row, i in enumerate(batch):
+                        n = len(prompts[i])
+                        input_ids[row, width - n :] = torch.tensor(prompts[i], dtype=torch.long)
+                        attention_mask[row, width - n :] = 1
+                    output = self.model.generate(
+                        input_ids=input_ids.to(self.model.device),
+                        attention_mask=attention_mask.to(self.model.device),
+                        generation_config=config,
+                    )
+                    for row, i in enumerate(batch):
+                        completions[i] = strip_completion(output[row, width:].tolist(), self.eos_token_ids)
+        finally:
+            self.model.train(was_training)
+        return completions, None
+
+
+class VLLMGenerator:
+    """`GenerateFn` over vLLM's offline engine (`LLM.generate` on `TokensPrompt`s), for GPU machines.
+
+    Stops on the strings ``</search>``/``</answer>`` (kept in the output) and on eos. Needs the `mempo_trl[vllm]`
+    extra and a GPU; it is not exercised by the test suite, which runs on CPU without vLLM. `llm_kwargs` go to
+    `vllm.LLM` (e.g. ``gpu_memory_utilization``, ``max_model_len``, ``tensor_parallel_size``).
+
+    Example:
+        >>> generate = VLLMGenerator("Qwen2.5-3B-mempo", tokenizer, max_new_tokens=512)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        tokenizer,
+        max_new_tokens: int = 512,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        **llm_kwargs,
+    ):
+        try:
+            from vllm import LLM, SamplingParams
+            from vllm.inputs import TokensPrompt
+        except ImportError:
+            raise ImportError(
+                "the vllm backend needs vLLM: pip install 'mempo_trl[vllm]' (on a CUDA machine), or use "
+                "--backend transformers."
+            ) from None
+        self._tokens_prompt = TokensPrompt
+        self.llm = LLM(model=str(model_path), seed=seed, **llm_kwargs)
+        self.sampling_params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_new_tokens,
+            stop=list(ACTION_STOPS),
+            include_stop_str_in_output=True,
+            seed=seed,
+        )
+        self.eos_token_ids = stop_token_ids(tokenizer)
+
+    def __call__(self, prompts: list[list[int]]) -> tuple[list[list[int]], None]:
+        inputs = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self.llm.generate(inputs, self.sampling_params, use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs], None

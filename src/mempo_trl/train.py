@@ -1,0 +1,166 @@
+"""`mempo-trl train` / `examples/train_mempo.py`: train a MemPO search agent from a YAML recipe.
+
+    accelerate launch --config_file accelerate_configs/zero2.yaml -m mempo_trl train \\
+        --config examples/configs/qwen2.5-3b-lora.yaml
+
+Arguments are parsed TRL-style (`TrlParser`) over `ScriptArguments`, `MemPOConfig` and TRL's `ModelConfig`
+(LoRA, quantisation); any of them may come from `--config recipe.yaml` and be overridden on the command line.
+`model_name_or_path: tiny` builds the offline tiny model (`mempo_trl.tiny`) into `<output_dir>/base_model`.
+"""
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+TINY_MODEL = "tiny"
+
+
+@dataclass
+class ScriptArguments:
+    """Data and retriever of a MemPO run (the model and training fields live in `ModelConfig` / `MemPOConfig`)."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "QA data: a .jsonl/.json/.parquet path or a `datasets` name (Search-R1/FlashRAG rows). "
+                  "Default: the shipped demo world."},
+    )  # fmt: skip
+    dataset_split: str = field(default="train", metadata={"help": "Split of `dataset_name` to train on."})
+    eval_dataset_name: str | None = field(default=None, metadata={"help": "Optional QA data for evaluation."})
+    eval_split: str = field(default="test", metadata={"help": "Split of `eval_dataset_name`."})
+    corpus: str | None = field(
+        default=None, metadata={"help": "Passage corpus (JSONL `{id, contents}`) for the embedded BM25 retriever."}
+    )
+    retriever_url: str | None = field(
+        default=None,
+        metadata={"help": "URL of a Search-R1-style retrieval server (`POST /retrieve`); overrides corpus."},
+    )
+    retriever_cache_dir: str | None = field(default=None, metadata={"help": "Where BM25 indexes are cached."})
+    tiny_seed: int = field(default=0, metadata={"help": "Seed of the tiny model when model_name_or_path is `tiny`."})
+
+
+def _load_model_and_tokenizer(model_args, training_args):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import get_quantization_config
+
+    from mempo_trl.tiny import build_tiny_model, load_tokenizer
+
+    path = model_args.model_name_or_path
+    if path == TINY_MODEL:
+        path = str(build_tiny_model(Path(training_args.output_dir) / "base_model", seed=training_args.seed))
+        tokenizer = load_tokenizer(path)
+    elif Path(path, "tokenizer.json").is_file():  # a local model: load exactly what its tokenizer.json says
+        tokenizer = load_tokenizer(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
+    tokenizer.padding_side = "left"
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    quantization_config = get_quantization_config(model_args)
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        revision=model_args.model_revision,
+        dtype=dtype,
+        attn_implementation=model_args.attn_implementation,
+        quantization_config=quantization_config,
+    )
+    return model, tokenizer
+
+
+def _load_retriever(script_args: ScriptArguments):
+    from mempo_trl.demo_world import demo_paths
+    from mempo_trl.retrieval import BM25Retriever, HttpRetriever
+
+    if script_args.retriever_url:
+        retriever = HttpRetriever(script_args.retriever_url)
+        retriever.health()  # fail before training, with the URL in the message
+        return retriever
+    corpus = script_args.corpus or str(demo_paths().corpus)
+    return BM25Retriever.from_corpus(corpus, cache_dir=script_args.retriever_cache_dir)
+
+
+def build_trainer(script_args: ScriptArguments, training_args, model_args):
+    """Load and validate the data, the retriever and the model; return a ready `MemPOTrainer`."""
+    from trl import get_peft_config
+
+    from mempo_trl.data import load_qa
+    from mempo_trl.demo_world import demo_paths
+    from mempo_trl.trainer import MemPOTrainer
+
+    train_dataset = load_qa(script_args.dataset_name or str(demo_paths().train), split=script_args.dataset_split)
+    eval_dataset = None
+    if script_args.eval_dataset_name:
+        eval_dataset = load_qa(script_args.eval_dataset_name, split=script_args.eval_split)
+    retriever = _load_retriever(script_args)
+    model, tokenizer = _load_model_and_tokenizer(model_args, training_args)
+    trainer = MemPOTrainer(
+        model=model,
+        retriever=retriever,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.model_card_info = {
+        "base_model": model_args.model_name_or_path,
+        "dataset": script_args.dataset_name or "mempo_trl demo world",
+        "retriever": script_args.retriever_url or script_args.corpus or "BM25 over the demo corpus",
+    }
+    return trainer
+
+
+def train(trainer, training_args, dataset_name: str | None = None) -> dict:
+    """Train, save the model, the metrics and the model card (and push). Returns the final metrics."""
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    metrics = {**result.metrics, **trainer.final_metrics()}
+    if trainer.is_world_process_zero():
+        Path(training_args.output_dir, "mempo_metrics.json").write_text(json.dumps(metrics, indent=2))
+        trainer.create_model_card(dataset_name=dataset_name)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=dataset_name)
+    return metrics
+
+
+def parse_args(argv: list[str] | None = None):
+    """Parse `ScriptArguments`, `MemPOConfig` and `ModelConfig` from the command line and an optional recipe."""
+    from trl import ModelConfig, TrlParser
+
+    from mempo_trl.config import MemPOConfig
+
+    parser = TrlParser((ScriptArguments, MemPOConfig, ModelConfig))
+    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    if model_args.model_name_or_path is None:
+        model_args.model_name_or_path = TINY_MODEL
+    return script_args, training_args, model_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: a bad recipe or bad data stops before training with one clear message."""
+    from mempo_trl.data import DataError
+    from mempo_trl.retrieval import CorpusError, RetrievalError
+
+    try:
+        script_args, training_args, model_args = parse_args(argv)
+        trainer = build_trainer(script_args, training_args, model_args)
+    except (DataError, CorpusError, RetrievalError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    metrics = train(trainer, training_args, script_args.dataset_name)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"model saved to {training_args.output_dir}")
+        print(f"metrics written to {Path(training_args.output_dir, 'mempo_metrics.json')}")
+        summary = {k: metrics[k] for k in sorted(metrics) if k.startswith(("train_runtime", "episode/", "memory/"))}
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train", help="Train a MemPO agent (TRL-style arguments; --config recipe.yaml).", add_help=False
+    )
+    parser.set_defaults(func=lambda args: main(args.extra), accepts_extra=True)

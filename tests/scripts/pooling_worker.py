@@ -1,0 +1,113 @@
+"""Run one scripted MemPO generation batch and dump the advantages (used by tests/test_distributed.py).
+
+    torchrun --nproc_per_node 2 tests/scripts/pooling_worker.py MODEL_DIR OUT_JSON
+
+Each process handles its contiguous slice of the four trajectories of one question (G = 4), so the question's
+memory pool spans both processes. The policy and the answer scorer are scripted: no randomness.
+"""
+
+import json
+import math
+import os
+import re
+import sys
+
+import torch
+from datasets import Dataset
+
+from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl.retrieval import Passage
+from mempo_trl.tiny import load_tiny
+
+
+QUESTION = "Where is Gamma?"
+TRAJECTORIES = [
+    [
+        "<mem>g0 one</mem><think>t</think><search>gamma</search>",
+        "<mem>g0 two</mem><think>t</think><answer>Oslo</answer>",
+    ],
+    [
+        "<mem>g1 one</mem><think>t</think><search>gamma</search>",
+        "<mem>g1 two</mem><think>t</think><answer>Bern</answer>",
+    ],
+    [
+        "<mem>g2 one</mem><think>t</think><search>gamma</search>",
+        "<mem>g2 two</mem><think>t</think><search>gamma 2</search>",
+        "<mem>g2 three</mem><think>t</think><answer>Oslo</answer>",
+    ],
+    [
+        "<mem>g3 one</mem><think>t</think><search>gamma</search>",
+        "<mem>g3 two</mem><think>t</think><answer>Oslo</answer>",
+    ],
+]
+P_MEM = {"g0 two": 0.9, "g1 two": 0.1, "g2 two": 0.4, "g2 three": 0.7, "g3 two": 0.3}
+P_FULL = 0.5
+
+
+class EchoRetriever:
+    def search(self, queries, topk):
+        return [[Passage(id=q, title=q, text=f"about {q}")] for q in queries]
+
+
+def main(model_dir: str, out_path: str) -> None:
+    model, tokenizer = load_tiny(model_dir)
+    args = MemPOConfig(
+        output_dir="/tmp/mempo_pooling_worker",
+        per_device_train_batch_size=4 // int(os.environ.get("WORLD_SIZE", "1")),
+        num_generations=4,
+        max_completion_length=32,
+        max_turns=3,
+        memory_threshold=None,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+    )
+    dataset = Dataset.from_list([{"question": QUESTION, "golden_answers": ["Oslo"]}])
+    trainer = MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
+    rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    n_local = 4 // world
+    mine = list(range(rank * n_local, (rank + 1) * n_local))
+    started = iter(mine)
+
+    def scripted_generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        outs = []
+        for ids in prompt_ids:
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            seen = [(k, j) for k in mine for j, t in enumerate(TRAJECTORIES[k]) if t in text]
+            k, j = seen[0] if seen else (next(started, None), -1)
+            if k is None:  # the placeholder turn of a process whose episodes have all ended
+                outs.append([tokenizer.eos_token_id])
+                continue
+            outs.append(tokenizer(TRAJECTORIES[k][j + 1], add_special_tokens=False)["input_ids"])
+        return outs, None
+
+    def scripted_logps(model, items, pad_token_id, batch_size=8, num_forwards=None):
+        width = max((len(it.answer_ids) for it in items), default=0)
+        logps, mask = torch.zeros(len(items), width), torch.zeros(len(items), width, dtype=torch.bool)
+        for i, it in enumerate(items):
+            text = tokenizer.decode(it.context_ids, skip_special_tokens=False)
+            p = P_MEM[re.findall(r"<mem>(.*?)</mem>", text)[-1]] if text.endswith("</mem>") else P_FULL
+            n = sum(it.answer_mask)
+            logps[i, :n], mask[i, :n] = math.log(p), True
+        return logps, mask
+
+    trainer._generate_single_turn = scripted_generate
+    import mempo_trl.trainer as trainer_module
+
+    trainer_module.answer_token_logps = scripted_logps
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([{"question": QUESTION, "golden_answers": ["Oslo"]}] * n_local)
+    n_real = int((out["completion_mask"].sum(dim=1) > 0).sum())
+    rows = [
+        [round(v, 6) for v in adv[: int(m.sum())].tolist()]
+        for adv, m in zip(out["advantages"][:n_real], out["completion_mask"][:n_real])
+    ]
+    gathered = trainer.accelerator.gather_for_metrics(rows, use_gather_object=True)
+    if rank == 0:
+        json.dump({"world": world, "rows": gathered}, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
