@@ -568,11 +568,18 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--retriever-timeout", type=float, default=30.0, help="seconds per HTTP request")
     parser.add_argument("--retriever-retries", type=int, default=3, help="HTTP retries after a failed request")
-    parser.add_argument("--max-turns", type=_positive_int, default=8)
-    parser.add_argument("--topk", type=_positive_int, default=3)
-    parser.add_argument("--context-mode", choices=[*CONTEXT_MODES, "both"], default="memory")
+    parser.add_argument("--max-turns", type=_positive_int, default=8, help="rounds per question at most")
+    parser.add_argument("--topk", type=_positive_int, default=3, help="passages per search")
+    parser.add_argument(
+        "--context-mode",
+        choices=[*CONTEXT_MODES, "both"],
+        default="memory",
+        help="memory (MemPO), full_history (Search-R1 baseline) or both on the same questions",
+    )
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
+    parser.add_argument(
+        "--backend", choices=["transformers", "vllm"], default="transformers", help="vllm needs mempo_trl[vllm]"
+    )
     parser.add_argument("--batch-size", type=_positive_int, default=16, help="prompts per model.generate call")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=512, help="tokens per turn at most")

@@ -68,7 +68,8 @@ class Episode:
 
     @property
     def num_searches(self) -> int:
-        return sum(1 for r in self.rounds if r.turn.valid and r.turn.action == "search")
+        """Searches the retriever answered (a search written in the last allowed round is never run)."""
+        return sum(1 for r in self.rounds if r.information is not None)
 
     def history(self) -> list[tuple[str, str]]:
         """``(output, information)`` of every round that searched, oldest first."""

@@ -141,3 +141,92 @@ def answer_token_logps(
     logps = torch.cat([torch.nn.functional.pad(x, (0, width - x.size(1))) for x in all_logps])
     masks = torch.cat([torch.nn.functional.pad(x, (0, width - x.size(1))) for x in all_masks])
     return logps, masks
+
+
+def pack_shared_prefix(items: Sequence[ScoringItem], group_keys: Sequence) -> list[tuple[list[int], list[int]]]:
+    """Group items into rows ``(prefix_ids, item indices)``: in a row every item's context is a prefix of the first
+    (longest) one. Items of different keys, or whose context is not such a prefix, get rows of their own."""
+    rows: list[tuple[list[int], list[int]]] = []
+    by_key: dict = {}
+    for i in sorted(range(len(items)), key=lambda i: -len(items[i].context_ids)):
+        ctx = items[i].context_ids
+        row = by_key.get(group_keys[i])
+        if row is not None and rows[row][0][: len(ctx)] == ctx:
+            rows[row][1].append(i)
+        else:
+            by_key.setdefault(group_keys[i], len(rows))
+            rows.append((ctx, [i]))
+    return rows
+
+
+@torch.no_grad()
+def shared_prefix_answer_logps(
+    model,
+    items: Sequence[ScoringItem],
+    group_keys: Sequence,
+    pad_token_id: int,
+    batch_size: int = 8,
+    num_forwards: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same result as `answer_token_logps`, with the contexts that share a prefix scored in one sequence.
+
+    The full-history contexts of the rounds of one trajectory are prefixes of each other, so naive scoring is
+    quadratic in the number of rounds. Here each trajectory (``group_keys`` equal) becomes ONE sequence: its longest
+    context followed by one answer block per scored round; a 4D attention mask lets block j see only the first L_j
+    context tokens and itself (causally), and its position ids continue at L_j. The log-probs are those of separate
+    forwards up to float rounding (tested), for ``N + sum(K)`` tokens instead of ``sum(L_j + K)``.
+    Needs an attention implementation that takes 4D masks (``sdpa`` or ``eager``, not flash-attention).
+
+    Returns:
+        ``logps`` (N, K) float32 and ``gold_mask`` (N, K) bool, aligned with ``items``.
+    """
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    rows = pack_shared_prefix(items, group_keys)
+    width = max((len(it.answer_ids) for it in items), default=0)
+    logps_out = torch.zeros((len(items), width), device=device)
+    mask_out = torch.zeros((len(items), width), dtype=torch.bool, device=device)
+    chunks = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+    if num_forwards is not None:
+        if num_forwards < len(chunks):
+            raise ValueError(f"num_forwards={num_forwards} is less than the {len(chunks)} forwards needed.")
+        chunks += [None] * (num_forwards - len(chunks))
+    for chunk in chunks:
+        batch = chunk or [([pad_token_id], [])]
+        lengths = [len(prefix) + sum(len(items[i].answer_ids) for i in idx) for prefix, idx in batch]
+        total = max(lengths)
+        input_ids = torch.full((len(batch), total), pad_token_id, dtype=torch.long)
+        position_ids = torch.zeros((len(batch), total), dtype=torch.long)
+        allowed = torch.zeros((len(batch), total, total), dtype=torch.bool)
+        targets = []  # (item index, row, positions predicting the answer tokens)
+        for r, (prefix, idx) in enumerate(batch):
+            n = len(prefix)
+            input_ids[r, :n] = torch.tensor(prefix)
+            position_ids[r, :n] = torch.arange(n)
+            allowed[r, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+            start = n
+            for i in idx:
+                item, k = items[i], len(items[i].answer_ids)
+                cut = len(item.context_ids)
+                input_ids[r, start : start + k] = torch.tensor(item.answer_ids)
+                position_ids[r, start : start + k] = torch.arange(cut, cut + k)
+                allowed[r, start : start + k, :cut] = True
+                allowed[r, start : start + k, start : start + k] = torch.ones(k, k, dtype=torch.bool).tril()
+                targets.append((i, r, [cut - 1, *range(start, start + k - 1)]))
+                start += k
+            allowed[r, range(start, total), range(start, total)] = True  # padding attends to itself only
+        bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        logits = model(
+            input_ids=input_ids.to(device),
+            attention_mask=bias.unsqueeze(1).to(device),
+            position_ids=position_ids.to(device),
+        ).logits
+        logps = torch.log_softmax(logits.float(), dim=-1)
+        for i, r, positions in targets:
+            answer = torch.tensor(items[i].answer_ids, device=device)
+            k = answer.numel()
+            gold = torch.tensor(items[i].answer_mask, dtype=torch.bool, device=device)
+            values = logps[r, positions].gather(-1, answer.unsqueeze(-1)).squeeze(-1)
+            logps_out[i, :k] = values.masked_fill(~gold, 0.0)
+            mask_out[i, :k] = gold
+    return logps_out, mask_out

@@ -25,7 +25,12 @@ from mempo_trl.memory import (
 )
 from mempo_trl.rewards import mempo_outcome_reward, outcome_score
 from mempo_trl.rollout import ACTION_STOPS, Episode, RolloutEngine
-from mempo_trl.scoring import answer_token_logps, memory_scoring_items
+from mempo_trl.scoring import (
+    answer_token_logps,
+    memory_scoring_items,
+    pack_shared_prefix,
+    shared_prefix_answer_logps,
+)
 
 
 class MemPOTrainer(GRPOTrainer):
@@ -161,10 +166,15 @@ class MemPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ memory reward
 
-    def _score_items(self, items, use_reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Answer-token log-probs of scoring items, with the same number of forwards on every process."""
+    def _score_items(self, items, use_reference: bool, group_keys=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Answer-token log-probs of scoring items, with the same number of forwards on every process.
+
+        With ``group_keys`` (one per item), items of the same key that share a context prefix are scored in one
+        sequence (`shared_prefix_answer_logps`).
+        """
         bs = self.args.memory_scoring_batch_size
-        num_forwards = self._global_max(math.ceil(len(items) / bs))
+        num_rows = len(items) if group_keys is None else len(pack_shared_prefix(items, group_keys))
+        num_forwards = self._global_max(math.ceil(num_rows / bs))
         unwrapped = self.accelerator.unwrap_model(self.model)
         if use_reference and self.ref_model is not None:
             model, adapter_ctx = self.ref_model, nullcontext()
@@ -173,8 +183,11 @@ class MemPOTrainer(GRPOTrainer):
             adapter_ctx = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
         else:
             model, adapter_ctx = self.model, nullcontext()
+        pad_id = self._tokenizer.pad_token_id
         with adapter_ctx, self.accelerator.autocast():
-            return answer_token_logps(model, items, self._tokenizer.pad_token_id, bs, num_forwards)
+            if group_keys is None:
+                return answer_token_logps(model, items, pad_id, bs, num_forwards)
+            return shared_prefix_answer_logps(model, items, group_keys, pad_id, bs, num_forwards)
 
     def _memory_rewards(self, episodes: list[Episode]) -> dict[tuple[int, int], dict[str, float]]:
         """P_full, P_mem and the memory reward of every scored round, keyed by (episode index, round index)."""
@@ -185,8 +198,11 @@ class MemPOTrainer(GRPOTrainer):
                 pairs.append(pair)
         args = self.args
         with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
-            if args.memory_full_from_reference:
-                full_logps, full_mask = self._score_items([p.full for p in pairs], use_reference=True)
+            if args.memory_full_from_reference or args.memory_scoring == "shared_prefix":
+                group_keys = [e for e, _ in keys] if args.memory_scoring == "shared_prefix" else None
+                full_logps, full_mask = self._score_items(
+                    [p.full for p in pairs], args.memory_full_from_reference, group_keys
+                )
                 mem_logps, mem_mask = self._score_items([p.mem for p in pairs], use_reference=False)
             else:
                 logps, mask = self._score_items([p.full for p in pairs] + [p.mem for p in pairs], False)

@@ -1,0 +1,156 @@
+"""Gold-answer scoring under the full-history and memory contexts (spec section 3) on the tiny model."""
+
+import pytest
+import torch
+
+from mempo_trl.context import render_prompt, round_messages
+from mempo_trl.memory import answer_probability
+from mempo_trl.retrieval import Passage
+from mempo_trl.rollout import RolloutEngine
+from mempo_trl.scoring import (
+    answer_token_logps,
+    gold_answer_tokens,
+    memory_scoring_items,
+    pack_shared_prefix,
+    shared_prefix_answer_logps,
+)
+from mempo_trl.tiny import load_tiny
+
+
+class EchoRetriever:
+    def search(self, queries, topk):
+        return [[Passage(id=q, title=q.title(), text=f"{q} is in the north")] for q in queries]
+
+
+def scripted_episodes(tokenizer, scripts, golds):
+    """Play scripted episodes (one list of turn texts per row) through the real RolloutEngine."""
+    engine = RolloutEngine(tokenizer, EchoRetriever(), max_turns=max(len(s) for s in scripts))
+    rows = [{"question": f"Question {i}?", "golden_answers": g} for i, g in enumerate(golds)]
+    by_question = {row["question"]: script for row, script in zip(rows, scripts)}
+
+    def generate(prompts):
+        outs = []
+        for ids in prompts:
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            script = next(s for q, s in by_question.items() if q in text)
+            done = sum(1 for t in script if t in text)
+            outs.append(tokenizer(script[done], add_special_tokens=False)["input_ids"])
+        return outs, None
+
+    episodes, _ = engine.run(rows, generate)
+    return episodes
+
+
+SCRIPTS = [
+    [
+        "<mem>nothing yet</mem><think>search</think><search>alpha river</search>",
+        "<mem>alpha is north</mem><think>more</think><search>beta town</search>",
+        "<mem>alpha north, beta town</mem><think>done</think><answer>Nordhaven</answer>",
+    ],
+    [
+        "<mem>start</mem><think>go</think><search>gamma</search>",
+        "<think>forgot the memory</think><answer>x</answer>",  # no <mem>: not scored
+    ],
+    [
+        "<mem>a</mem><think>b</think><search>delta</search>",
+        "<mem>delta seen</mem><think>c</think><answer>Delta City</answer>",
+    ],
+]
+GOLDS = [["Nordhaven", "Nord Haven"], ["Oslo"], ["Delta City"]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    model, tokenizer = load_tiny(tiny_model_dir)
+    return model, tokenizer
+
+
+def test_gold_mask_covers_only_the_gold_text(tiny):
+    _, tokenizer = tiny
+    ids, mask = gold_answer_tokens(tokenizer, ["Nord Haven", "x"])
+    assert tokenizer.decode(ids) == "<answer> Nord Haven </answer>"
+    gold = [i for i, m in zip(ids, mask) if m]
+    assert tokenizer.decode(gold).strip() == "Nord Haven"
+    assert tokenizer.convert_tokens_to_ids("<answer>") not in gold
+
+
+def test_scoring_items_follow_the_spec(tiny):
+    _, tokenizer = tiny
+    episodes = scripted_episodes(tokenizer, SCRIPTS, GOLDS)
+    pairs = memory_scoring_items(episodes[0], tokenizer)
+    # Rounds 2 and 3 (index 1, 2) are scored; round 1 never is.
+    assert [p.round_index for p in pairs] == [1, 2]
+    history = episodes[0].history()
+    base = episodes[0].base_messages
+    for pair in pairs:
+        t = pair.round_index
+        assert pair.full.context_ids == render_prompt(tokenizer, round_messages(base, history[:t], "full_history"))
+        mem_block = episodes[0].rounds[t].text[episodes[0].rounds[t].turn.mem_span[0] :].split("<think>")[0]
+        assert pair.mem.context_ids == render_prompt(tokenizer, base) + tokenizer(mem_block)["input_ids"]
+        assert tokenizer.decode(pair.mem.context_ids).endswith("</mem>")
+    # The second episode's round 2 has no <mem>: nothing to score.
+    assert memory_scoring_items(episodes[1], tokenizer) == []
+    assert [p.round_index for p in memory_scoring_items(episodes[2], tokenizer)] == [1]
+
+
+def test_batched_scoring_equals_one_item_at_a_time(tiny):
+    model, tokenizer = tiny
+    episodes = scripted_episodes(tokenizer, SCRIPTS, GOLDS)
+    items = [it for ep in episodes for p in memory_scoring_items(ep, tokenizer) for it in (p.full, p.mem)]
+    batched, mask = answer_token_logps(model, items, tokenizer.pad_token_id, batch_size=4)
+    for i, item in enumerate(items):
+        alone, alone_mask = answer_token_logps(model, [item], tokenizer.pad_token_id)
+        k = alone.size(1)
+        torch.testing.assert_close(batched[i, :k], alone[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(mask[i, :k], alone_mask[0])
+        assert not mask[i, k:].any()
+    assert torch.isfinite(batched).all()
+
+
+def test_shared_prefix_scoring_is_exact_and_cheaper(tiny):
+    model, tokenizer = tiny
+    scripts = [SCRIPTS[0] * 1, SCRIPTS[2]]
+    episodes = scripted_episodes(tokenizer, scripts, [GOLDS[0], GOLDS[2]])
+    keys, items = [], []
+    for e, ep in enumerate(episodes):
+        for pair in memory_scoring_items(ep, tokenizer):
+            keys.append(e)
+            items.append(pair.full)
+    naive, naive_mask = answer_token_logps(model, items, tokenizer.pad_token_id, batch_size=8)
+    shared, shared_mask = shared_prefix_answer_logps(model, items, keys, tokenizer.pad_token_id, batch_size=8)
+    torch.testing.assert_close(shared, naive, atol=1e-4, rtol=1e-4)
+    assert torch.equal(shared_mask, naive_mask)
+    torch.testing.assert_close(
+        answer_probability(shared, shared_mask, None), answer_probability(naive, naive_mask, None)
+    )
+    rows = pack_shared_prefix(items, keys)
+    assert len(rows) == len(episodes)  # one sequence per trajectory
+    naive_tokens = sum(len(it.context_ids) + len(it.answer_ids) for it in items)
+    shared_tokens = sum(len(prefix) + sum(len(items[i].answer_ids) for i in idx) for prefix, idx in rows)
+    assert shared_tokens < naive_tokens
+
+
+def test_non_prefix_contexts_get_their_own_row(tiny):
+    _, tokenizer = tiny
+    episodes = scripted_episodes(tokenizer, SCRIPTS, GOLDS)
+    pairs = memory_scoring_items(episodes[0], tokenizer)
+    items = [pairs[0].full, pairs[1].full, pairs[0].mem]  # the mem context is no prefix of the full ones
+    rows = pack_shared_prefix(items, [0, 0, 0])
+    assert sorted(sorted(idx) for _, idx in rows) == [[0, 1], [2]]
+
+
+def test_placeholder_forwards_keep_processes_in_step(tiny):
+    model, tokenizer = tiny
+    episodes = scripted_episodes(tokenizer, SCRIPTS, GOLDS)
+    items = [memory_scoring_items(episodes[2], tokenizer)[0].full]
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        logps, _ = answer_token_logps(model, items, tokenizer.pad_token_id, batch_size=8, num_forwards=3)
+        shared_prefix_answer_logps(model, [], [], tokenizer.pad_token_id, batch_size=8, num_forwards=2)
+    finally:
+        handle.remove()
+    assert len(calls) == 5
+    assert logps.shape[0] == 1
+    with pytest.raises(ValueError, match="num_forwards"):
+        answer_token_logps(model, items * 9, tokenizer.pad_token_id, batch_size=8, num_forwards=1)
