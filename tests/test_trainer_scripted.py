@@ -108,6 +108,12 @@ def scripted_trainer(tiny_model_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
     monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", scripted_logps)
+    monkeypatch.setattr(
+        "mempo_trl.trainer.shared_prefix_answer_logps",
+        lambda model, items, group_keys, pad_token_id, batch_size=8, num_forwards=None: scripted_logps(
+            model, items, pad_token_id, batch_size, num_forwards
+        ),
+    )
     return trainer, tokenizer, retriever
 
 

@@ -25,6 +25,7 @@ _EXPORTS = {
     "f1_score": "mempo_trl.rewards",
     "outcome_score": "mempo_trl.rewards",
     "mempo_outcome_reward": "mempo_trl.rewards",
+    "mempo_format_reward": "mempo_trl.rewards",
     "answer_probability": "mempo_trl.memory",
     "memory_reward": "mempo_trl.memory",
     "compute_memory_advantages": "mempo_trl.memory",
@@ -40,6 +41,8 @@ _EXPORTS = {
     "load_tiny": "mempo_trl.tiny",
     "generate_world": "mempo_trl.demo_world",
     "demo_paths": "mempo_trl.demo_world",
+    "build_warm_tiny_model": "mempo_trl.warmstart",
+    "evaluate": "mempo_trl.evaluation",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -17,6 +17,8 @@ COMMAND_MODULES = (
     "mempo_trl.demo_world",
     "mempo_trl.tiny",
     "mempo_trl.evaluation",
+    "mempo_trl.warmstart",
+    "mempo_trl.merge",
 )
 
 

@@ -56,12 +56,14 @@ class MemPOConfig(GRPOConfig):
             Variant (spec 5.3): score P_full with the reference model (needs `beta > 0` or a PEFT adapter).
         memory_scoring_batch_size (`int`, *optional*, defaults to `8`):
             Sequences per no-grad forward when scoring P_full / P_mem (bounds memory).
-        memory_scoring (`str`, *optional*, defaults to `"batched"`):
-            `"batched"`: each (context, answer) pair is its own sequence of one padded batch (the reference scheme).
-            `"shared_prefix"`: the full-history contexts of one trajectory are prefixes of each other, so they are
-            scored in ONE sequence (its longest context + one answer block per round, with a 4D attention mask):
-            the same P values for linear instead of quadratic tokens in the number of rounds. Needs `sdpa` or
-            `eager` attention (not flash-attention); the T x T mask costs O(T^2) memory per sequence.
+        memory_scoring (`str`, *optional*, defaults to `"auto"`):
+            How P_full / P_mem are computed; all give the same values. `"batched"`: each (context, answer) pair is
+            its own sequence of one padded batch (the reference scheme). `"shared_prefix"`: the full-history
+            contexts of one trajectory are prefixes of each other, so they are scored in ONE sequence (its longest
+            context + one answer block per round, with a 4D attention mask): linear instead of quadratic tokens in
+            the number of rounds (6.4x faster scoring at 8 rounds in `bench/`). Needs `sdpa` or `eager` attention
+            (not flash-attention); the T x T mask costs O(T^2) memory per sequence. `"auto"`: `shared_prefix` when
+            the model's attention allows it, else `batched`.
 
     Why a token-level `loss_type`: each turn is its own row and episodes have different numbers of turns, so rows
     are padded with fully masked placeholder rows to keep every process in step. `"dapo"` (the default) and
@@ -109,11 +111,12 @@ class MemPOConfig(GRPOConfig):
     )
     memory_scoring_batch_size: int = field(default=8, metadata={"help": "Sequences per memory-scoring forward."})
     memory_scoring: str = field(
-        default="batched",
+        default="auto",
         metadata={
             "help": "`batched`: every context scored as its own sequence. `shared_prefix`: the full-history contexts "
-            "of a trajectory share one sequence (same values, fewer tokens; needs sdpa/eager attention).",
-            "choices": ["batched", "shared_prefix"],
+            "of a trajectory share one sequence (same values, fewer tokens; needs sdpa/eager attention). `auto`: "
+            "shared_prefix with sdpa/eager attention, else batched.",
+            "choices": ["auto", "batched", "shared_prefix"],
         },
     )
 
@@ -145,8 +148,10 @@ class MemPOConfig(GRPOConfig):
             problems.append(f"memory_length_penalty must be >= 0, got {self.memory_length_penalty}.")
         if self.memory_pooling not in ("question", "question_round"):
             problems.append(f"memory_pooling must be 'question' or 'question_round', got {self.memory_pooling!r}.")
-        if self.memory_scoring not in ("batched", "shared_prefix"):
-            problems.append(f"memory_scoring must be 'batched' or 'shared_prefix', got {self.memory_scoring!r}.")
+        if self.memory_scoring not in ("auto", "batched", "shared_prefix"):
+            problems.append(
+                f"memory_scoring must be 'auto', 'batched' or 'shared_prefix', got {self.memory_scoring!r}."
+            )
         if self.memory_scoring_batch_size < 1:
             problems.append(f"memory_scoring_batch_size must be >= 1, got {self.memory_scoring_batch_size}.")
         if self.multi_objective_aggregation != "sum_then_normalize":

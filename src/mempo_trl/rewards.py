@@ -154,3 +154,19 @@ def mempo_outcome_reward(
         subs = sub_answers[i] if sub_answers is not None else None
         rewards.append(outcome_score(answer, golden_answers[i], subs, format_valid=valid).em)
     return rewards
+
+
+def mempo_format_reward(
+    prompts: list[Any], completions: list[Any], format_valid: list[bool], **kwargs: Any
+) -> list[float]:
+    """Optional TRL reward function: 1.0 for an episode whose every turn was valid and that ended on an answer.
+
+    Not part of MemPO's outcome (which already scores 0 on any invalid turn); add it next to
+    `mempo_outcome_reward` (``reward_funcs=[mempo_outcome_reward, mempo_format_reward]``, with ``reward_weights``)
+    to give GRPO a signal while a small model still rarely answers right. ``format_valid`` is passed by
+    `MemPOTrainer` for every trajectory.
+
+    >>> mempo_format_reward(["q", "q"], ["", ""], format_valid=[True, False])
+    [1.0, 0.0]
+    """
+    return [float(bool(valid)) for valid in format_valid]

@@ -21,6 +21,10 @@ from mempo_trl.protocol import render_gold_answer
 from mempo_trl.rollout import Episode
 
 
+SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
+"""Attention implementations that take the 4D masks of `shared_prefix_answer_logps`."""
+
+
 @dataclass(frozen=True)
 class ScoringItem:
     """A context and the answer continuation to score after it; ``answer_mask`` marks the GOLD tokens."""
@@ -114,7 +118,9 @@ def answer_token_logps(
         ``logps`` (N, K) float32 and ``gold_mask`` (N, K) bool, K the longest answer; padded slots are 0 / False.
     """
     device = next(model.parameters()).device
-    chunks = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+    # Chunks of similar context lengths waste less padding; the original order is restored at the end.
+    order = sorted(range(len(items)), key=lambda i: len(items[i].context_ids))
+    chunks = [[items[i] for i in order[j : j + batch_size]] for j in range(0, len(order), batch_size)]
     if num_forwards is not None:
         if num_forwards < len(chunks):
             raise ValueError(f"num_forwards={num_forwards} is less than the {len(chunks)} forwards needed.")
@@ -140,7 +146,9 @@ def answer_token_logps(
     width = max(x.size(1) for x in all_logps)
     logps = torch.cat([torch.nn.functional.pad(x, (0, width - x.size(1))) for x in all_logps])
     masks = torch.cat([torch.nn.functional.pad(x, (0, width - x.size(1))) for x in all_masks])
-    return logps, masks
+    restore = torch.empty(len(order), dtype=torch.long)
+    restore[torch.tensor(order)] = torch.arange(len(order))
+    return logps[restore.to(device)], masks[restore.to(device)]
 
 
 def pack_shared_prefix(items: Sequence[ScoringItem], group_keys: Sequence) -> list[tuple[list[int], list[int]]]:
@@ -216,17 +224,21 @@ def shared_prefix_answer_logps(
                 start += k
             allowed[r, range(start, total), range(start, total)] = True  # padding attends to itself only
         bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        # Only the positions that predict an answer token go through the LM head (B x T x V would not fit).
+        keep = sorted({p for _, _, positions in targets for p in positions}) or [0]
+        column = {p: j for j, p in enumerate(keep)}
         logits = model(
             input_ids=input_ids.to(device),
             attention_mask=bias.unsqueeze(1).to(device),
             position_ids=position_ids.to(device),
+            logits_to_keep=torch.tensor(keep, device=device),
         ).logits
         logps = torch.log_softmax(logits.float(), dim=-1)
         for i, r, positions in targets:
             answer = torch.tensor(items[i].answer_ids, device=device)
             k = answer.numel()
             gold = torch.tensor(items[i].answer_mask, dtype=torch.bool, device=device)
-            values = logps[r, positions].gather(-1, answer.unsqueeze(-1)).squeeze(-1)
+            values = logps[r, [column[p] for p in positions]].gather(-1, answer.unsqueeze(-1)).squeeze(-1)
             logps_out[i, :k] = values.masked_fill(~gold, 0.0)
             mask_out[i, :k] = gold
     return logps_out, mask_out

@@ -47,11 +47,14 @@ def _load_model_and_tokenizer(model_args, training_args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import get_quantization_config
 
-    from mempo_trl.tiny import build_tiny_model, load_tokenizer
+    from mempo_trl.tiny import load_tokenizer
 
     path = model_args.model_name_or_path
-    if path == TINY_MODEL:
-        path = str(build_tiny_model(Path(training_args.output_dir) / "base_model", seed=training_args.seed))
+    if path == TINY_MODEL:  # built and SFT-warm-started on the MemPO format, reused from an earlier run if unchanged
+        from mempo_trl.warmstart import build_warm_tiny_model
+
+        with training_args.main_process_first(desc="building the tiny model"):  # one process builds, the rest reuse
+            path = str(build_warm_tiny_model(Path(training_args.output_dir) / "base_model", seed=training_args.seed))
         tokenizer = load_tokenizer(path)
     elif Path(path, "tokenizer.json").is_file():  # a local model: load exactly what its tokenizer.json says
         tokenizer = load_tokenizer(path)
@@ -86,6 +89,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args):
     """Load and validate the data, the retriever and the model; return a ready `MemPOTrainer`."""
     from trl import get_peft_config
 
+    from mempo_trl.callbacks import LaunchBannerCallback, StepSummaryCallback
     from mempo_trl.data import load_qa
     from mempo_trl.demo_world import demo_paths
     from mempo_trl.trainer import MemPOTrainer
@@ -110,6 +114,8 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args):
         "dataset": script_args.dataset_name or "mempo_trl demo world",
         "retriever": script_args.retriever_url or script_args.corpus or "BM25 over the demo corpus",
     }
+    trainer.add_callback(LaunchBannerCallback(trainer))
+    trainer.add_callback(StepSummaryCallback())
     return trainer
 
 

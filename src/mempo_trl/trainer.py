@@ -26,6 +26,7 @@ from mempo_trl.memory import (
 from mempo_trl.rewards import mempo_outcome_reward, outcome_score
 from mempo_trl.rollout import ACTION_STOPS, Episode, RolloutEngine
 from mempo_trl.scoring import (
+    SHARED_PREFIX_ATTENTION,
     answer_token_logps,
     memory_scoring_items,
     pack_shared_prefix,
@@ -123,6 +124,15 @@ class MemPOTrainer(GRPOTrainer):
             peft_config=peft_config,
             quantization_config=quantization_config,
         )
+        attention = self.model.config._attn_implementation
+        if args.memory_scoring == "shared_prefix" and attention not in SHARED_PREFIX_ATTENTION:
+            raise ValueError(
+                f"memory_scoring='shared_prefix' needs 4D attention masks ({SHARED_PREFIX_ATTENTION}), but the model "
+                f"uses {attention!r}: set memory_scoring='batched' (or 'auto'), or attn_implementation='sdpa'."
+            )
+        self.shared_prefix_scoring = args.memory_scoring == "shared_prefix" or (
+            args.memory_scoring == "auto" and attention in SHARED_PREFIX_ATTENTION
+        )
         if args.memory_full_from_reference and self.ref_model is None and not is_peft_model(self.model):
             raise ValueError(
                 "memory_full_from_reference=True needs a reference model: set beta > 0 or train a PEFT adapter."
@@ -198,8 +208,8 @@ class MemPOTrainer(GRPOTrainer):
                 pairs.append(pair)
         args = self.args
         with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
-            if args.memory_full_from_reference or args.memory_scoring == "shared_prefix":
-                group_keys = [e for e, _ in keys] if args.memory_scoring == "shared_prefix" else None
+            if args.memory_full_from_reference or self.shared_prefix_scoring:
+                group_keys = [e for e, _ in keys] if self.shared_prefix_scoring else None
                 full_logps, full_mask = self._score_items(
                     [p.full for p in pairs], args.memory_full_from_reference, group_keys
                 )
@@ -480,10 +490,16 @@ class MemPOTrainer(GRPOTrainer):
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card plus a MemPO section: base model, data, retriever, recipe and final metrics."""
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        model_name = model_name or Path(self.args.output_dir).name  # as `push_to_hub` names it (TRL: "None")
+        hub_dataset = dataset_name if dataset_name and not Path(dataset_name).exists() else None
+        super().create_model_card(model_name=model_name, dataset_name=hub_dataset, tags=tags)
         if not self.is_world_process_zero():
             return
         info = {"base_model": self.model.config._name_or_path, "dataset": dataset_name, **self.model_card_info}
+        card = Path(self.args.output_dir, "README.md")
+        text = card.read_text(encoding="utf-8")
+        # TRL links the base model to the Hub; a local base model would render as "[None](https://huggingface.co/None)".
+        text = text.replace("[None](https://huggingface.co/None)", f"`{info['base_model']}`")
         own_fields = [name for name in MemPOConfig.__annotations__ if name not in ("system_prompt", "instruction")]
         recipe = {name: getattr(self.args, name) for name in own_fields}
         recipe.update(
@@ -514,5 +530,4 @@ class MemPOTrainer(GRPOTrainer):
             *[f"| `{key}` | {value:.4g} |" for key, value in sorted(metrics.items())],
             "",
         ]
-        card = Path(self.args.output_dir, "README.md")
-        card.write_text(card.read_text(encoding="utf-8") + "\n".join(lines), encoding="utf-8")
+        card.write_text(text + "\n".join(lines), encoding="utf-8")

@@ -97,6 +97,9 @@ def main(model_dir: str, out_path: str) -> None:
     import mempo_trl.trainer as trainer_module
 
     trainer_module.answer_token_logps = scripted_logps
+    trainer_module.shared_prefix_answer_logps = lambda model, items, keys, pad, bs=8, nf=None: scripted_logps(
+        model, items, pad, bs, nf
+    )
     trainer.model.train()
     out = trainer._generate_and_score_completions([{"question": QUESTION, "golden_answers": ["Oslo"]}] * n_local)
     n_real = int((out["completion_mask"].sum(dim=1) > 0).sum())

@@ -1,0 +1,434 @@
+"""One training step: MemPOTrainer vs TRL's GRPOTrainer with its built-in tool loop (full history), same workload.
+
+Both trainers get the same random Qwen2 model (saved once, loaded fresh for each run), the same questions (demo train
+set, G trajectories each), the same BM25 retriever (top-3 over the demo corpus) and play exactly the same number of
+rounds with turns of exactly ``--turn-tokens`` tokens:
+
+- generation is REAL: each trainer's `_generate_single_turn` is wrapped so that it runs the original method (HF
+  ``generate``, sampling) with ``min_new_tokens = max_new_tokens = turn_tokens``, paying the real cost of generating
+  that many tokens at that context length, and then returns scripted ids of the same length instead of the sampled
+  ones (`bench_memory_scoring.ScriptedPolicy`): for MemPO ``<mem>..</mem><think>..</think><search>..</search>``
+  (``<answer>`` in the last round); for the stock trainer the Qwen2.5 ``<tool_call>{"name": "search", ...}</tool_call>``
+  turn that its `_tool_call_loop` parses (``<answer>`` in the last round);
+- MemPO: ``max_turns = rounds``; its context is rebuilt every round (memory mode) and every round is a training row;
+- stock: ``tools=[search]`` where ``search(query)`` calls the same retriever and returns the same rendered passages,
+  ``max_tool_calling_iterations = rounds - 1``; the context (and the single training row) is the full history, and
+  ``max_completion_length`` (its budget over ALL turns) is set high enough that no turn is cut (checked).
+
+Each configuration runs ``--steps`` optimizer steps of `trainer.train()` on the same batch; the table reports the
+median step and its parts, in wall seconds and in process CPU seconds (less sensitive to other jobs on the machine):
+generation (the wrapped original `_generate_single_turn`), retrieval (MemPO's retriever calls; the stock trainer's
+tool function), memory scoring (MemPO's `_memory_rewards`, what its ``time/memory_scoring`` metric times), loss
+forward+backward (`training_step` minus `_prepare_inputs`), optimizer (the step minus `training_step`) and other
+(the rest of `_prepare_inputs`: rewards, parsing, padding, logging). The bench's own scripting cost is excluded.
+Run-time checks: every step plays exactly ``rounds`` generation calls, every trajectory ends on its gold answer
+(reward 1, so no turn was cut), the stock trainer made ``trajectories x (rounds - 1)`` tool calls and generated
+``rounds x turn_tokens`` tokens per trajectory, MemPO built ``trajectories x rounds`` training rows.
+
+    python bench/bench_train_step.py                 # rounds 2/4/8, 4 trajectories, ~3 min on 2 cores
+    python bench/bench_train_step.py --rounds 4 8 --trajectories 8 --steps 3
+"""
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import PrinterCallback, Qwen2ForCausalLM, TrainerCallback
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_memory_scoring import MODEL_DIMS, ScriptedPolicy, demo_rows  # noqa: E402
+
+from mempo_trl.context import DEFAULT_SYSTEM_PROMPT, initial_messages  # noqa: E402
+from mempo_trl.demo_world import demo_paths  # noqa: E402
+from mempo_trl.protocol import render_information  # noqa: E402
+from mempo_trl.retrieval import BM25Retriever  # noqa: E402
+from mempo_trl.rewards import exact_match  # noqa: E402
+from mempo_trl.tiny import build_tiny_model, load_tokenizer  # noqa: E402
+
+
+TOPK = 3
+PHASES = ("generation", "retrieval", "memory_scoring", "loss_fwd_bwd", "optimizer", "other")
+
+
+class Clock:
+    """Accumulated wall and CPU seconds (``key`` and ``key + "_cpu"``) and counts of one trainer run."""
+
+    def __init__(self):
+        self.values = defaultdict(float)
+
+    @contextmanager
+    def measure(self, key: str):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.values[key] += time.perf_counter() - wall
+            self.values[key + "_cpu"] += time.process_time() - cpu
+
+    def count(self, key: str, value: float = 1) -> None:
+        self.values[key] += value
+
+    def snapshot(self) -> dict:
+        return dict(self.values)
+
+    def since(self, snapshot: dict) -> dict:
+        return {k: v - snapshot.get(k, 0.0) for k, v in self.values.items()}
+
+
+class StepTimer(TrainerCallback):
+    """Wall and CPU time of every optimizer step (on_step_begin -> on_step_end) and the clock deltas within it."""
+
+    def __init__(self, clock: Clock, trainer_ref: list):
+        self.clock = clock
+        self.trainer_ref = trainer_ref
+        self.steps: list[dict] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._snap = self.clock.snapshot()
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = self.clock.since(self._snap)
+        step["step"] = time.perf_counter() - self._wall
+        step["step_cpu"] = time.process_time() - self._cpu
+        metrics = self.trainer_ref[0]._metrics["train"]
+        for name in ("episode/turns", "reward", "completions/max_length"):
+            if metrics.get(name):
+                step[name] = metrics[name][-1]
+        self.steps.append(step)
+
+
+class TimedRetriever:
+    """MemPO's retriever, timed (the stock trainer's tool function is timed itself)."""
+
+    def __init__(self, retriever, clock: Clock):
+        self.retriever = retriever
+        self.clock = clock
+
+    def search(self, queries, topk):
+        with self.clock.measure("retrieval"):
+            return self.retriever.search(queries, topk)
+
+
+def instrument(trainer, policy: ScriptedPolicy, turn_tokens: int, clock: Clock) -> None:
+    """Wrap `_generate_single_turn` (real generation of exactly `turn_tokens` tokens, then the scripted ids),
+    `_prepare_inputs`, `training_step` and, for MemPO, `_memory_rewards` with timers."""
+    tokenizer = trainer._tokenizer
+    original_generate = trainer._generate_single_turn
+    original_prepare = trainer._prepare_inputs
+    original_step = trainer.training_step
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        with clock.measure("script"):
+            scripted = [policy.turn(tokenizer.decode(p, skip_special_tokens=False)) for p in prompt_ids]
+        config = trainer.generation_config
+        config.max_new_tokens = config.min_new_tokens = turn_tokens
+        with clock.measure("generation"):
+            sampled, _ = original_generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if any(len(ids) != turn_tokens for ids in sampled):
+            raise AssertionError(f"generation did not produce exactly {turn_tokens} tokens per prompt")
+        clock.count("generate_calls")
+        clock.count("prefill_tokens", sum(len(p) for p in prompt_ids))
+        return scripted, None
+
+    def prepare(*args, **kwargs):
+        with clock.measure("prepare"):
+            out = original_prepare(*args, **kwargs)
+        clock.count("loss_rows", out["completion_ids"].shape[0])
+        clock.count("loss_tokens", out["prompt_ids"].numel() + out["completion_ids"].numel())
+        return out
+
+    def training_step(*args, **kwargs):
+        with clock.measure("training_step"):
+            return original_step(*args, **kwargs)
+
+    trainer._generate_single_turn = generate
+    trainer._prepare_inputs = prepare
+    trainer.training_step = training_step
+    if hasattr(trainer, "_memory_rewards"):
+        original_memory = trainer._memory_rewards
+
+        def memory_rewards(*args, **kwargs):
+            with clock.measure("memory_scoring"):
+                return original_memory(*args, **kwargs)
+
+        trainer._memory_rewards = memory_rewards
+
+
+def make_search_tool(retriever, clock: Clock):
+    """The stock trainer's tool: the same retriever and the same rendered passages as MemPO's environment."""
+
+    def search(query: str) -> str:
+        """Search the knowledge base and return the top passages.
+
+        Args:
+            query: The search query.
+        """
+        with clock.measure("retrieval"):
+            result = render_information(retriever.search([query], TOPK)[0])
+        clock.count("tool_calls")
+        return result
+
+    return search
+
+
+def answer_reward(completions, golden_answers, **kwargs):
+    """Exact match of the last turn's ``<answer>`` (the stock trainer's outcome reward)."""
+    scores = []
+    for completion, golds in zip(completions, golden_answers):
+        text = completion[-1].get("content", "") if completion else ""
+        match = re.search(r"<answer>(.*?)</answer>", text or "", re.DOTALL)
+        scores.append(exact_match(match.group(1) if match else None, golds))
+    return scores
+
+
+def _common_args(output_dir: str, trajectories: int, num_generations: int, steps: int) -> dict:
+    return {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": trajectories,
+        "num_generations": num_generations,
+        "max_steps": steps,
+        "learning_rate": 1e-5,
+        "use_cpu": True,
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+
+
+def run_trainer(kind: str, model_dir: Path, rows: list[dict], retriever, rounds: int, cfg: dict) -> dict:
+    """Train ``cfg['steps']`` steps with one trainer kind (``stock``, ``batched`` or ``shared_prefix``)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mempo_trl import MemPOConfig, MemPOTrainer
+
+    tokenizer = load_tokenizer(model_dir)
+    model = Qwen2ForCausalLM.from_pretrained(str(model_dir))
+    clock = Clock()
+    output_dir = tempfile.mkdtemp(prefix=f"bench_step_{kind}_")
+    common = _common_args(output_dir, cfg["trajectories"], cfg["num_generations"], cfg["steps"])
+    turn_tokens = cfg["turn_tokens"]
+    trainer_ref: list = []
+    timer = StepTimer(clock, trainer_ref)
+    if kind == "stock":
+        policy = ScriptedPolicy(tokenizer, rows, rounds, turn_tokens, style="tool_call")
+        dataset = Dataset.from_list(
+            [{"prompt": initial_messages(r["question"]), "golden_answers": r["golden_answers"]} for r in rows]
+        )
+        # The budget over all turns: every turn plus every tool result, with room to spare (checked below).
+        budget = rounds * turn_tokens + (rounds - 1) * 1024
+        args = GRPOConfig(**common, max_completion_length=budget, max_tool_calling_iterations=rounds - 1)
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[answer_reward],
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            tools=[make_search_tool(retriever, clock)],
+            callbacks=[timer],
+        )
+    else:
+        policy = ScriptedPolicy(tokenizer, rows, rounds, turn_tokens, cfg["mem_tokens"], style="mempo")
+        dataset = Dataset.from_list([{"question": r["question"], "golden_answers": r["golden_answers"]} for r in rows])
+        args = MemPOConfig(
+            **common,
+            max_completion_length=turn_tokens,
+            max_turns=rounds,
+            retrieval_topk=TOPK,
+            memory_scoring=kind,
+            system_prompt=DEFAULT_SYSTEM_PROMPT,
+        )
+        trainer = MemPOTrainer(
+            model,
+            TimedRetriever(retriever, clock),
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[timer],
+        )
+    trainer.remove_callback(PrinterCallback)  # keep stdout to the tables
+    trainer_ref.append(trainer)
+    instrument(trainer, policy, turn_tokens, clock)
+    trainer.train()
+
+    trajectories = cfg["trajectories"]
+    for step in timer.steps:
+        if step.get("generate_calls") != rounds:
+            raise AssertionError(f"{kind}: {step.get('generate_calls')} generation calls in a step, wanted {rounds}")
+        if kind == "stock" and step.get("tool_calls") != trajectories * (rounds - 1):
+            raise AssertionError(f"{kind}: {step.get('tool_calls')} tool calls, wanted {trajectories * (rounds - 1)}")
+        if step.get("reward") != 1.0:  # the scripted final answers are gold: every trajectory must end on one
+            raise AssertionError(f"{kind}: mean outcome reward {step.get('reward')}, wanted 1 (a turn was cut?)")
+        if kind == "stock" and step.get("completions/max_length") != rounds * turn_tokens:
+            raise AssertionError(f"{kind}: {step.get('completions/max_length')} generated tokens per trajectory")
+        if kind != "stock" and step.get("episode/turns") != rounds:
+            raise AssertionError(f"{kind}: {step.get('episode/turns')} turns per episode, wanted {rounds}")
+        if kind != "stock" and step.get("loss_rows") != trajectories * rounds:
+            raise AssertionError(f"{kind}: {step.get('loss_rows')} training rows, wanted {trajectories * rounds}")
+        for suffix in ("", "_cpu"):
+            script = step.get("script" + suffix, 0.0)
+            for phase in ("retrieval", "memory_scoring"):
+                step.setdefault(phase + suffix, 0.0)
+            step["loss_fwd_bwd" + suffix] = step["training_step" + suffix] - step["prepare" + suffix]
+            step["optimizer" + suffix] = step["step" + suffix] - step["training_step" + suffix]
+            step["other" + suffix] = (
+                step["prepare" + suffix]
+                - script
+                - sum(step[p + suffix] for p in ("generation", "retrieval", "memory_scoring"))
+            )
+            step["step" + suffix] -= script  # the bench's scripting is not part of either trainer's step
+    keys = [key + suffix for key in ("step", *PHASES) for suffix in ("", "_cpu")]
+    median = {key: statistics.median(s[key] for s in timer.steps) for key in keys}
+    last = timer.steps[-1]
+    median.update(
+        kind=kind,
+        rounds=rounds,
+        prefill_tokens=last["prefill_tokens"],
+        loss_rows=last["loss_rows"],
+        loss_tokens=last["loss_tokens"],
+        steps=[s["step"] for s in timer.steps],
+        steps_cpu=[s["step_cpu"] for s in timer.steps],
+    )
+    del trainer, model
+    return median
+
+
+def run(
+    rounds_list=(2, 4, 8),
+    trajectories: int = 4,
+    num_generations: int = 2,
+    turn_tokens: int = 64,
+    mem_tokens: int = 32,
+    steps: int = 2,
+    kinds=("stock", "batched", "shared_prefix"),
+    dims: dict | None = None,
+    model_dir: str | Path | None = None,
+) -> list[dict]:
+    """The bench's core: one result per (rounds, trainer kind); see `run_trainer`."""
+    if trajectories % num_generations:
+        raise ValueError("trajectories must be a multiple of num_generations")
+    model_dir = Path(model_dir or tempfile.mkdtemp(prefix="bench_step_model_"))
+    if not (model_dir / "config.json").exists():
+        build_tiny_model(model_dir, seed=0, **(dims or MODEL_DIMS))
+    retriever = BM25Retriever.from_corpus(demo_paths().corpus)
+    rows = demo_rows(trajectories // num_generations)
+    cfg = {
+        "trajectories": trajectories,
+        "num_generations": num_generations,
+        "turn_tokens": turn_tokens,
+        "mem_tokens": mem_tokens,
+        "steps": steps,
+    }
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for rounds in rounds_list:
+            for kind in kinds:
+                results.append(run_trainer(kind, model_dir, rows, retriever, rounds, cfg))
+    return results
+
+
+def print_tables(results: list[dict]) -> None:
+    names = {
+        "stock": "GRPOTrainer + tools (full history)",
+        "batched": "MemPO, batched",
+        "shared_prefix": "MemPO, shared_prefix",
+    }
+    print(
+        "| rounds | trainer | step s | generation | retrieval | memory scoring | loss fwd+bwd | optimizer | other "
+        "| step CPU s | prefill tokens | loss rows x width |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        width = r["loss_tokens"] // max(r["loss_rows"], 1)
+        print(
+            f"| {r['rounds']} | {names[r['kind']]} | {r['step']:.2f} | "
+            + " | ".join(f"{r[p]:.2f}" for p in PHASES)
+            + f" | {r['step_cpu']:.2f} | {int(r['prefill_tokens']):,} | {int(r['loss_rows'])} x {int(width)} |"
+        )
+    print()
+    print(
+        "| rounds | MemPO step / stock step: batched | shared_prefix | same in CPU time: batched | shared_prefix "
+        "| memory scoring % of MemPO step: batched | shared_prefix | same in CPU time: batched | shared_prefix |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    by = {(r["rounds"], r["kind"]): r for r in results}
+    for rounds in sorted({r["rounds"] for r in results}):
+        stock, batched, shared = (by.get((rounds, k)) for k in ("stock", "batched", "shared_prefix"))
+        if not (stock and batched and shared):
+            continue
+        cells = [
+            f"{batched['step'] / stock['step']:.2f}",
+            f"{shared['step'] / stock['step']:.2f}",
+            f"{batched['step_cpu'] / stock['step_cpu']:.2f}",
+            f"{shared['step_cpu'] / stock['step_cpu']:.2f}",
+            f"{100 * batched['memory_scoring'] / batched['step']:.1f}%",
+            f"{100 * shared['memory_scoring'] / shared['step']:.1f}%",
+            f"{100 * batched['memory_scoring_cpu'] / batched['step_cpu']:.1f}%",
+            f"{100 * shared['memory_scoring_cpu'] / shared['step_cpu']:.1f}%",
+        ]
+        print(f"| {rounds} | " + " | ".join(cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--trajectories", type=int, default=4, help="trajectories per step (questions x G)")
+    parser.add_argument("--num-generations", type=int, default=2, help="G")
+    parser.add_argument("--turn-tokens", type=int, default=64, help="tokens generated per turn (forced)")
+    parser.add_argument("--mem-tokens", type=int, default=32, help="upper bound of MemPO's <mem> notes, in tokens")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per configuration; the median is shown")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (see bench/README.md)")
+    parser.add_argument("--hidden-size", type=int, default=MODEL_DIMS["hidden_size"])
+    parser.add_argument("--layers", type=int, default=MODEL_DIMS["num_layers"])
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    torch.set_num_threads(args.threads)
+    dims = {**MODEL_DIMS, "hidden_size": args.hidden_size, "num_layers": args.layers}
+    start = time.perf_counter()
+    results = run(
+        args.rounds, args.trajectories, args.num_generations, args.turn_tokens, args.mem_tokens, args.steps, dims=dims
+    )
+    print(
+        f"model: random Qwen2 {dims}, fp32, sdpa; {args.trajectories} trajectories per step "
+        f"({args.trajectories // args.num_generations} questions x G={args.num_generations}); turns of exactly "
+        f"{args.turn_tokens} generated tokens (MemPO <mem> <= {args.mem_tokens} tokens); BM25 top-{TOPK}; "
+        f"loss dapo, beta 0, no gradient checkpointing; median of {args.steps} steps; torch threads {args.threads}; "
+        f"torch {torch.__version__}, Python {sys.version.split()[0]}"
+    )
+    print()
+    print_tables(results)
+    print()
+    for r in results:
+        wall = ", ".join(f"{s:.2f}" for s in r["steps"])
+        cpu = ", ".join(f"{s:.2f}" for s in r["steps_cpu"])
+        print(f"rounds {r['rounds']} {r['kind']}: steps {wall} s wall, {cpu} s CPU")
+    print(
+        "wall seconds per step (median), the bench's scripting excluded; step CPU s = process CPU time of the step "
+        "(robust to other jobs on the machine); prefill tokens = prompt tokens given to generate over all rounds; "
+        "loss rows x width = the padded [prompt | completion] batch of the loss forward."
+    )
+    print(f"total bench time {time.perf_counter() - start:.1f} s; load average {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = [
+#     "mempo_trl[deepspeed]",
+# ]
+# ///
+"""Train a MemPO search agent: the same code as `mempo-trl train`, as a script for `accelerate launch`.
+
+Usage (recipes in examples/configs/, launcher configs in accelerate_configs/; any recipe field can be
+overridden on the command line, e.g. `--max_steps 10 --output_dir outputs/try`):
+
+    # one process, no launcher (CPU or one GPU)
+    python examples/train_mempo.py --config examples/configs/quickstart_cpu.yaml
+
+    # one GPU, Qwen2.5-3B-Instruct with LoRA
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml examples/train_mempo.py \\
+        --config examples/configs/qwen2.5-3b-lora.yaml
+
+    # 8 GPUs, Qwen2.5-7B-Instruct full fine-tuning, DeepSpeed ZeRO-3, vLLM colocated
+    accelerate launch --config_file accelerate_configs/zero3.yaml examples/train_mempo.py \\
+        --config examples/configs/qwen2.5-7b-vllm.yaml
+
+    # 2 CPU processes (DeepSpeed ZeRO-2 over gloo); the recipe must set `use_cpu: true`
+    accelerate launch --config_file accelerate_configs/cpu_zero2.yaml examples/train_mempo.py \\
+        --config examples/configs/quickstart_cpu.yaml
+
+On rank 0 the run prints a `mempo-trl: world_size=... distributed_type=... model=...` banner when training
+starts (check it: a wrong launcher config can silently run independent copies), then one summary line per
+logged step. `report_to: trackio | wandb | tensorboard` logs every metric as TRL does.
+"""
+
+import sys
+
+from mempo_trl.train import main
+
+
+if __name__ == "__main__":
+    sys.exit(main())

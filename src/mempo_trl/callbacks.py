@@ -1,0 +1,126 @@
+"""Console output of `mempo-trl train`: a start banner and a one-line summary per logged step, on rank 0.
+
+The banner states what really runs, once the model is wrapped, so that a launch that silently fell back (two
+processes training two independent copies, a DeepSpeed config that ended up as plain DDP) is visible at once::
+
+    mempo-trl: world_size=2 distributed_type=DEEPSPEED model=DeepSpeedEngine(PeftModel) zero_stage=2 device=cpu ...
+
+The step summary adds one short line to TRL's own log dict (which the progress bar keeps printing as it is)::
+
+    step 3/200 | reward 0.312 | em 0.297 | format 0.953 | mem_reward 0.021 | prompt/round 412.5 | 14.20 s/step
+"""
+
+import os
+from collections.abc import Mapping
+
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
+
+SUMMARY_FIELDS = (
+    ("reward", "reward"),
+    ("em", "episode/em"),
+    ("format", "episode/format_valid"),
+    ("mem_reward", "memory/reward"),
+    ("prompt/round", "tokens/prompt_per_round"),
+)
+"""(label, logged metric) pairs of the step summary line; a metric not logged at that step shows as `-`."""
+
+
+def describe_model(wrapped, model) -> str:
+    """`Wrapper(Model)` for a wrapped model (DDP, DeepSpeed), the class name alone when it is not wrapped.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(1, 1)
+        >>> describe_model(model, model), describe_model(torch.nn.Sequential(model), model)
+        ('Linear', 'Sequential(Linear)')
+    """
+    inner = type(model).__name__
+    return inner if wrapped is None or wrapped is model else f"{type(wrapped).__name__}({inner})"
+
+
+def launch_warnings(num_processes: int, distributed_type: str, environ: Mapping[str, str]) -> list[str]:
+    """The silent launch fall-backs, from what the launcher asked for (`environ`) and what accelerate set up.
+
+    Example:
+        >>> launch_warnings(1, "NO", {"WORLD_SIZE": "2"})[0][:54]
+        'WORLD_SIZE=2 processes were launched but this one sees'
+        >>> launch_warnings(2, "DEEPSPEED", {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true"})
+        []
+    """
+    warnings = []
+    launched = int(environ.get("WORLD_SIZE", "1"))
+    if launched != num_processes:
+        warnings.append(
+            f"WORLD_SIZE={launched} processes were launched but this one sees a world of {num_processes}: they "
+            "train independent copies. On a machine without GPUs set `use_cpu: true` in the recipe."
+        )
+    if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and distributed_type != "DEEPSPEED":
+        warnings.append(
+            f"the accelerate config asks for DeepSpeed but the run is {distributed_type}: on a machine without GPUs "
+            "set `use_cpu: true` in the recipe (not ACCELERATE_USE_CPU, which turns DeepSpeed into DDP)."
+        )
+    return warnings
+
+
+def format_step_summary(step: int, max_steps: int, logs: Mapping[str, float]) -> str:
+    """One line: the step, the `SUMMARY_FIELDS` and TRL's `step_time`.
+
+    Example:
+        >>> format_step_summary(1, 2, {"reward": 0.5, "episode/em": 0.25, "step_time": 3.0})
+        'step 1/2 | reward 0.500 | em 0.250 | format - | mem_reward - | prompt/round - | 3.00 s/step'
+    """
+    parts = [f"step {step}/{max_steps}"]
+    for label, key in SUMMARY_FIELDS:
+        value = logs.get(key)
+        shown = "-" if value is None else (f"{value:.1f}" if key.startswith("tokens/") else f"{value:.3f}")
+        parts.append(f"{label} {shown}")
+    step_time = logs.get("step_time")
+    parts.append("- s/step" if step_time is None else f"{step_time:.2f} s/step")
+    return " | ".join(parts)
+
+
+class LaunchBannerCallback(TrainerCallback):
+    """Print the banner (and any `launch_warnings`) when training starts.
+
+    It holds the trainer because callbacks receive the unwrapped model only, and `trainer.model_wrapped` is set
+    by `train()` just before `on_train_begin`.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        accelerator = self.trainer.accelerator
+        distributed_type = accelerator.distributed_type.value
+        facts = {
+            "world_size": accelerator.num_processes,
+            "distributed_type": distributed_type,
+            "model": describe_model(self.trainer.model_wrapped, self.trainer.model),
+        }
+        if accelerator.state.deepspeed_plugin is not None:
+            facts["zero_stage"] = accelerator.state.deepspeed_plugin.zero_stage
+        facts.update(
+            {
+                "device": accelerator.device,
+                "mixed_precision": accelerator.mixed_precision,
+                "generation": f"vllm-{args.vllm_mode}" if args.use_vllm else "transformers",
+                "per_device_batch": args.per_device_train_batch_size,
+                "num_generations": args.num_generations,
+                "max_steps": state.max_steps,
+            }
+        )
+        tqdm.write("mempo-trl: " + " ".join(f"{key}={value}" for key, value in facts.items()))
+        for warning in launch_warnings(accelerator.num_processes, distributed_type, os.environ):
+            tqdm.write(f"mempo-trl: WARNING: {warning}")
+
+
+class StepSummaryCallback(TrainerCallback):
+    """Print `format_step_summary` for every training log (not for evaluation logs or the final summary)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs and "reward" in logs:
+            tqdm.write(format_step_summary(state.global_step, state.max_steps, logs))

@@ -1,0 +1,350 @@
+"""SFT warm start on the MemPO turn format, for the tiny offline model (the paper SFT-warms before MemPO).
+
+A randomly initialised model never writes a valid turn, so every episode scores 0 and GRPO has no signal. This
+module teaches the format first:
+
+- `oracle_episode_turns` plays a demo-world row as a scripted agent: one ``<search>`` per hop query (the
+  information after it is the real retriever result), then the ``<answer>``; its ``<mem>`` carries the facts
+  found so far;
+- `sft_examples` turns the oracle episodes into one ``(prompt, completion)`` pair per round, the prompt rebuilt
+  with `mempo_trl.context` exactly as training and evaluation rebuild it;
+- `warm_start` fine-tunes a saved model on them with a plain, deterministic torch loop and saves it back;
+- `build_warm_tiny_model` builds the tiny model and warm-starts it, reusing a previous result with the same
+  settings (what `model_name_or_path: tiny` of `mempo-trl train` uses).
+
+The ``<mem>`` holds only the facts (``Subject: value.``), not the question again: the question stays in every
+context (and in the memory reward's ``mem_traj``), and a 48-token turn has no room for it.
+"""
+
+import argparse
+import hashlib
+import json
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mempo_trl.context import ContextMode, initial_messages, render_prompt, round_messages
+from mempo_trl.protocol import render_gold_answer, render_information
+
+
+WARM_START_FILE = "warm_start.json"
+"""Written next to the weights by `warm_start`: the settings and the stats of the run."""
+
+NOTHING_YET = "Nothing yet."
+SEARCH_THOUGHT = "I must search."
+ANSWER_THOUGHT = "I know the answer."
+
+# Measured on the tiny model (`build_tiny_model` defaults): the loss drops in a jump (copying names from the
+# context) after ~300-400 steps; 600 steps take ~85-110 s on one CPU core (the loop runs on one thread).
+WARM_STEPS = 600
+WARM_LR = 5e-3
+WARM_BATCH_SIZE = 16
+_MICRO_BATCH = 4
+
+_WORD_RE = re.compile(r"[\w,'-]+|[^\w\s]")
+# The value a comparison hop reads from its passage, keyed by a word of the hop query (demo-world templates).
+_COMPARED_VALUE = {
+    "population": re.compile(r"population of ([\d,]+)"),
+    "born": re.compile(r"born in (\d+)"),
+    "founded": re.compile(r"founded in (\d+)"),
+    "long": re.compile(r"([\d,]+) kilometres long"),
+    "height": re.compile(r"height of ([\d,]+) metres"),
+}
+
+
+def _subject(query: str) -> str:
+    """The first run of capitalised words after the question word: the entity a single-hop query asks about."""
+    words = query.rstrip("?").split()[1:]
+    start = next(i for i, word in enumerate(words) if word[0].isupper())
+    end = next((i for i in range(start, len(words)) if not words[i][0].isupper()), len(words))
+    return " ".join(words[start:end])
+
+
+def _bridge(question: str, next_query: str) -> str:
+    """The bridge entity: what ``next_query`` says where ``question`` has its bridge phrase (word-level diff)."""
+    a, b = _WORD_RE.findall(question), _WORD_RE.findall(next_query)
+    head = 0
+    while head < min(len(a), len(b)) and a[head] == b[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+    return " ".join(b[head : len(b) - tail])
+
+
+def _compared_value(query: str, passage_text: str) -> str:
+    for word, pattern in _COMPARED_VALUE.items():
+        if word in query and (match := pattern.search(passage_text)):
+            return match.group(1)
+    raise ValueError(f"no compared value for {query!r} in {passage_text!r}")
+
+
+def hop_facts(row: dict, results: Sequence[Sequence[Any]]) -> list[str]:
+    """What each hop of a demo-world row finds, as ``"Subject: value."``; ``results`` are the hops' passages.
+
+    A hop's value is the gold answer for the last hop, the bridge entity named by the next hop query for an
+    earlier one, the sub-answer of a multi-objective row, and for a comparison the number read from the
+    supporting passage (which must be among the hop's results).
+
+    Example:
+        >>> row = {"question": "What is the population of the birthplace of Tisdin Purbro?",
+        ...        "golden_answers": ["634,400"], "data_source": "demo_2hop", "supporting_ids": ["52", "93"],
+        ...        "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"],
+        ...        "sub_answers": []}
+        >>> hop_facts(row, [[], []])
+        ['Tisdin Purbro: Sedo.', 'Sedo: 634,400.']
+    """
+    queries = row["hop_queries"]
+    values = []
+    for i, query in enumerate(queries):
+        if row.get("sub_answers"):
+            values.append(str(row["sub_answers"][i][0]))
+        elif row.get("data_source") == "demo_compare":
+            passage = next((p for p in results[i] if p.id == row["supporting_ids"][i]), None)
+            if passage is None:
+                raise ValueError(f"the search {query!r} did not return passage {row['supporting_ids'][i]}")
+            values.append(_compared_value(query, passage.text))
+        elif i + 1 < len(queries):
+            values.append(_bridge(row["question"], queries[i + 1]))
+        else:
+            values.append(str(row["golden_answers"][0]))
+    return [f"{_subject(query)}: {value}." for query, value in zip(queries, values)]
+
+
+def oracle_episode_turns(row: dict, retriever, topk: int = 3, max_turns: int = 8) -> list[tuple[str, str | None]]:
+    """The turns of a scripted agent that solves a demo-world row: ``(turn text, information or None)``.
+
+    One search turn per hop query, each followed by the real result of ``retriever`` rendered with
+    `render_information`, then the answer turn (``None`` information) with the gold rendered as the memory
+    reward scores it (`render_gold_answer`). The ``<mem>`` of each turn lists the facts found so far. Raises
+    ``ValueError`` when the row needs more than ``max_turns`` turns.
+
+    Example:
+        >>> turns = oracle_episode_turns(row, retriever)  # doctest: +SKIP
+        >>> turns[0][0]  # doctest: +SKIP
+        '<mem> Nothing yet. </mem>\\n<think> I must search. </think>\\n<search> Who founded Orbix? </search>'
+    """
+    queries = list(row["hop_queries"])
+    if len(queries) + 1 > max_turns:
+        raise ValueError(f"row {row.get('id')!r} needs {len(queries) + 1} turns, more than max_turns={max_turns}")
+    results = retriever.search(queries, topk)
+    facts = hop_facts(row, results)
+    turns: list[tuple[str, str | None]] = []
+    for i, (query, passages) in enumerate(zip(queries, results)):
+        mem = " ".join(facts[:i]) or NOTHING_YET
+        text = f"<mem> {mem} </mem>\n<think> {SEARCH_THOUGHT} </think>\n<search> {query} </search>"
+        turns.append((text, render_information(passages)))
+    answer, _ = render_gold_answer(row["golden_answers"], row.get("sub_answers"))
+    turns.append((f"<mem> {' '.join(facts)} </mem>\n<think> {ANSWER_THOUGHT} </think>\n{answer}", None))
+    return turns
+
+
+def sft_examples(
+    rows: Sequence[dict], retriever, tokenizer, context_mode: ContextMode = "memory", topk: int = 3
+) -> list[tuple[list[int], list[int]]]:
+    """One ``(prompt_ids, completion_ids)`` pair per round of every row's oracle episode.
+
+    The prompt is the round's context rebuilt with `initial_messages` + `round_messages` + `render_prompt`, as
+    `mempo_trl.rollout.RolloutEngine` rebuilds it in training and evaluation. The completion is the turn's tokens
+    and the eos (``<|im_end|>``): generation stops on the closing action tag (an eos id when it is one token, a
+    vLLM stop string otherwise) and `cut_after_action` drops whatever follows it, so the eos is never part of an
+    RL row; learning it right after the tag, as the chat template closes every assistant message, makes a model
+    whose tags span several tokens stop there instead of running on to ``max_new_tokens`` under HF generation.
+
+    Example:
+        >>> prompt, completion = sft_examples([row], retriever, tokenizer)[0]  # doctest: +SKIP
+        >>> tokenizer.decode(completion[-1:])  # doctest: +SKIP
+        '<|im_end|>'
+    """
+    examples = []
+    for row in rows:
+        base = initial_messages(row["question"])
+        history: list[tuple[str, str]] = []
+        for text, information in oracle_episode_turns(row, retriever, topk):
+            prompt = render_prompt(tokenizer, round_messages(base, history, context_mode))
+            completion = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            examples.append((prompt, completion))
+            if information is not None:
+                history.append((text, information))
+    return examples
+
+
+def _collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int):
+    """Left-padded ``prompt + completion`` batch; labels only on the completion; positions as `generate` makes them."""
+    import torch
+
+    width = max(len(p) + len(c) for p, c in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, (prompt, completion) in enumerate(examples):
+        ids = prompt + completion
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        labels[row, width - len(completion) :] = torch.tensor(completion)
+        attention_mask[row, width - len(ids) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids, labels
+
+
+def _default_data(rows, retriever):
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.demo_world import demo_paths
+    from mempo_trl.retrieval import BM25Retriever
+
+    paths = demo_paths()
+    rows = read_jsonl(paths.train) if rows is None else rows
+    retriever = BM25Retriever.from_corpus(str(paths.corpus)) if retriever is None else retriever
+    return rows, retriever
+
+
+def warm_start(
+    model_dir: str | Path,
+    rows: Sequence[dict] | None = None,
+    retriever=None,
+    steps: int = WARM_STEPS,
+    lr: float = WARM_LR,
+    batch_size: int = WARM_BATCH_SIZE,
+    seed: int = 0,
+) -> dict:
+    """Fine-tune the model saved in ``model_dir`` on the oracle turns of ``rows`` and save it back there.
+
+    Defaults: the demo train rows and BM25 over the demo corpus. AdamW with a linear warm-up (5% of the steps)
+    and a linear decay, cross-entropy on the completion tokens only; batches are drawn from seeded shuffles,
+    so the same seed gives the same weights. Returns the stats, also written to ``WARM_START_FILE`` with the
+    settings: ``steps``, ``examples``, ``initial_loss`` (first batch), ``final_loss`` (mean of the last 10% of
+    the steps) and ``seconds``.
+
+    Example:
+        >>> stats = warm_start(build_tiny_model("tiny"))  # doctest: +SKIP
+        >>> stats["final_loss"] < stats["initial_loss"]  # doctest: +SKIP
+        True
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mempo_trl.tiny import load_tokenizer
+
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"steps and batch_size must be >= 1, got {steps} and {batch_size}")
+    start = time.perf_counter()
+    model_dir = Path(model_dir)
+    rows, retriever = _default_data(rows, retriever)
+    tokenizer = load_tokenizer(model_dir)
+    examples = sft_examples(rows, retriever, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) * (1.0 - step / steps)
+    )
+    generator = torch.Generator().manual_seed(seed)
+    losses: list[float] = []
+    order: list[int] = []
+    threads = torch.get_num_threads()
+    # One thread: the tensors are small, and on a busy machine (other jobs on the same cores) the intra-op thread
+    # pool's barriers made element-wise ops ~100x and a step ~10x slower than on one thread (measured on 2 cores).
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            if len(order) < batch_size:
+                order += torch.randperm(len(examples), generator=generator).tolist()
+            batch = sorted((examples[i] for i in order[:batch_size]), key=lambda ex: len(ex[0]) + len(ex[1]))
+            order = order[batch_size:]
+            # The same gradient as one padded batch (mean over its completion tokens), from micro-batches of
+            # similar lengths: less padding, and the attention cost grows with the square of the padded length.
+            num_tokens = sum(len(completion) for _, completion in batch)
+            step_loss = 0.0
+            for first in range(0, len(batch), _MICRO_BATCH):
+                micro = batch[first : first + _MICRO_BATCH]
+                input_ids, attention_mask, position_ids, labels = _collate(micro, pad_id)
+                # Logits only where a completion token is predicted: the completions end every row.
+                keep = max(len(completion) for _, completion in micro) + 1
+                logits = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                    logits_to_keep=keep,
+                ).logits[:, :-1]
+                loss = torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1).float(), labels[:, 1 - keep :].flatten(), reduction="sum"
+                )
+                (loss / num_tokens).backward()
+                step_loss += loss.item() / num_tokens
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(step_loss)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(model_dir)
+    tail = losses[-max(1, steps // 10) :]
+    stats = {
+        "steps": steps,
+        "examples": len(examples),
+        "initial_loss": losses[0],
+        "final_loss": sum(tail) / len(tail),
+        "seconds": time.perf_counter() - start,
+    }
+    settings = {"seed": seed, "steps": steps, "lr": lr, "batch_size": batch_size}
+    (model_dir / WARM_START_FILE).write_text(json.dumps({"settings": settings, "stats": stats}, indent=2))
+    return stats
+
+
+def _tiny_settings(seed: int) -> dict:
+    """What a warm tiny model depends on: the seed, the SFT settings and the demo data (tokenizer and examples)."""
+    from mempo_trl.demo_world import demo_paths
+
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in demo_paths())).hexdigest()
+    return {"seed": seed, "steps": WARM_STEPS, "lr": WARM_LR, "batch_size": WARM_BATCH_SIZE, "data_sha256": digest}
+
+
+def build_warm_tiny_model(output_dir: str | Path, seed: int = 0) -> Path:
+    """Build the tiny model into ``output_dir`` and warm-start it with the defaults; reuse a previous result.
+
+    A directory whose ``WARM_START_FILE`` records the same settings (seed, SFT settings, demo data) is returned
+    as it is; anything else is rebuilt. Takes about 1-2 minutes on one CPU core.
+
+    Example:
+        >>> path = build_warm_tiny_model("outputs/quickstart/base_model", seed=0)  # doctest: +SKIP
+        >>> json.loads((path / WARM_START_FILE).read_text())["tiny"]["seed"]  # doctest: +SKIP
+        0
+    """
+    from mempo_trl.tiny import build_tiny_model
+
+    out = Path(output_dir)
+    settings = _tiny_settings(seed)
+    marker = out / WARM_START_FILE
+    if marker.is_file() and json.loads(marker.read_text()).get("tiny") == settings:
+        return out
+    build_tiny_model(out, seed=seed)
+    warm_start(out, seed=seed)
+    record = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**record, "tiny": settings}, indent=2))
+    return out
+
+
+def _warm_start_cli(args: argparse.Namespace) -> int:
+    stats = warm_start(args.model, steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
+    print(json.dumps(stats, indent=2))
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Add `mempo-trl warm-start`: SFT a saved model on the oracle turns of the demo train rows, in place."""
+    parser = subparsers.add_parser(
+        "warm-start",
+        help="SFT warm start of a saved model on the MemPO format (demo-world oracle turns)",
+        description=__doc__.split("\n")[0],
+    )
+    parser.add_argument("--model", required=True, help="model directory (with tokenizer.json); overwritten")
+    parser.add_argument("--steps", type=int, default=WARM_STEPS)
+    parser.add_argument("--lr", type=float, default=WARM_LR)
+    parser.add_argument("--batch-size", type=int, default=WARM_BATCH_SIZE)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_warm_start_cli)

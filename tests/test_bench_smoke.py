@@ -1,0 +1,86 @@
+"""Smoke tests of the benches in `bench/`: each bench's core function runs at the smallest size on the tiny model.
+
+Nothing here is timed: the benches print their timings, these tests only check that they run, that the memory-scoring
+bench's two schemes give the same P values (and the shared-prefix one forwards fewer tokens), and that the
+training-step bench played the same rounds with both trainers.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: HF generation with several threads crawls on a loaded CPU (OpenMP spin-waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_scripted_policy_turns_have_the_exact_length(tiny_model_dir):
+    bench = _load("bench_memory_scoring")
+    _, tokenizer = bench.build_model(tiny_model_dir)
+    rows = bench.demo_rows(1)
+    prompt = "<|im_start|>user\nQuestion: " + rows[0]["question"] + "<|im_end|>\n<|im_start|>assistant\n"
+    for style in ("mempo", "tool_call"):
+        policy = bench.ScriptedPolicy(tokenizer, rows, rounds=2, turn_tokens=64, mem_tokens=32, style=style)
+        first = policy.turn(prompt)
+        assert len(first) == 64
+        text = tokenizer.decode(first, skip_special_tokens=False)
+        assert ("<search>" in text) if style == "mempo" else ("<tool_call>" in text)
+        second = policy.turn(prompt + text + "<information>Doc 1(Title: T) x.</information>")
+        assert len(second) == 64
+        assert f"<answer> {rows[0]['golden_answers'][0]} </answer>" in tokenizer.decode(second)
+    with pytest.raises(ValueError, match="turn_tokens"):
+        bench.ScriptedPolicy(tokenizer, rows, rounds=2, turn_tokens=8).turn(prompt)
+
+
+def test_memory_scoring_bench_schemes_agree(tiny_model_dir, one_thread):
+    bench = _load("bench_memory_scoring")
+    results = bench.run(rounds_list=(2, 3), trajectories=2, batch_size=4, repeats=1, model_dir=tiny_model_dir)
+    assert [r["rounds"] for r in results] == [2, 3]
+    for r in results:
+        assert r["items"] == 2 * (r["rounds"] - 1)
+        assert (r["p_naive"] > 0).all()
+        torch.testing.assert_close(r["p_shared"], r["p_naive"], rtol=1e-4, atol=1e-7)
+        assert r["max_abs_logp_diff"] < 1e-4
+        assert r["shared_rows"] == 2  # one sequence per trajectory
+        assert r["naive_forwards"] >= 1 and r["shared_forwards"] == 1
+    three = results[1]
+    assert three["shared_real_tokens"] < three["naive_real_tokens"]
+    bench.print_table(results)
+
+
+def test_train_step_bench_runs_both_trainers(tiny_model_dir, one_thread):
+    bench = _load("bench_train_step")
+    results = bench.run(rounds_list=(2,), trajectories=2, num_generations=2, steps=1, model_dir=tiny_model_dir)
+    assert [r["kind"] for r in results] == ["stock", "batched", "shared_prefix"]
+    for r in results:
+        assert r["rounds"] == 2 and len(r["steps"]) == 1
+        assert r["step"] > 0 and r["generation"] > 0 and r["loss_fwd_bwd"] > 0
+        assert r["generation"] + r["retrieval"] + r["memory_scoring"] <= r["step"]
+    stock, batched, shared = results
+    assert stock["memory_scoring"] == 0.0 and batched["memory_scoring"] > 0 and shared["memory_scoring"] > 0
+    assert batched["loss_rows"] == shared["loss_rows"] == 2 * 2  # one row per round
+    assert stock["loss_rows"] == 2  # one full-history row per trajectory
+    bench.print_tables(results)

@@ -1,0 +1,93 @@
+"""MemPOConfig / MemPOTrainer construction: defaults follow the paper, bad combinations fail with a clear message."""
+
+import math
+
+import pytest
+from datasets import Dataset
+
+from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl.data import DataError
+from mempo_trl.retrieval import Passage
+from mempo_trl.tiny import load_tiny
+
+
+BASE = dict(use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4, num_generations=4)
+
+
+class NoRetriever:
+    def search(self, queries, topk):
+        return [[Passage(id="0", title="t", text="x")] for _ in queries]
+
+
+def test_paper_defaults(tmp_path):
+    args = MemPOConfig(output_dir=str(tmp_path), **BASE)
+    assert (args.max_turns, args.retrieval_topk, args.memory_coef) == (8, 3, 1.0)
+    assert args.memory_threshold == pytest.approx(math.log(0.5))
+    assert (args.context_mode, args.memory_pooling, args.memory_reward_type) == ("memory", "question", "diff")
+    assert not (args.memory_gate_on_outcome or args.memory_full_from_reference or args.memory_length_penalty)
+    assert args.loss_type == "dapo"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(loss_type="grpo"), "loss_type='grpo'"),
+        (dict(loss_type="dr_grpo"), "loss_type='dr_grpo'"),
+        (dict(context_mode="everything"), "context_mode"),
+        (dict(memory_threshold_quantile=0.3), "not both"),
+        (dict(memory_threshold=None, memory_threshold_quantile=1.5), "memory_threshold_quantile"),
+        (dict(memory_reward_type="ratio"), "memory_reward_type"),
+        (dict(memory_length_penalty=-1.0), "memory_length_penalty"),
+        (dict(memory_pooling="round"), "memory_pooling"),
+        (dict(memory_scoring="fast"), "memory_scoring"),
+        (dict(max_turns=0), "max_turns"),
+        (dict(retrieval_topk=0), "retrieval_topk"),
+        (dict(instruction="no placeholder"), "{question}"),
+        (dict(multi_objective_aggregation="normalize_then_sum"), "sum_then_normalize"),
+    ],
+)
+def test_invalid_configs_fail_at_construction(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match="Invalid MemPOConfig") as err:
+        MemPOConfig(output_dir=str(tmp_path), **{**BASE, **overrides})
+    assert message in str(err.value)
+
+
+def _trainer(tiny_model_dir, tmp_path, dataset=None, **overrides):
+    model, tokenizer = load_tiny(tiny_model_dir)
+    dataset = dataset or Dataset.from_list([{"question": "q?", "golden_answers": ["a"]}])
+    args = MemPOConfig(output_dir=str(tmp_path), **{**BASE, **overrides})
+    return MemPOTrainer(model, NoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def test_trainer_rejects_bad_combinations(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="needs a reference model"):
+        _trainer(tiny_model_dir, tmp_path, memory_full_from_reference=True)
+    with pytest.raises(ValueError, match="remove_unused_columns=False"):
+        _trainer(tiny_model_dir, tmp_path, remove_unused_columns=True)
+    with pytest.raises(DataError, match="golden_answers"):
+        _trainer(tiny_model_dir, tmp_path, dataset=Dataset.from_list([{"question": "q?", "golden_answers": []}]))
+
+
+def test_shared_prefix_scoring_follows_the_attention_implementation(tiny_model_dir, tmp_path):
+    assert _trainer(tiny_model_dir, tmp_path).shared_prefix_scoring  # auto + sdpa
+    model, tokenizer = load_tiny(tiny_model_dir)
+    model.config._attn_implementation = "flash_attention_2"
+    dataset = Dataset.from_list([{"question": "q?", "golden_answers": ["a"]}])
+    auto = MemPOTrainer(
+        model, NoRetriever(), args=MemPOConfig(output_dir=str(tmp_path), **BASE), train_dataset=dataset,
+        processing_class=tokenizer,
+    )  # fmt: skip
+    assert not auto.shared_prefix_scoring
+    with pytest.raises(ValueError, match="4D attention masks"):
+        MemPOTrainer(
+            model, NoRetriever(), args=MemPOConfig(output_dir=str(tmp_path), memory_scoring="shared_prefix", **BASE),
+            train_dataset=dataset, processing_class=tokenizer,
+        )  # fmt: skip
+
+
+def test_single_token_action_tags_stop_generation(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    tokenizer = trainer.processing_class
+    for tag in ("</search>", "</answer>"):
+        assert tokenizer.convert_tokens_to_ids(tag) in trainer.eos_token_ids
+        assert tokenizer.convert_tokens_to_ids(tag) in trainer.generation_config.eos_token_id

@@ -1,0 +1,158 @@
+"""SFT warm start: the oracle agent, the SFT contexts (equal to the rollout's) and the warm-started tiny model."""
+
+import doctest
+import json
+
+import pytest
+import torch
+
+from mempo_trl import warmstart
+from mempo_trl.context import render_prompt
+from mempo_trl.data import read_jsonl
+from mempo_trl.protocol import parse_turn, render_information
+from mempo_trl.rewards import exact_match
+from mempo_trl.rollout import RolloutEngine
+from mempo_trl.warmstart import (
+    WARM_START_FILE,
+    build_warm_tiny_model,
+    hop_facts,
+    oracle_episode_turns,
+    sft_examples,
+    warm_start,
+)
+
+
+@pytest.fixture(scope="module")
+def retriever(demo_paths, tmp_path_factory):
+    from mempo_trl.retrieval import BM25Retriever
+
+    return BM25Retriever.from_corpus(str(demo_paths.corpus), cache_dir=tmp_path_factory.mktemp("bm25"))
+
+
+@pytest.fixture(scope="module")
+def all_rows(demo_paths):
+    return read_jsonl(demo_paths.train) + read_jsonl(demo_paths.test)
+
+
+@pytest.fixture(scope="module")
+def one_row_per_kind(all_rows):
+    return list({row["data_source"]: row for row in all_rows}.values())
+
+
+def test_doctests():
+    assert doctest.testmod(warmstart).failed == 0
+
+
+def test_oracle_turns_are_valid_and_search_the_gold_passages(all_rows, retriever, demo_paths):
+    from mempo_trl.retrieval import load_corpus
+
+    passages = {p.id: p for p in load_corpus(str(demo_paths.corpus))}
+    for row in all_rows:
+        turns = oracle_episode_turns(row, retriever)
+        assert len(turns) == len(row["hop_queries"]) + 1
+        parsed = [parse_turn(text) for text, _ in turns]
+        assert all(turn.valid for turn in parsed), [t.reason for t in parsed]
+        results = retriever.search(row["hop_queries"], 3)
+        for turn, (_, information), query, gold_id, found in zip(
+            parsed, turns, row["hop_queries"], row["supporting_ids"], results
+        ):
+            assert (turn.action, turn.content) == ("search", query)
+            assert gold_id in [p.id for p in found]
+            assert information == render_information(found)
+        answer, information = parsed[-1], turns[-1][1]
+        assert answer.action == "answer" and information is None
+        assert exact_match(answer.content, row["golden_answers"]) == 1.0
+        # Every remembered value is stated by the passage of its hop, and the final memory holds them all.
+        facts = hop_facts(row, results)
+        for fact, gold_id in zip(facts, row["supporting_ids"]):
+            value = fact.split(": ", 1)[1].removesuffix(".")
+            assert value and value in passages[gold_id].text, (fact, passages[gold_id].text)
+        assert answer.mem == " ".join(facts)
+        assert parsed[0].mem == "Nothing yet."
+
+
+def test_oracle_rejects_rows_longer_than_max_turns(all_rows, retriever):
+    row = next(row for row in all_rows if len(row["hop_queries"]) == 2)
+    assert len(oracle_episode_turns(row, retriever, max_turns=3)) == 3
+    with pytest.raises(ValueError, match="max_turns=2"):
+        oracle_episode_turns(row, retriever, max_turns=2)
+
+
+@pytest.mark.parametrize("context_mode", ["memory", "full_history"])
+def test_sft_examples_equal_the_rollout_contexts(tiny_model_dir, one_row_per_kind, retriever, context_mode):
+    from mempo_trl.generation import stop_token_ids
+    from mempo_trl.tiny import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    engine = RolloutEngine(
+        tokenizer, retriever, max_turns=8, context_mode=context_mode, eos_token_ids=stop_token_ids(tokenizer)
+    )
+    for row in one_row_per_kind:
+        examples = sft_examples([row], retriever, tokenizer, context_mode=context_mode)
+        completions = iter(completion for _, completion in examples)
+        episodes, _ = engine.run([row], lambda prompts, scripted=completions: ([next(scripted)], None))
+        rounds = episodes[0].rounds
+        assert [r.prompt_ids for r in rounds] == [prompt for prompt, _ in examples]
+        # The rollout cuts the eos after the action tag: RL rows hold the turn tokens only.
+        assert [r.completion_ids + [tokenizer.eos_token_id] for r in rounds] == [c for _, c in examples]
+        assert [r.text for r in rounds] == [text for text, _ in oracle_episode_turns(row, retriever)]
+        assert episodes[0].format_valid and exact_match(episodes[0].answer, row["golden_answers"]) == 1.0
+
+
+def _tiny_state(path):
+    from mempo_trl.tiny import load_tiny
+
+    return load_tiny(path)[0].state_dict()
+
+
+def test_warm_start_is_deterministic(tmp_path, demo_paths, retriever):
+    from mempo_trl.tiny import build_tiny_model
+
+    rows = read_jsonl(demo_paths.train)[:8]
+    runs = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        path = build_tiny_model(tmp_path / name, seed=0)
+        runs[name] = (warm_start(path, rows, retriever, steps=4, batch_size=4, seed=seed), _tiny_state(path))
+    (stats_a, state_a), (stats_b, state_b), (stats_c, _) = runs["a"], runs["b"], runs["c"]
+    assert stats_a["final_loss"] == stats_b["final_loss"] != stats_c["final_loss"]
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    record = json.loads((tmp_path / "a" / WARM_START_FILE).read_text())
+    assert record["settings"] == {"seed": 0, "steps": 4, "lr": 5e-3, "batch_size": 4}
+    assert stats_a["examples"] == sum(len(row["hop_queries"]) + 1 for row in rows)
+
+
+def test_warm_start_cli(tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    from mempo_trl.cli import main
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    before = _tiny_state(model)
+    assert main(["warm-start", "--model", str(model), "--steps", "2", "--batch-size", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 2
+    after = _tiny_state(model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_warm_model_learned_the_format(warm_model_dir, demo_paths, retriever):
+    from mempo_trl.generation import HFGenerator
+    from mempo_trl.tiny import load_tiny
+
+    stats = json.loads((warm_model_dir / WARM_START_FILE).read_text())["stats"]
+    assert stats["final_loss"] < stats["initial_loss"] / 5
+    model, tokenizer = load_tiny(warm_model_dir)
+    engine = RolloutEngine(tokenizer, retriever)
+    rows = read_jsonl(demo_paths.train)[:6]
+    prompts = [render_prompt(tokenizer, engine.context_messages(engine.new_episode(row))) for row in rows]
+    completions, _ = HFGenerator(model, tokenizer, max_new_tokens=48)(prompts)
+    turns = [parse_turn(tokenizer.decode(ids, skip_special_tokens=True)) for ids in completions]
+    assert all(turn.valid and turn.action == "search" for turn in turns), [t.reason for t in turns]
+
+
+@pytest.mark.slow
+def test_warm_tiny_model_is_reused(warm_model_dir):
+    weights = warm_model_dir / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    assert build_warm_tiny_model(warm_model_dir, seed=0) == warm_model_dir
+    assert weights.stat().st_mtime_ns == mtime
