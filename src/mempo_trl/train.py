@@ -17,6 +17,7 @@ from pathlib import Path
 
 
 TINY_MODEL = "tiny"
+REWARD_FUNCS = {"outcome": "mempo_outcome_reward", "format": "mempo_format_reward"}
 
 
 @dataclass
@@ -39,7 +40,11 @@ class ScriptArguments:
         metadata={"help": "URL of a Search-R1-style retrieval server (`POST /retrieve`); overrides corpus."},
     )
     retriever_cache_dir: str | None = field(default=None, metadata={"help": "Where BM25 indexes are cached."})
-    tiny_seed: int = field(default=0, metadata={"help": "Seed of the tiny model when model_name_or_path is `tiny`."})
+    rewards: list[str] = field(
+        default_factory=lambda: ["outcome"],
+        metadata={"help": f"Outcome reward functions by name, from {sorted(REWARD_FUNCS)}; weigh them with "
+                  "`reward_weights`. `format` helps a small model that rarely answers right."},
+    )  # fmt: skip
 
 
 def _load_model_and_tokenizer(model_args, training_args):
@@ -89,6 +94,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args):
     """Load and validate the data, the retriever and the model; return a ready `MemPOTrainer`."""
     from trl import get_peft_config
 
+    from mempo_trl import rewards as rewards_module
     from mempo_trl.callbacks import LaunchBannerCallback, StepSummaryCallback
     from mempo_trl.data import load_qa
     from mempo_trl.demo_world import demo_paths
@@ -99,10 +105,15 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args):
     if script_args.eval_dataset_name:
         eval_dataset = load_qa(script_args.eval_dataset_name, split=script_args.eval_split)
     retriever = _load_retriever(script_args)
+    unknown = sorted(set(script_args.rewards) - set(REWARD_FUNCS))
+    if unknown:
+        raise ValueError(f"Unknown rewards {unknown}: choose from {sorted(REWARD_FUNCS)}.")
+    reward_funcs = [getattr(rewards_module, REWARD_FUNCS[name]) for name in script_args.rewards]
     model, tokenizer = _load_model_and_tokenizer(model_args, training_args)
     trainer = MemPOTrainer(
         model=model,
         retriever=retriever,
+        reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,

@@ -1,0 +1,58 @@
+"""`mempo-trl train`: a bad recipe stops before training with one clear message (exit code 2, no traceback)."""
+
+import json
+
+import pytest
+
+from mempo_trl.cli import main
+
+
+@pytest.fixture
+def recipe(tmp_path, tiny_model_dir):
+    def write(**fields):
+        settings = {
+            "model_name_or_path": str(tiny_model_dir), "output_dir": str(tmp_path / "out"), "use_cpu": True,
+            "bf16": False, "report_to": "none", "max_steps": 1, "per_device_train_batch_size": 4,
+            "num_generations": 4, "max_completion_length": 8, "max_turns": 1, **fields,
+        }  # fmt: skip
+        path = tmp_path / "recipe.yaml"
+        path.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in settings.items()))
+        return str(path)
+
+    return write
+
+
+def _fails(capsys, argv, *needles):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    message = err[err.index("error: ") :]  # may span lines (one per problem) but is one message
+    for needle in needles:
+        assert needle in message
+    return message
+
+
+def test_unknown_recipe_key(capsys, recipe):
+    _fails(capsys, ["--config", recipe(max_turnz=3)], "max_turnz")
+
+
+def test_missing_corpus_file(capsys, recipe, tmp_path):
+    _fails(capsys, ["--config", recipe(corpus=str(tmp_path / "nope.jsonl"))], "nope.jsonl")
+
+
+def test_rows_without_golden_answers(capsys, recipe, tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "a?", "golden_answers": ["x"]}\n{"question": "b?"}\n')
+    _fails(capsys, ["--config", recipe(dataset_name=str(data))], "qa.jsonl", "line 2", "golden_answers")
+
+
+def test_batch_size_not_divisible_by_num_generations(capsys, recipe):
+    _fails(capsys, ["--config", recipe(per_device_train_batch_size=3)], "num_generations")
+
+
+def test_unknown_reward_name(capsys, recipe):
+    _fails(capsys, ["--config", recipe(rewards=["outcome", "style"])], "style", "format")
+
+
+def test_invalid_mempo_setting(capsys, recipe):
+    _fails(capsys, ["--config", recipe(loss_type="grpo")], "loss_type")
