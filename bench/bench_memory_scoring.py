@@ -171,14 +171,11 @@ def _timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def measure_scoring(
-    model, tokenizer, episodes, batch_size: int = 8, repeats: int = 3, with_sorted: bool = True
-) -> dict:
+def measure_scoring(model, tokenizer, episodes, batch_size: int = 8, repeats: int = 3) -> dict:
     """Score the full-history contexts of ``episodes`` with both schemes: tokens, median times, P differences.
 
-    Every timed run also counts the tokens forwarded (a forward pre-hook on the model). With ``with_sorted``, the naive
-    scheme is also timed on the contexts sorted by length (a padding fix proposed for ``memory_scoring="batched"``).
-    The mem contexts (scored the same way by both trainer modes) are only counted.
+    Every timed run also counts the tokens forwarded (a forward pre-hook on the model). The naive scheme is
+    `answer_token_logps` (`memory_scoring="batched"`, which batches contexts of similar length). The mem contexts (scored the same way by both trainer modes) are only counted.
     """
     keys, full, mem = [], [], []
     for e, ep in enumerate(episodes):
@@ -195,20 +192,10 @@ def measure_scoring(
         "shared_rows": len(rows),
         "mem_real_tokens": sum(len(it.context_ids) + len(it.answer_ids) for it in mem),
     }
-    order = sorted(range(len(full)), key=lambda i: len(full[i].context_ids))
-    inverse = torch.argsort(torch.tensor(order))
-
-    def naive_sorted():
-        # A fix proposed for `answer_token_logps` (not in src/): batch contexts of similar length to cut padding.
-        logps, mask = answer_token_logps(model, [full[i] for i in order], pad_id, batch_size)
-        return logps[inverse], mask[inverse]
-
     schemes = [
         ("naive", lambda: answer_token_logps(model, full, pad_id, batch_size)),
         ("shared", lambda: shared_prefix_answer_logps(model, full, keys, pad_id, batch_size)),
     ]
-    if with_sorted:
-        schemes.append(("sorted", naive_sorted))
     for name, fn in schemes:
         counter = _TokenCounter(model)
         try:
@@ -221,10 +208,6 @@ def measure_scoring(
     if not torch.equal(naive_mask, shared_mask):
         raise AssertionError("the two schemes disagree on the gold-answer mask")
     out["max_abs_logp_diff"] = float((naive - shared).abs().max())
-    if with_sorted:
-        sorted_logps, sorted_mask = out.pop("sorted_result")
-        if not torch.equal(sorted_mask, naive_mask) or not torch.allclose(sorted_logps, naive, atol=1e-4):
-            raise AssertionError("length-sorted batching changed the log-probs")
     p_naive, p_shared = answer_probability(naive, naive_mask, None), answer_probability(shared, shared_mask, None)
     out["p_naive"], out["p_shared"] = p_naive, p_shared
     out["max_abs_p_diff"] = float((p_naive - p_shared).abs().max())
@@ -241,7 +224,6 @@ def run(
     repeats: int = 3,
     dims: dict | None = None,
     model_dir: str | Path | None = None,
-    with_sorted: bool = True,
 ) -> list[dict]:
     """The bench's core: one result dict per round count (see `measure_scoring`), plus ``rounds``."""
     model_dir = model_dir or tempfile.mkdtemp(prefix="bench_scoring_")
@@ -252,7 +234,7 @@ def run(
     for rounds in rounds_list:
         episodes = play_episodes(tokenizer, retriever, rows, rounds, turn_tokens, mem_tokens)
         with torch.no_grad():
-            result = measure_scoring(model, tokenizer, episodes, batch_size, repeats, with_sorted)
+            result = measure_scoring(model, tokenizer, episodes, batch_size, repeats)
         result["rounds"] = rounds
         result["params"] = sum(p.numel() for p in model.parameters())
         result["peak_context"] = max(len(r.prompt_ids) for ep in episodes for r in ep.rounds)
@@ -279,19 +261,6 @@ def print_table(results: list[dict]) -> None:
             f"| {r['naive_s']:.3f} | {r['shared_s']:.3f} | {r['naive_s'] / r['shared_s']:.2f}x "
             f"| {r['max_abs_p_diff']:.2e} | {r['max_rel_p_diff']:.2e} | {r['max_abs_logp_diff']:.2e} |"
         )
-    if all("sorted_s" in r for r in results):
-        print()
-        print(
-            "Proposed padding fix for memory_scoring=batched (not in src/): the same naive scoring, contexts sorted by"
-        )
-        print("length before batching (same log-probs, checked):")
-        print("| rounds | forwarded tokens | s | speed-up vs naive | time / shared-prefix time |")
-        print("|---:|---:|---:|---:|---:|")
-        for r in results:
-            print(
-                f"| {r['rounds']} | {r['sorted_padded_tokens']:,} | {r['sorted_s']:.3f} "
-                f"| {r['naive_s'] / r['sorted_s']:.2f}x | {r['sorted_s'] / r['shared_s']:.2f}x |"
-            )
 
 
 def main(argv: list[str] | None = None) -> None:
