@@ -449,7 +449,7 @@ class MemPOTrainer(GRPOTrainer):
             if count:
                 mean = total / count
                 self._metrics[mode][name].append(mean)
-                if name in ("memory/reward", "memory/advantage"):
+                if name.startswith(("memory/reward", "memory/advantage")):
                     self._metrics[mode][f"{name}_std"].append(math.sqrt(max(total_sq / count - mean * mean, 0.0)))
         peak = self._global_max(max((len(r.prompt_ids) for r in records), default=0))
         self._metrics[mode]["tokens/prompt_peak"].append(float(peak))
