@@ -110,3 +110,22 @@ def test_full_history_baseline_trains_without_memory_scoring(warm_model_dir, dem
     assert _changed(before, after, before)
     assert not _logged(trainer, "memory/reward")
     assert max(_logged(trainer, "memory/scored_rounds")) == 0
+
+
+@pytest.mark.slow
+def test_evaluate_logs_episode_and_memory_metrics(warm_model_dir, demo_paths, demo_retriever, tmp_path):
+    model, tokenizer = load_tiny(warm_model_dir)
+    args = MemPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, per_device_eval_batch_size=4,
+        num_generations_eval=2, max_completion_length=40, max_turns=3, use_cpu=True, bf16=False,
+        gradient_checkpointing=False, report_to="none",
+    )  # fmt: skip
+    trainer = MemPOTrainer(
+        model, demo_retriever, args=args, train_dataset=load_qa(str(demo_paths.train)).select(range(4)),
+        eval_dataset=load_qa(str(demo_paths.test)).select(range(4)), processing_class=tokenizer,
+    )  # fmt: skip
+    metrics = trainer.evaluate()
+    for key in ("eval_loss", "eval_episode/em", "eval_episode/format_valid", "eval_episode/turns",
+                "eval_tokens/prompt_per_round", "eval_time/generation"):  # fmt: skip
+        assert key in metrics, key
+    assert 0.0 <= metrics["eval_episode/format_valid"] <= 1.0
