@@ -61,7 +61,7 @@ class MemPOConfig(GRPOConfig):
             its own sequence of one padded batch (the reference scheme). `"shared_prefix"`: the full-history
             contexts of one trajectory are prefixes of each other, so they are scored in ONE sequence (its longest
             context + one answer block per round, with a 4D attention mask): linear instead of quadratic tokens in
-            the number of rounds (6.4x faster scoring at 8 rounds in `bench/`). Needs `sdpa` or `eager` attention
+            the number of rounds (3.4x faster scoring at 8 rounds in `bench/`). Needs `sdpa` or `eager` attention
             (not flash-attention); the T x T mask costs O(T^2) memory per sequence. `"auto"`: `shared_prefix` when
             the model's attention allows it, else `batched`.
 
