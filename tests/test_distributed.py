@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,10 @@ def _run(cmd: list[str], tmp_path: Path) -> None:
 def test_memory_pool_split_over_two_processes_matches_one_process(tiny_model_dir, tmp_path):
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     _run([sys.executable, str(WORKER), str(tiny_model_dir), str(one)], tmp_path)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
+    with socket.socket() as sock:  # a free loopback port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
     _run([*torchrun, str(WORKER), str(tiny_model_dir), str(two)], tmp_path)
     single, split = json.loads(one.read_text()), json.loads(two.read_text())
     assert (single["world"], split["world"]) == (1, 2)
