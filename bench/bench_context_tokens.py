@@ -17,8 +17,8 @@ import tempfile
 from collections import defaultdict
 
 from mempo_trl.data import load_qa
-from mempo_trl.demo_world import demo_paths
 from mempo_trl.evaluation import compare_modes, evaluate, load_eval_tokenizer
+from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.retrieval import BM25Retriever
 
 
@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.tokenizer is None:
-        from mempo_trl.tiny import build_tiny_model
+        from mempo_trl.kit.tiny import build_tiny_model
 
         tokenizer = load_eval_tokenizer(str(build_tiny_model(tempfile.mkdtemp(), seed=0)))
     else:

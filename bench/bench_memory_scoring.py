@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from mempo_trl.data import read_jsonl
-from mempo_trl.demo_world import demo_paths
+from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.memory import answer_probability
 from mempo_trl.retrieval import BM25Retriever
 from mempo_trl.rollout import RolloutEngine
@@ -129,7 +129,7 @@ def build_model(model_dir: str | Path, dims: dict | None = None):
 
     A ``model_dir`` that already holds a model is loaded as is (``dims`` are then ignored).
     """
-    from mempo_trl.tiny import build_tiny_model, load_tiny
+    from mempo_trl.kit.tiny import build_tiny_model, load_tiny
 
     if not (Path(model_dir) / "config.json").exists():
         build_tiny_model(model_dir, seed=0, **(dims or MODEL_DIMS))

@@ -50,11 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory_scoring import MODEL_DIMS, ScriptedPolicy, demo_rows  # noqa: E402
 
 from mempo_trl.context import DEFAULT_SYSTEM_PROMPT, initial_messages  # noqa: E402
-from mempo_trl.demo_world import demo_paths  # noqa: E402
+from mempo_trl.kit.demo_world import demo_paths  # noqa: E402
+from mempo_trl.kit.tiny import build_tiny_model  # noqa: E402
+from mempo_trl.loading import load_tokenizer  # noqa: E402
 from mempo_trl.protocol import render_information  # noqa: E402
 from mempo_trl.retrieval import BM25Retriever  # noqa: E402
 from mempo_trl.rewards import exact_match  # noqa: E402
-from mempo_trl.tiny import build_tiny_model, load_tokenizer  # noqa: E402
 
 
 TOPK = 3

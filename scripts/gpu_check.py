@@ -20,10 +20,10 @@ from vllm.inputs import TokensPrompt
 
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.data import load_qa
-from mempo_trl.demo_world import demo_paths
+from mempo_trl.kit.demo_world import demo_paths
+from mempo_trl.kit.tiny import load_tiny
+from mempo_trl.kit.warmstart import build_warm_tiny_model
 from mempo_trl.retrieval import BM25Retriever
-from mempo_trl.tiny import load_tiny
-from mempo_trl.warmstart import build_warm_tiny_model
 
 
 def prompt_logprobs(trainer, ids: list[int]) -> list[float]:

@@ -7,8 +7,8 @@ from datasets import Dataset
 
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.data import DataError
+from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.retrieval import Passage
-from mempo_trl.tiny import load_tiny
 
 
 BASE = dict(use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4, num_generations=4)

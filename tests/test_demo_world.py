@@ -10,9 +10,9 @@ import re
 import bm25s
 import pytest
 
-import mempo_trl.demo_world as demo_world
+import mempo_trl.kit.demo_world as demo_world
 from mempo_trl.cli import main
-from mempo_trl.demo_world import KINDS, generate_world, write_world
+from mempo_trl.kit.demo_world import KINDS, generate_world, write_world
 
 
 ROW_KEYS = [
@@ -50,7 +50,7 @@ def test_different_seeds_differ():
 
 
 def test_shipped_files_equal_a_fresh_generation(tmp_path, demo_paths):
-    """If this fails, regenerate: `mempo-trl build-demo --out src/mempo_trl/data/demo`."""
+    """If this fails, regenerate: `mempo-trl build-demo --out src/mempo_trl/kit/demo`."""
     fresh = write_world(generate_world(), tmp_path)
     for shipped, new in zip(demo_paths, fresh):
         assert shipped.read_bytes() == new.read_bytes(), shipped.name

@@ -13,9 +13,10 @@ from mempo_trl.cli import main
 from mempo_trl.context import initial_messages, render_prompt
 from mempo_trl.evaluation import compare_modes, evaluate
 from mempo_trl.generation import HFGenerator, stop_token_ids, strip_completion
+from mempo_trl.kit.tiny import load_tiny
+from mempo_trl.loading import load_tokenizer
 from mempo_trl.protocol import render_information
 from mempo_trl.retrieval import Passage
-from mempo_trl.tiny import load_tiny, load_tokenizer
 
 
 _QUESTION = re.compile(r"Question: (.*?)<\|im_end\|>", re.DOTALL)

@@ -214,7 +214,7 @@ def test_deepspeed_zero3_two_processes_lora_then_merge(warm_model_dir, tmp_path)
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from mempo_trl.tiny import load_tokenizer
+    from mempo_trl.loading import load_tokenizer
 
     out = tmp_path / "zero3_lora"
     lora = ("--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj")
@@ -269,8 +269,8 @@ def test_merge_lora_with_moved_base_and_dtype(tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from mempo_trl.kit.tiny import load_tiny
     from mempo_trl.merge import merge_lora
-    from mempo_trl.tiny import load_tiny
 
     model, tokenizer = load_tiny(tiny_model_dir)
     torch.manual_seed(0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mempo_trl.context import render_prompt, round_messages
+from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.memory import answer_probability
 from mempo_trl.retrieval import Passage
 from mempo_trl.rollout import RolloutEngine
@@ -14,7 +15,6 @@ from mempo_trl.scoring import (
     pack_shared_prefix,
     shared_prefix_answer_logps,
 )
-from mempo_trl.tiny import load_tiny
 
 
 class EchoRetriever:

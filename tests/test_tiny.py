@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-import mempo_trl.tiny as tiny_module
+import mempo_trl.kit.tiny as tiny_module
 from mempo_trl.cli import main
+from mempo_trl.kit.tiny import build_tiny_model, load_tiny
+from mempo_trl.loading import load_tokenizer
 from mempo_trl.protocol import MEMPO_TAGS
-from mempo_trl.tiny import build_tiny_model, load_tiny, load_tokenizer
 
 
 TEXT = "<mem> Pansik Textiles was founded in 1834. </mem>\n<think> search </think>\n<search> founder </search>"
@@ -82,7 +83,7 @@ def test_reload_round_trip_and_same_seed_rebuild(tiny, tiny_model_dir, tmp_path)
 
 
 def test_build_is_identical_in_another_process(tiny_model_dir, tmp_path):
-    code = f"from mempo_trl.tiny import build_tiny_model; build_tiny_model({str(tmp_path)!r}, seed=0)"
+    code = f"from mempo_trl.kit.tiny import build_tiny_model; build_tiny_model({str(tmp_path)!r}, seed=0)"
     env = {**os.environ, "PYTHONHASHSEED": "123", "RAYON_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True)
     for name in ("tokenizer.json", "model.safetensors"):

@@ -5,9 +5,9 @@ import torch
 
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.data import load_qa
+from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.retrieval import BM25Retriever
 from mempo_trl.rewards import mempo_format_reward, mempo_outcome_reward
-from mempo_trl.tiny import load_tiny
 
 
 @pytest.fixture(scope="module")

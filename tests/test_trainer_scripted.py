@@ -14,8 +14,8 @@ from datasets import Dataset
 
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.context import initial_messages, render_prompt, round_messages
+from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.retrieval import Passage
-from mempo_trl.tiny import load_tiny
 
 
 class EchoRetriever:

@@ -6,13 +6,10 @@ import json
 import pytest
 import torch
 
-from mempo_trl import warmstart
 from mempo_trl.context import render_prompt
 from mempo_trl.data import read_jsonl
-from mempo_trl.protocol import parse_turn, render_information
-from mempo_trl.rewards import exact_match
-from mempo_trl.rollout import RolloutEngine
-from mempo_trl.warmstart import (
+from mempo_trl.kit import warmstart
+from mempo_trl.kit.warmstart import (
     WARM_START_FILE,
     build_warm_tiny_model,
     hop_facts,
@@ -20,6 +17,9 @@ from mempo_trl.warmstart import (
     sft_examples,
     warm_start,
 )
+from mempo_trl.protocol import parse_turn, render_information
+from mempo_trl.rewards import exact_match
+from mempo_trl.rollout import RolloutEngine
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_oracle_rejects_rows_longer_than_max_turns(all_rows, retriever):
 @pytest.mark.parametrize("context_mode", ["memory", "full_history"])
 def test_sft_examples_equal_the_rollout_contexts(tiny_model_dir, one_row_per_kind, retriever, context_mode):
     from mempo_trl.generation import stop_token_ids
-    from mempo_trl.tiny import load_tokenizer
+    from mempo_trl.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
     engine = RolloutEngine(
@@ -100,13 +100,13 @@ def test_sft_examples_equal_the_rollout_contexts(tiny_model_dir, one_row_per_kin
 
 
 def _tiny_state(path):
-    from mempo_trl.tiny import load_tiny
+    from mempo_trl.kit.tiny import load_tiny
 
     return load_tiny(path)[0].state_dict()
 
 
 def test_warm_start_is_deterministic(tmp_path, demo_paths, retriever):
-    from mempo_trl.tiny import build_tiny_model
+    from mempo_trl.kit.tiny import build_tiny_model
 
     rows = read_jsonl(demo_paths.train)[:8]
     runs = {}
@@ -137,7 +137,7 @@ def test_warm_start_cli(tiny_model_dir, tmp_path, capsys):
 @pytest.mark.slow
 def test_warm_model_learned_the_format(warm_model_dir, demo_paths, retriever):
     from mempo_trl.generation import HFGenerator
-    from mempo_trl.tiny import load_tiny
+    from mempo_trl.kit.tiny import load_tiny
 
     stats = json.loads((warm_model_dir / WARM_START_FILE).read_text())["stats"]
     assert stats["final_loss"] < stats["initial_loss"] / 5

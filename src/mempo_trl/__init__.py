@@ -37,11 +37,7 @@ _EXPORTS = {
     "load_retriever": "mempo_trl.retrieval",
     "load_qa": "mempo_trl.data",
     "DataError": "mempo_trl.data",
-    "build_tiny_model": "mempo_trl.tiny",
-    "load_tiny": "mempo_trl.tiny",
-    "generate_world": "mempo_trl.demo_world",
-    "demo_paths": "mempo_trl.demo_world",
-    "build_warm_tiny_model": "mempo_trl.warmstart",
+    "load_tokenizer": "mempo_trl.loading",
     "evaluate": "mempo_trl.evaluation",
 }
 

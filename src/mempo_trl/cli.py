@@ -14,10 +14,10 @@ import sys
 COMMAND_MODULES = (
     "mempo_trl.train",
     "mempo_trl.retrieval.cli",
-    "mempo_trl.demo_world",
-    "mempo_trl.tiny",
+    "mempo_trl.kit.demo_world",
+    "mempo_trl.kit.tiny",
     "mempo_trl.evaluation",
-    "mempo_trl.warmstart",
+    "mempo_trl.kit.warmstart",
     "mempo_trl.merge",
 )
 

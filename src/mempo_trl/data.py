@@ -35,7 +35,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
     A line that is not valid JSON, or not a JSON object, raises `DataError` with the file and line number.
 
     Example:
-        >>> from mempo_trl.demo_world import demo_paths
+        >>> from mempo_trl.kit.demo_world import demo_paths
         >>> read_jsonl(demo_paths().corpus)[0].keys()
         dict_keys(['id', 'contents'])
     """
@@ -218,7 +218,7 @@ def load_qa(source: str | Path, split: str = "train", config: str | None = None)
     `"RUC-NLPIR/FlashRAG_datasets"` with `config="nq"` (cached copies only when `HF_HUB_OFFLINE=1`).
 
     Example:
-        >>> from mempo_trl.demo_world import demo_paths
+        >>> from mempo_trl.kit.demo_world import demo_paths
         >>> load_qa(demo_paths().train).column_names[:4]
         ['id', 'question', 'golden_answers', 'data_source']
     """

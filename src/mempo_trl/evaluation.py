@@ -203,7 +203,9 @@ def evaluate(
 
     Example:
         >>> import tempfile
-        >>> from mempo_trl import build_tiny_model, demo_paths, load_qa, load_retriever, load_tiny
+        >>> from mempo_trl import load_qa, load_retriever
+        >>> from mempo_trl.kit.demo_world import demo_paths
+        >>> from mempo_trl.kit.tiny import build_tiny_model, load_tiny
         >>> model, tokenizer = load_tiny(build_tiny_model(tempfile.mkdtemp()))
         >>> rows, retriever = list(load_qa(demo_paths().test))[:4], load_retriever(str(demo_paths().corpus))
         >>> result = evaluate(model, tokenizer, rows, retriever, max_turns=2, max_new_tokens=16, progress=False)
@@ -330,12 +332,9 @@ def load_eval_tokenizer(path: str):
         >>> load_eval_tokenizer("tiny").padding_side  # doctest: +SKIP
         'left'
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from mempo_trl.loading import load_tokenizer
 
-    if (Path(path) / "tokenizer.json").is_file():
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     if not tokenizer.chat_template:
         raise EvalError(f"the tokenizer of {path} has no chat template; MemPO prompts are chat conversations.")
     return tokenizer
@@ -386,7 +385,7 @@ def _quiet_retry_warnings():
 
 def _load_rows(args: argparse.Namespace) -> list[dict]:
     from mempo_trl.data import load_qa
-    from mempo_trl.demo_world import demo_paths
+    from mempo_trl.kit.demo_world import demo_paths
 
     sources = args.data or [str(demo_paths().test)]
     rows = []
@@ -403,7 +402,7 @@ def _load_rows(args: argparse.Namespace) -> list[dict]:
 
 
 def _load_retriever(args: argparse.Namespace, probe: str):
-    from mempo_trl.demo_world import demo_paths
+    from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.retrieval import RetrievalError, load_retriever
 
     corpus = args.corpus or str(demo_paths().corpus)

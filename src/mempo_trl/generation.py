@@ -53,7 +53,7 @@ class HFGenerator:
     and restored afterwards. Returns no log-probs.
 
     Example:
-        >>> from mempo_trl.tiny import load_tiny
+        >>> from mempo_trl.kit.tiny import load_tiny
         >>> model, tokenizer = load_tiny("tiny")  # doctest: +SKIP
         >>> generate = HFGenerator(model, tokenizer, max_new_tokens=64)  # doctest: +SKIP
         >>> completions, _ = generate([tokenizer("<|im_start|>user\\nhi<|im_end|>").input_ids])  # doctest: +SKIP

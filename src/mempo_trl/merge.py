@@ -13,16 +13,6 @@ import argparse
 from pathlib import Path
 
 
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    from mempo_trl.tiny import load_tokenizer
-
-    if Path(path, "tokenizer.json").is_file():  # the same rule as `mempo-trl train`: exactly what was trained with
-        return load_tokenizer(path)
-    return AutoTokenizer.from_pretrained(path)
-
-
 def merge_lora(adapter: str | Path, out: str | Path, base: str | None = None, dtype: str = "auto") -> Path:
     """Load the base model and the adapter, merge them (`merge_and_unload`) and save model + tokenizer to `out`.
 
@@ -32,6 +22,8 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | None = None, dt
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
+    from mempo_trl.loading import load_tokenizer
+
     adapter = str(adapter)
     base = base or PeftConfig.from_pretrained(adapter).base_model_name_or_path
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
@@ -39,7 +31,7 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | None = None, dt
     out = Path(out)
     merged.save_pretrained(out)
     tokenizer_dir = adapter if Path(adapter, "tokenizer_config.json").is_file() else base
-    _load_tokenizer(tokenizer_dir).save_pretrained(out)
+    load_tokenizer(tokenizer_dir).save_pretrained(out)
     return out
 
 

@@ -5,7 +5,7 @@
 
 Arguments are parsed TRL-style (`TrlParser`) over `ScriptArguments`, `MemPOConfig` and TRL's `ModelConfig`
 (LoRA, quantisation); any of them may come from `--config recipe.yaml` and be overridden on the command line.
-`model_name_or_path: tiny` builds the offline tiny model (`mempo_trl.tiny`) into `<output_dir>/base_model`.
+`model_name_or_path: tiny` builds the offline tiny model (`mempo_trl.kit.tiny`) into `<output_dir>/base_model`.
 """
 
 import argparse
@@ -49,22 +49,20 @@ class ScriptArguments:
 
 def _load_model_and_tokenizer(model_args, training_args):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from trl import get_quantization_config
 
-    from mempo_trl.tiny import load_tokenizer
+    from mempo_trl.loading import load_tokenizer
 
     path = model_args.model_name_or_path
     if path == TINY_MODEL:  # built and SFT-warm-started on the MemPO format, reused from an earlier run if unchanged
-        from mempo_trl.warmstart import build_warm_tiny_model
+        from mempo_trl.kit.warmstart import build_warm_tiny_model
 
         with training_args.main_process_first(desc="building the tiny model"):  # one process builds, the rest reuse
             path = str(build_warm_tiny_model(Path(training_args.output_dir) / "base_model", seed=training_args.seed))
         tokenizer = load_tokenizer(path)
-    elif Path(path, "tokenizer.json").is_file():  # a local model: load exactly what its tokenizer.json says
-        tokenizer = load_tokenizer(path)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
+        tokenizer = load_tokenizer(path, revision=model_args.model_revision)
     tokenizer.padding_side = "left"
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
     quantization_config = get_quantization_config(model_args)
@@ -79,7 +77,7 @@ def _load_model_and_tokenizer(model_args, training_args):
 
 
 def _load_retriever(script_args: ScriptArguments):
-    from mempo_trl.demo_world import demo_paths
+    from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.retrieval import BM25Retriever, HttpRetriever
 
     if script_args.retriever_url:
@@ -97,7 +95,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args):
     from mempo_trl import rewards as rewards_module
     from mempo_trl.callbacks import LaunchBannerCallback, StepSummaryCallback
     from mempo_trl.data import load_qa
-    from mempo_trl.demo_world import demo_paths
+    from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.trainer import MemPOTrainer
 
     train_dataset = load_qa(script_args.dataset_name or str(demo_paths().train), split=script_args.dataset_split)

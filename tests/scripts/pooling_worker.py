@@ -16,8 +16,8 @@ import torch
 from datasets import Dataset
 
 from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.retrieval import Passage
-from mempo_trl.tiny import load_tiny
 
 
 QUESTION = "Where is Gamma?"

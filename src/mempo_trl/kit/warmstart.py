@@ -190,7 +190,7 @@ def _collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int):
 
 def _default_data(rows, retriever):
     from mempo_trl.data import read_jsonl
-    from mempo_trl.demo_world import demo_paths
+    from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.retrieval import BM25Retriever
 
     paths = demo_paths()
@@ -224,7 +224,7 @@ def warm_start(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mempo_trl.tiny import load_tokenizer
+    from mempo_trl.loading import load_tokenizer
 
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps and batch_size must be >= 1, got {steps} and {batch_size}")
@@ -298,7 +298,7 @@ def warm_start(
 
 def _tiny_settings(seed: int) -> dict:
     """What a warm tiny model depends on: the seed, the SFT settings and the demo data (tokenizer and examples)."""
-    from mempo_trl.demo_world import demo_paths
+    from mempo_trl.kit.demo_world import demo_paths
 
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in demo_paths())).hexdigest()
     return {"seed": seed, "steps": WARM_STEPS, "lr": WARM_LR, "batch_size": WARM_BATCH_SIZE, "data_sha256": digest}
@@ -315,7 +315,7 @@ def build_warm_tiny_model(output_dir: str | Path, seed: int = 0) -> Path:
         >>> json.loads((path / WARM_START_FILE).read_text())["tiny"]["seed"]  # doctest: +SKIP
         0
     """
-    from mempo_trl.tiny import build_tiny_model
+    from mempo_trl.kit.tiny import build_tiny_model
 
     out = Path(output_dir)
     settings = _tiny_settings(seed)

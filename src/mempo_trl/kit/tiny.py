@@ -18,6 +18,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from mempo_trl.loading import load_tokenizer
 from mempo_trl.protocol import MEMPO_TAGS
 
 
@@ -41,7 +42,7 @@ def _training_texts(corpus_texts: list[str] | None) -> list[str]:
     """Texts the BPE merges are learned from: the corpus, the prompts and MemPO-format turns of the demo rows."""
     from mempo_trl.context import DEFAULT_SYSTEM_PROMPT, initial_messages
     from mempo_trl.data import read_jsonl
-    from mempo_trl.demo_world import demo_paths
+    from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.protocol import render_gold_answer, render_information
 
     paths = demo_paths()
@@ -146,22 +147,6 @@ def build_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def load_tokenizer(path: str | Path):
-    """Load a saved tokenizer as a `PreTrainedTokenizerFast`, exactly as its `tokenizer.json` says.
-
-    Not `AutoTokenizer`, which swaps in `Qwen2Tokenizer` for `model_type: qwen2` (see the module docstring).
-
-    Example:
-        >>> import tempfile
-        >>> tokenizer = load_tokenizer(build_tiny_model(tempfile.mkdtemp()))
-        >>> tokenizer.padding_side, tokenizer.eos_token, tokenizer.pad_token
-        ('left', '<|im_end|>', '<|endoftext|>')
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
 def load_tiny(path: str | Path):

@@ -537,7 +537,7 @@ def demo_paths() -> DemoPaths:
         >>> demo_paths().train.name
         'train.jsonl'
     """
-    root = Path(str(resources.files("mempo_trl") / "data" / "demo"))
+    root = Path(str(resources.files("mempo_trl.kit") / "demo"))
     return DemoPaths(root / "corpus.jsonl", root / "train.jsonl", root / "test.jsonl")
 
 

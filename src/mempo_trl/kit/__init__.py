@@ -1,0 +1,10 @@
+"""The offline kit: what tests, examples, benchmarks and the quick start run on, without the Hub.
+
+- `mempo_trl.kit.tiny`: a tiny Qwen2-shaped model with its own BPE tokenizer and Qwen2.5's chat template;
+- `mempo_trl.kit.demo_world`: a seeded synthetic world (corpus + 1-hop, 2-hop, comparison, multi-objective QA);
+- `mempo_trl.kit.warmstart`: oracle episodes of the demo world and an SFT warm start on them.
+
+The library core (config, trainer, protocol, context, rollout, scoring, memory, advantages, rewards, data,
+retrieval, evaluation) never imports this package; only the command-line front ends do, for the `tiny` model and
+the demo defaults.
+"""
