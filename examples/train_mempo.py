@@ -31,7 +31,7 @@ logged step. `report_to: trackio | wandb | tensorboard` logs every metric as TRL
 
 import sys
 
-from mempo_trl.train import main
+from mempo_trl.commands.train import main
 
 
 if __name__ == "__main__":

@@ -8,17 +8,13 @@ import json
 
 import datasets
 import pytest
+from helpers import write_lines
 
 import mempo_trl.data as data
 from mempo_trl.data import DataError, load_qa, read_jsonl, validate_qa_rows
 
 
 GOOD = {"id": "q1", "question": "Who founded Pansik Textiles?", "golden_answers": ["Ada Lark", "Lark"]}
-
-
-def write_lines(path, lines):
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
 
 
 def test_doctests():

@@ -50,7 +50,7 @@ def test_different_seeds_differ():
 
 
 def test_shipped_files_equal_a_fresh_generation(tmp_path, demo_paths):
-    """If this fails, regenerate: `mempo-trl build-demo --out src/mempo_trl/kit/demo`."""
+    """If this fails, regenerate: `mempo-trl kit build-demo --output_dir src/mempo_trl/kit/demo`."""
     fresh = write_world(generate_world(), tmp_path)
     for shipped, new in zip(demo_paths, fresh):
         assert shipped.read_bytes() == new.read_bytes(), shipped.name
@@ -184,7 +184,20 @@ def test_rejects_tiny_worlds_and_bad_fractions(tmp_path):
 
 def test_cli_build_demo(tmp_path, capsys):
     assert (
-        main(["build-demo", "--out", str(tmp_path), "--seed", "3", "--num-entities", "40", "--num-questions", "30"])
+        main(
+            [
+                "kit",
+                "build-demo",
+                "--output_dir",
+                str(tmp_path),
+                "--seed",
+                "3",
+                "--num_entities",
+                "40",
+                "--num_questions",
+                "30",
+            ]
+        )
         == 0
     )
     assert "train" in capsys.readouterr().out

@@ -4,10 +4,10 @@ import importlib.util
 import json
 import math
 import re
-import socket
 from collections import defaultdict
 
 import pytest
+from helpers import EchoRetriever, free_port
 
 from mempo_trl.cli import main
 from mempo_trl.context import initial_messages, render_prompt
@@ -20,17 +20,6 @@ from mempo_trl.retrieval import Passage
 
 
 _QUESTION = re.compile(r"Question: (.*?)<\|im_end\|>", re.DOTALL)
-
-
-class EchoRetriever:
-    """One passage per query, about the query; records the queries."""
-
-    def __init__(self):
-        self.queries = []
-
-    def search(self, queries, topk):
-        self.queries += queries
-        return [[Passage(id=q, title=f"T {q}", text=f"About {q}.")] for q in queries]
 
 
 class Script:
@@ -290,12 +279,6 @@ def test_cli_several_sources_limit_and_default_data_source(tiny_model_dir, tmp_p
     assert metrics["overall"]["num_questions"] == 4
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(
     "problem", ["no_golden_answers", "unreachable_retriever", "missing_model", "not_a_model_dir", "missing_corpus"]
 )
@@ -307,7 +290,7 @@ def test_cli_bad_inputs_print_one_line(problem, tiny_model_dir, tmp_path, cache,
         data.write_text(json.dumps({"question": "Who?", "answer": "Ada"}) + "\n")
         extra, expected = ["--data", str(data)], [str(data), "line 1", "golden_answers"]
     elif problem == "unreachable_retriever":
-        url = f"http://127.0.0.1:{_closed_port()}"
+        url = f"http://127.0.0.1:{free_port()}"
         extra = ["--retriever", url, "--retriever-timeout", "2", "--retriever-retries", "0"]
         expected = [url, "refused", "serve-retriever"]
     elif problem == "missing_model":

@@ -10,7 +10,6 @@ the same `ninja` builds it every time (another ninja rebuilds the cached op).
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import free_port
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ LAUNCH_TIMEOUT_S = 1200  # a cold DeepSpeed op build on a busy 2-core runner inc
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_parses_with_trl_parser(recipe):
-    from mempo_trl.train import parse_args
+    from mempo_trl.commands.train import parse_args
 
     # use_cpu: the GPU recipes set bf16, which TrainingArguments rejects on a machine without a GPU otherwise.
     script_args, training_args, model_args = parse_args(["--config", str(recipe), "--use_cpu", "true"])
@@ -44,7 +44,7 @@ def test_recipe_parses_with_trl_parser(recipe):
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
 def test_gpu_recipes_have_the_paper_settings(recipe):
-    from mempo_trl.train import parse_args
+    from mempo_trl.commands.train import parse_args
 
     script_args, training_args, model_args = parse_args(["--config", str(recipe), "--use_cpu", "true"])
     assert model_args.model_name_or_path.startswith("Qwen/Qwen2.5-")
@@ -62,7 +62,7 @@ def test_gpu_recipes_have_the_paper_settings(recipe):
 
 
 def test_3b_recipe_is_lora_and_7b_recipe_is_full_with_vllm_colocate():
-    from mempo_trl.train import parse_args
+    from mempo_trl.commands.train import parse_args
 
     _, lora_args, lora_model = parse_args(["--config", str(GPU_RECIPES[0]), "--use_cpu", "true"])
     assert lora_model.use_peft and lora_model.lora_target_modules == "all-linear" and not lora_args.use_vllm
@@ -146,18 +146,12 @@ def test_step_summary_line():
 # ---------------------------------------------------------------------------------------------- 2-process launches
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(accelerate_config: str, model_dir: Path, out: Path, *extra: str) -> str:
     """`accelerate launch` examples/train_mempo.py on the demo world for 2 MemPO steps; return its output."""
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(ROOT / "accelerate_configs" / accelerate_config),
-        "--main_process_port", str(_free_port()),
+        "--main_process_port", str(free_port()),
         str(SCRIPT),
         "--config", str(ROOT / "examples" / "configs" / "quickstart_cpu.yaml"),
         "--model_name_or_path", str(model_dir),

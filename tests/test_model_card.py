@@ -11,7 +11,7 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "configs" / "qui
 
 @pytest.mark.slow
 def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_model_dir, demo_paths, tmp_path):
-    from mempo_trl.train import build_trainer, parse_args
+    from mempo_trl.commands.train import build_trainer, parse_args
 
     out = tmp_path / "mempo-tiny-card"
     script_args, training_args, model_args = parse_args(

@@ -43,7 +43,7 @@ def _logged(trainer, key: str) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_resume_from_checkpoint_matches_straight_run(warm_model_dir, tmp_path):
-    from mempo_trl.train import build_trainer, parse_args, train
+    from mempo_trl.commands.train import build_trainer, parse_args, train
 
     straight = build_trainer(*parse_args(_args(warm_model_dir, tmp_path / "straight")))
     start = _weights(straight)

@@ -7,15 +7,11 @@ import json
 
 import pytest
 from datasets import Dataset
+from helpers import write_lines
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mempo_trl.retrieval import CorpusError, Passage, load_corpus, parse_contents
-
-
-def write_lines(path, lines):
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
 
 
 def test_parse_contents_wiki18_row():

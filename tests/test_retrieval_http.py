@@ -5,7 +5,6 @@ Everything listens on 127.0.0.1 only. Run: pytest tests/test_retrieval_http.py
 
 import json
 import logging
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import free_port
 
 from mempo_trl.retrieval import BM25Retriever, HttpRetriever, Passage, RetrievalError
 
@@ -37,12 +37,6 @@ class LiveServer:
     corpus: Path
     cache_dir: Path
     process: subprocess.Popen
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(directory: Path) -> LiveServer:

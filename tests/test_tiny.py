@@ -173,7 +173,7 @@ def test_left_padding_batch(tiny):
 def test_custom_corpus_and_cli(tmp_path, capsys):
     custom = build_tiny_model(tmp_path / "custom", corpus_texts=["Zorblat zorblat zorblat quux"] * 50)
     assert len(load_tokenizer(custom)(" zorblat").input_ids) == 1
-    assert main(["build-tiny-model", "--out", str(tmp_path / "cli"), "--seed", "0"]) == 0
+    assert main(["kit", "build-tiny-model", "--output_dir", str(tmp_path / "cli"), "--seed", "0"]) == 0
     assert "wrote" in capsys.readouterr().out
     config = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert config["model_type"] == "qwen2" and config["tie_word_embeddings"]

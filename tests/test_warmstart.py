@@ -128,7 +128,21 @@ def test_warm_start_cli(tiny_model_dir, tmp_path, capsys):
 
     model = shutil.copytree(tiny_model_dir, tmp_path / "model")
     before = _tiny_state(model)
-    assert main(["warm-start", "--model", str(model), "--steps", "2", "--batch-size", "2"]) == 0
+    assert (
+        main(
+            [
+                "kit",
+                "warm-start",
+                "--model_name_or_path",
+                str(model),
+                "--max_steps",
+                "2",
+                "--per_device_train_batch_size",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["steps"] == 2
     after = _tiny_state(model)
     assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -12,13 +12,11 @@ import sys
 
 
 COMMAND_MODULES = (
-    "mempo_trl.train",
+    "mempo_trl.commands.train",
+    "mempo_trl.commands.eval",
     "mempo_trl.retrieval.cli",
-    "mempo_trl.kit.demo_world",
-    "mempo_trl.kit.tiny",
-    "mempo_trl.evaluation",
-    "mempo_trl.kit.warmstart",
     "mempo_trl.merge",
+    "mempo_trl.commands.kit",
 )
 
 

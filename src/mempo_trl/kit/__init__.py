@@ -5,6 +5,6 @@
 - `mempo_trl.kit.warmstart`: oracle episodes of the demo world and an SFT warm start on them.
 
 The library core (config, trainer, protocol, context, rollout, scoring, memory, advantages, rewards, data,
-retrieval, evaluation) never imports this package; only the command-line front ends do, for the `tiny` model and
-the demo defaults.
+retrieval, evaluation, generation) never imports this package (`tests/test_layout.py`); only the command layer
+(`mempo_trl.commands`) does, for the `tiny` model and the demo defaults. Its commands: `mempo-trl kit --help`.
 """

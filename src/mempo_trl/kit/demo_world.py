@@ -17,7 +17,6 @@ and `sub_answers` (the individual questions and their alias lists of a `demo_mul
 Everything is drawn from one `random.Random(seed)`: the same seed gives byte-identical files.
 """
 
-import argparse
 import json
 import random
 from dataclasses import dataclass, field
@@ -539,25 +538,3 @@ def demo_paths() -> DemoPaths:
     """
     root = Path(str(resources.files("mempo_trl.kit") / "demo"))
     return DemoPaths(root / "corpus.jsonl", root / "train.jsonl", root / "test.jsonl")
-
-
-def _build_demo(args: argparse.Namespace) -> int:
-    world = generate_world(args.seed, args.num_entities, args.num_questions, args.distractor_rate)
-    paths = write_world(world, args.out, args.test_fraction)
-    counts = {name: sum(1 for _ in path.open(encoding="utf-8")) for name, path in paths._asdict().items()}
-    print(f"wrote {paths.corpus.parent}: " + ", ".join(f"{name} {n} rows" for name, n in counts.items()))
-    return 0
-
-
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add `mempo-trl build-demo`: write a fictional corpus and QA split (e.g. `--out demo --seed 3`)."""
-    parser = subparsers.add_parser(
-        "build-demo", help="generate the fictional demo corpus and QA rows", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--out", required=True, help="output directory for corpus/train/test .jsonl")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-entities", type=int, default=140)
-    parser.add_argument("--num-questions", type=int, default=250, help="at most this many QA rows")
-    parser.add_argument("--distractor-rate", type=float, default=0.5, help="share of entities with a distractor")
-    parser.add_argument("--test-fraction", type=float, default=0.2)
-    parser.set_defaults(func=_build_demo)

@@ -13,8 +13,6 @@ is built with exactly those, so both give the same ids here, but a `tokenizer.js
 then silently tokenized differently.
 """
 
-import argparse
-import json
 from importlib import resources
 from pathlib import Path
 
@@ -162,21 +160,3 @@ def load_tiny(path: str | Path):
 
     model = Qwen2ForCausalLM.from_pretrained(str(path))
     return model.eval(), load_tokenizer(path)
-
-
-def _build_tiny(args: argparse.Namespace) -> int:
-    out = build_tiny_model(args.out, seed=args.seed, vocab_size=args.vocab_size)
-    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    print(f"wrote {out}: vocab {config['vocab_size']}, hidden {config['hidden_size']}, seed {args.seed}")
-    return 0
-
-
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add `mempo-trl build-tiny-model`: save the tiny offline model (e.g. `--out tiny --seed 0`)."""
-    parser = subparsers.add_parser(
-        "build-tiny-model", help="build a tiny offline Qwen2 model + tokenizer", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--out", required=True, help="output directory (loads with from_pretrained)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=2048, help="upper bound of the BPE vocabulary")
-    parser.set_defaults(func=_build_tiny)

@@ -16,7 +16,6 @@ The ``<mem>`` holds only the facts (``Subject: value.``), not the question again
 context (and in the memory reward's ``mem_traj``), and a 48-token turn has no room for it.
 """
 
-import argparse
 import hashlib
 import json
 import re
@@ -327,24 +326,3 @@ def build_warm_tiny_model(output_dir: str | Path, seed: int = 0) -> Path:
     record = json.loads(marker.read_text())
     marker.write_text(json.dumps({**record, "tiny": settings}, indent=2))
     return out
-
-
-def _warm_start_cli(args: argparse.Namespace) -> int:
-    stats = warm_start(args.model, steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
-    print(json.dumps(stats, indent=2))
-    return 0
-
-
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add `mempo-trl warm-start`: SFT a saved model on the oracle turns of the demo train rows, in place."""
-    parser = subparsers.add_parser(
-        "warm-start",
-        help="SFT warm start of a saved model on the MemPO format (demo-world oracle turns)",
-        description=__doc__.split("\n")[0],
-    )
-    parser.add_argument("--model", required=True, help="model directory (with tokenizer.json); overwritten")
-    parser.add_argument("--steps", type=int, default=WARM_STEPS)
-    parser.add_argument("--lr", type=float, default=WARM_LR)
-    parser.add_argument("--batch-size", type=int, default=WARM_BATCH_SIZE)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(func=_warm_start_cli)

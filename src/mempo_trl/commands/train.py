@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mempo_trl.commands import add_command
+
 
 TINY_MODEL = "tiny"
 REWARD_FUNCS = {"outcome": "mempo_outcome_reward", "format": "mempo_format_reward"}
@@ -175,7 +177,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "train", help="Train a MemPO agent (TRL-style arguments; --config recipe.yaml).", add_help=False
-    )
-    parser.set_defaults(func=lambda args: main(args.extra), accepts_extra=True)
+    add_command(subparsers, "train", "Train a MemPO agent (TRL-style arguments; --config recipe.yaml).", main)

@@ -1,0 +1,92 @@
+"""`mempo-trl kit ...`: build the offline kit's pieces (demo world, tiny model, SFT warm start) on disk.
+
+    mempo-trl kit build-demo --output_dir demo --seed 3
+    mempo-trl kit build-tiny-model --output_dir tiny
+    mempo-trl kit warm-start --model_name_or_path tiny --max_steps 200
+
+or `python -m mempo_trl.kit ...` with the same arguments.
+"""
+
+import argparse
+import json
+from dataclasses import dataclass, field
+
+from mempo_trl.commands import add_command, parse
+from mempo_trl.kit.warmstart import WARM_BATCH_SIZE, WARM_LR, WARM_STEPS
+
+
+@dataclass
+class BuildDemoArguments:
+    """Write a fictional corpus and QA split (`mempo_trl.kit.demo_world`)."""
+
+    output_dir: str = field(metadata={"help": "Directory for corpus.jsonl, train.jsonl and test.jsonl."})
+    seed: int = field(default=0, metadata={"help": "Same seed, byte-identical files."})
+    num_entities: int = field(default=140, metadata={"help": "Entities of the world."})
+    num_questions: int = field(default=250, metadata={"help": "At most this many QA rows."})
+    distractor_rate: float = field(default=0.5, metadata={"help": "Share of entities with a distractor passage."})
+    test_fraction: float = field(default=0.2, metadata={"help": "Share of the rows in test.jsonl."})
+
+
+@dataclass
+class BuildTinyModelArguments:
+    """Save the tiny offline Qwen2-shaped model and its tokenizer (`mempo_trl.kit.tiny`)."""
+
+    output_dir: str = field(metadata={"help": "Directory to save to (loads with from_pretrained)."})
+    seed: int = field(default=0, metadata={"help": "Same seed, same weights and tokenizer."})
+    vocab_size: int = field(default=2048, metadata={"help": "Upper bound of the BPE vocabulary."})
+
+
+@dataclass
+class WarmStartArguments:
+    """SFT a saved model in place on the oracle turns of the demo train rows (`mempo_trl.kit.warmstart`)."""
+
+    model_name_or_path: str = field(metadata={"help": "Model directory (with tokenizer.json); overwritten."})
+    max_steps: int = field(default=WARM_STEPS, metadata={"help": "Optimizer steps."})
+    learning_rate: float = field(default=WARM_LR, metadata={"help": "Peak learning rate (linear warm-up and decay)."})
+    per_device_train_batch_size: int = field(default=WARM_BATCH_SIZE, metadata={"help": "Examples per step."})
+    seed: int = field(default=0, metadata={"help": "Seed of the batch order."})
+
+
+def build_demo(argv: list[str]) -> int:
+    from mempo_trl.kit.demo_world import generate_world, write_world
+
+    (args,) = parse("mempo-trl kit build-demo", [BuildDemoArguments], argv)
+    world = generate_world(args.seed, args.num_entities, args.num_questions, args.distractor_rate)
+    paths = write_world(world, args.output_dir, args.test_fraction)
+    counts = {name: sum(1 for _ in path.open(encoding="utf-8")) for name, path in paths._asdict().items()}
+    print(f"wrote {paths.corpus.parent}: " + ", ".join(f"{name} {n} rows" for name, n in counts.items()))
+    return 0
+
+
+def build_tiny_model(argv: list[str]) -> int:
+    from mempo_trl.kit.tiny import build_tiny_model
+
+    (args,) = parse("mempo-trl kit build-tiny-model", [BuildTinyModelArguments], argv)
+    out = build_tiny_model(args.output_dir, seed=args.seed, vocab_size=args.vocab_size)
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    print(f"wrote {out}: vocab {config['vocab_size']}, hidden {config['hidden_size']}, seed {args.seed}")
+    return 0
+
+
+def warm_start(argv: list[str]) -> int:
+    from mempo_trl.kit.warmstart import warm_start
+
+    (args,) = parse("mempo-trl kit warm-start", [WarmStartArguments], argv)
+    stats = warm_start(
+        args.model_name_or_path,
+        steps=args.max_steps,
+        lr=args.learning_rate,
+        batch_size=args.per_device_train_batch_size,
+        seed=args.seed,
+    )
+    print(json.dumps(stats, indent=2))
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Add `mempo-trl kit` with its subcommands."""
+    kit = subparsers.add_parser("kit", help="offline kit: demo world, tiny model, SFT warm start")
+    commands = kit.add_subparsers(dest="kit_command", metavar="KIT_COMMAND")
+    add_command(commands, "build-demo", BuildDemoArguments.__doc__, build_demo)
+    add_command(commands, "build-tiny-model", BuildTinyModelArguments.__doc__, build_tiny_model)
+    add_command(commands, "warm-start", WarmStartArguments.__doc__, warm_start)

@@ -1,0 +1,81 @@
+"""Layout: the library core never imports the offline kit (`mempo_trl.kit`); only the command layer does."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mempo_trl
+
+
+PACKAGE = Path(mempo_trl.__file__).parent
+# The command line (and the kit itself) may use the kit for its offline defaults; nothing else may.
+FRONT_ENDS = ("kit", "commands", "cli.py", "__main__.py")
+
+
+def core_modules() -> list[str]:
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] in FRONT_ENDS:
+            continue
+        parts = ["mempo_trl", *relative.with_suffix("").parts]
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def kit_imports(tree: ast.AST) -> list[str]:
+    """Every `import mempo_trl.kit...` / `from mempo_trl.kit... import` / `from mempo_trl import kit` in a module."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("mempo_trl.kit")]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.startswith("mempo_trl.kit"):
+                found.append(node.module)
+            elif node.module == "mempo_trl" and any(a.name == "kit" for a in node.names):
+                found.append("mempo_trl.kit")
+    return found
+
+
+def test_core_list_covers_the_library():
+    names = core_modules()
+    for expected in ("mempo_trl.trainer", "mempo_trl.config", "mempo_trl.evaluation", "mempo_trl.retrieval.bm25"):
+        assert expected in names
+    assert not any(name.startswith(("mempo_trl.kit", "mempo_trl.commands")) for name in names)
+
+
+def test_core_source_never_imports_the_kit():
+    """Also catches imports inside functions, which an import-time check would miss."""
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] in FRONT_ENDS:
+            continue
+        found = kit_imports(ast.parse(path.read_text(encoding="utf-8")))
+        if found:
+            offenders[str(path.relative_to(PACKAGE))] = found
+    assert offenders == {}
+
+
+def test_kit_imports_are_detected():
+    tree = ast.parse("def f():\n    from mempo_trl.kit.tiny import load_tiny\nfrom mempo_trl import kit\n")
+    assert sorted(kit_imports(tree)) == ["mempo_trl.kit", "mempo_trl.kit.tiny"]
+
+
+def test_importing_core_modules_loads_no_kit_module():
+    """Import each core module in one fresh interpreter; after each, no `mempo_trl.kit` module may be loaded."""
+    script = (
+        "import importlib, json, sys\n"
+        "loaded = {}\n"
+        f"for name in {core_modules()!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    kit = sorted(m for m in sys.modules if m == 'mempo_trl.kit' or m.startswith('mempo_trl.kit.'))\n"
+        "    if kit:\n"
+        "        loaded[name] = kit\n"
+        "        break\n"
+        "print(json.dumps(loaded))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {}
