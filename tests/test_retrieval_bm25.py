@@ -22,7 +22,7 @@ CORPUS = [
     ("4", "Marie Curie", "Marie Curie won two Nobel Prizes, in physics and in chemistry."),
     ("5", "Lyon", "Lyon is a large city in France, known for its cuisine."),
 ]
-DEMO_CORPUS = Path(mempo_trl.__file__).parent / "data" / "demo" / "corpus.jsonl"
+DEMO_CORPUS = Path(mempo_trl.__file__).parent / "kit" / "demo" / "corpus.jsonl"
 
 
 def write_corpus(path, rows=CORPUS):
@@ -175,7 +175,6 @@ def test_load_retriever_dispatch(corpus, tmp_path):
         load_retriever("dense:only-a-model")
 
 
-@pytest.mark.skipif(not DEMO_CORPUS.is_file(), reason="the demo corpus is not generated yet")
 def test_demo_hop_queries_find_their_gold_passage_in_top3(tmp_path):
     retriever = BM25Retriever.from_corpus(DEMO_CORPUS, cache_dir=tmp_path / "cache")
     rows = [json.loads(line) for line in (DEMO_CORPUS.parent / "test.jsonl").read_text().splitlines()]
