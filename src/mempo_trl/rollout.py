@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from tokenizers import Tokenizer
+
 from mempo_trl.context import (
     DEFAULT_INSTRUCTION,
     DEFAULT_SYSTEM_PROMPT,
@@ -82,25 +84,42 @@ class RolloutTimings:
     retrieval: float = 0.0
 
 
-def cut_after_action(completion_ids: list[int], tokenizer, eos_token_ids: Sequence[int]) -> tuple[list[int], bool]:
-    """Cut a completion after the first ``</search>`` or ``</answer>``; say whether it was truncated.
+def _special_ids(tokenizer) -> set[int]:
+    """Ids that ``decode(..., skip_special_tokens=True)`` drops."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if isinstance(backend, Tokenizer):
+        return {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+    return set(getattr(tokenizer, "all_special_ids", ()))
 
-    Generation stops on those tags when they are single tokens (eos ids) or with vLLM stop strings; when a tag spans
-    several tokens the HF path cannot stop on it, so the turn is cut here, at token granularity, from exact offsets.
-    A completion is *truncated* when it has neither an action tag nor an eos token: it hit the length budget.
-    Offsets are only computed when there is something to cut.
+
+def cut_after_action(
+    completion_ids: list[int], tokenizer, eos_token_ids: Sequence[int]
+) -> tuple[list[int], str, bool]:
+    """Apply the turn boundary policy: ``(kept ids, turn text, truncated)``.
+
+    A turn ends after its first ``</search>`` or ``</answer>``. The kept ids run up to and including the token that
+    completes the tag: when that token also holds what follows (``>`` + ``<`` is one Qwen token ``><``), it stays, as
+    sampled, so that the training row keeps on-policy log-probs. The turn text (what is parsed, rebuilt into later
+    contexts and rewarded) is the decoded text (special tokens skipped) cut exactly at the tag, so a turn is never
+    invalid because of what follows its action. Without an action tag, everything is kept; the completion is
+    *truncated* when it does not end on an eos token either (it hit the length budget).
+
+    Example:
+        >>> ids = qwen("<mem>m</mem><think>t</think><search>q</search><information>").input_ids  # doctest: +SKIP
+        >>> kept, text, _ = cut_after_action(ids, qwen, [151645])  # doctest: +SKIP
+        >>> qwen.decode(kept[-1:]), text[-9:]  # doctest: +SKIP
+        ('><', '</search>')
     """
-    text = tokenizer.decode(completion_ids, skip_special_tokens=False)
+    special = _special_ids(tokenizer)
+    plain = [i for i, token in enumerate(completion_ids) if token not in special]
+    text, offsets = token_char_offsets([completion_ids[i] for i in plain], tokenizer)
     ends = [text.find(stop) + len(stop) for stop in ACTION_STOPS if stop in text]
     if not ends:
         truncated = not completion_ids or completion_ids[-1] not in eos_token_ids
-        return completion_ids, truncated
-    if min(ends) == len(text):
-        return completion_ids, False
-    text, offsets = token_char_offsets(completion_ids, tokenizer)
-    cut_char = min(text.find(stop) + len(stop) for stop in ACTION_STOPS if stop in text)
-    keep = next((i + 1 for i, (_, end) in enumerate(offsets) if end >= cut_char), len(completion_ids))
-    return completion_ids[:keep], False
+        return completion_ids, text, truncated
+    cut = min(ends)
+    last = next(k for k, (start, end) in enumerate(offsets) if start < cut <= end)
+    return completion_ids[: plain[last] + 1], text[:cut], False
 
 
 class RolloutEngine:
@@ -190,10 +209,9 @@ class RolloutEngine:
         return episodes, timings
 
     def _make_record(self, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float] | None):
-        completion_ids, truncated = cut_after_action(list(completion_ids), self.tokenizer, self.eos_token_ids)
+        completion_ids, text, truncated = cut_after_action(list(completion_ids), self.tokenizer, self.eos_token_ids)
         if logprobs is not None:
             logprobs = list(logprobs[: len(completion_ids)])
-        text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
         turn = parse_turn(text)
         mem_span = locate_mem_span(completion_ids, self.tokenizer) if turn.mem_span is not None else None
         return RoundRecord(
