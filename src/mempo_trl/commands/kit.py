@@ -2,6 +2,7 @@
 
     mempo-trl kit build-demo --output_dir demo --seed 3
     mempo-trl kit build-tiny-model --output_dir tiny
+    mempo-trl kit build-qwen-model --output_dir qwen-random
     mempo-trl kit warm-start --model_name_or_path tiny --max_steps 200
 
 or `python -m mempo_trl.kit ...` with the same arguments.
@@ -37,6 +38,15 @@ class BuildTinyModelArguments:
 
 
 @dataclass
+class BuildQwenModelArguments:
+    """Save a random Qwen2.5-shaped model with Qwen2.5's real tokenizer, built offline (`mempo_trl.kit.qwen`)."""
+
+    output_dir: str = field(metadata={"help": "Directory to save to (loads with from_pretrained)."})
+    seed: int = field(default=0, metadata={"help": "Same seed, same weights."})
+    hidden_size: int = field(default=64, metadata={"help": "Hidden size (the vocabulary is Qwen2.5's 151,936)."})
+
+
+@dataclass
 class WarmStartArguments:
     """SFT a saved model in place on the oracle turns of the demo train rows (`mempo_trl.kit.warmstart`)."""
 
@@ -68,6 +78,16 @@ def build_tiny_model(argv: list[str]) -> int:
     return 0
 
 
+def build_qwen_model(argv: list[str]) -> int:
+    from mempo_trl.kit.qwen import build_qwen2_5_model
+
+    (args,) = parse("mempo-trl kit build-qwen-model", [BuildQwenModelArguments], argv)
+    out = build_qwen2_5_model(args.output_dir, seed=args.seed, hidden_size=args.hidden_size)
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    print(f"wrote {out}: vocab {config['vocab_size']}, hidden {config['hidden_size']}, seed {args.seed}")
+    return 0
+
+
 def warm_start(argv: list[str]) -> int:
     from mempo_trl.kit.warmstart import warm_start
 
@@ -85,8 +105,9 @@ def warm_start(argv: list[str]) -> int:
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add `mempo-trl kit` with its subcommands."""
-    kit = subparsers.add_parser("kit", help="offline kit: demo world, tiny model, SFT warm start")
+    kit = subparsers.add_parser("kit", help="offline kit: demo world, tiny and Qwen2.5-shaped models, SFT warm start")
     commands = kit.add_subparsers(dest="kit_command", metavar="KIT_COMMAND")
     add_command(commands, "build-demo", BuildDemoArguments.__doc__, build_demo)
     add_command(commands, "build-tiny-model", BuildTinyModelArguments.__doc__, build_tiny_model)
+    add_command(commands, "build-qwen-model", BuildQwenModelArguments.__doc__, build_qwen_model)
     add_command(commands, "warm-start", WarmStartArguments.__doc__, warm_start)

@@ -1,6 +1,7 @@
 """The offline kit: what tests, examples, benchmarks and the quick start run on, without the Hub.
 
 - `mempo_trl.kit.tiny`: a tiny Qwen2-shaped model with its own BPE tokenizer and Qwen2.5's chat template;
+- `mempo_trl.kit.qwen`: Qwen2.5's real tokenizer built offline, and a random Qwen2.5-shaped model with it;
 - `mempo_trl.kit.demo_world`: a seeded synthetic world (corpus + 1-hop, 2-hop, comparison, multi-objective QA);
 - `mempo_trl.kit.warmstart`: oracle episodes of the demo world and an SFT warm start on them.
 
@@ -8,3 +9,8 @@ The library core (config, trainer, protocol, context, rollout, scoring, memory, 
 retrieval, evaluation, generation) never imports this package (`tests/test_layout.py`); only the command layer
 (`mempo_trl.commands`) does, for the `tiny` model and the demo defaults. Its commands: `mempo-trl kit --help`.
 """
+
+from mempo_trl.kit.qwen import build_qwen2_5_model, build_qwen2_5_tokenizer
+
+
+__all__ = ["build_qwen2_5_model", "build_qwen2_5_tokenizer"]

@@ -14,13 +14,12 @@ template>`` (default ``~/.cache/mempo_trl``), so later builds load in about a se
 
 `build_qwen2_5_model` saves that tokenizer with a randomly initialised `Qwen2ForCausalLM` of Qwen2.5's vocabulary
 (151,936 embedding rows) and a tiny hidden size: it loads like a Hub model (``model_name_or_path``,
-``mempo-trl eval --model``) and trains on a CPU.
+``mempo-trl eval --model``) and trains on a CPU. On the command line: ``mempo-trl kit build-qwen-model --output_dir
+qwen-random``.
 """
 
-import argparse
 import base64
 import hashlib
-import json
 from importlib import resources
 from pathlib import Path
 
@@ -169,7 +168,7 @@ def build_qwen2_5_model(
 
     Example:
         >>> out = build_qwen2_5_model("qwen-random")  # doctest: +SKIP
-        >>> json.loads((out / "config.json").read_text())["vocab_size"]  # doctest: +SKIP
+        >>> Qwen2ForCausalLM.from_pretrained(out).config.vocab_size  # doctest: +SKIP
         151936
     """
     import torch
@@ -200,23 +199,3 @@ def build_qwen2_5_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def _build_qwen(args: argparse.Namespace) -> int:
-    out = build_qwen2_5_model(args.out, seed=args.seed, hidden_size=args.hidden_size)
-    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    print(f"wrote {out}: vocab {config['vocab_size']}, hidden {config['hidden_size']}, seed {args.seed}")
-    return 0
-
-
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add `mempo-trl build-qwen-model`: save a random Qwen2.5-shaped model with the real tokenizer."""
-    parser = subparsers.add_parser(
-        "build-qwen-model",
-        help="build a random Qwen2.5-shaped model with Qwen2.5's real tokenizer (offline)",
-        description=__doc__.split("\n")[0],
-    )
-    parser.add_argument("--out", required=True, help="output directory (loads with from_pretrained)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.set_defaults(func=_build_qwen)
