@@ -23,7 +23,7 @@ def test_build_index_then_cache_hit(tmp_path, capsys):
 def test_build_index_reports_bad_input(tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"id": "1"}\n')
-    assert main(["build-index", "--corpus", str(corpus), "--cache-dir", str(tmp_path)]) == 1
+    assert main(["build-index", "--corpus", str(corpus), "--cache-dir", str(tmp_path)]) == 2
     assert f"error: {corpus}, line 1: missing field 'contents'" in capsys.readouterr().err
-    assert main(["build-index", "--corpus", str(corpus), "--retriever", "dense"]) == 1
+    assert main(["build-index", "--corpus", str(corpus), "--retriever", "dense"]) == 2
     assert "--retriever dense needs --model" in capsys.readouterr().err

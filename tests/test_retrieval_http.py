@@ -88,6 +88,8 @@ def test_live_health_and_retrieve_suffix(live):
             "retriever": "bm25",
             "max_queries": 4096,
             "max_topk": 20,
+            "max_body_bytes": 4 * 2**20,
+            "max_response_bytes": 64 * 2**20,
         }
         (hit,) = client.search(["Paris"], topk=1)[0]
         assert (hit.id, hit.title, hit.text) == ("2", "Paris", CORPUS[1][2]) and hit.score > 0
@@ -126,7 +128,7 @@ def test_server_killed_mid_run_retries_then_names_the_url(tmp_path, caplog):
     message = str(info.value)
     assert f"POST {server.url}/retrieve failed after 3 attempt(s)" in message
     assert "refused the connection" in message and "mempo-trl serve-retriever" in message
-    assert [record.args[2:5] for record in caplog.records] == [(1, 3, 0.01), (2, 3, 0.02)]  # exponential backoff
+    assert [record.args[2:5] for record in caplog.records] == [(1, "/3", 0.01), (2, "/3", 0.02)]  # exponential backoff
 
 
 # ---------------------------------------------------------------- fake servers
@@ -212,7 +214,7 @@ def test_timeout(fake_server):
     server = fake_server(lambda n: (200, b'{"result": [[]]}', 1.0))
     with HttpRetriever(server.url, timeout=0.1, max_retries=0) as client, pytest.raises(RetrievalError) as info:
         client.search(["q"], topk=1)
-    assert "did not answer within 0.1s" in str(info.value) and "after 1 attempt(s)" in str(info.value)
+    assert "did not send its whole answer within 0.1s" in str(info.value) and "after 1 attempt(s)" in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,8 @@ def test_health(client):
         "retriever": "echo",
         "max_queries": 4,
         "max_topk": 5,
+        "max_body_bytes": 4 * 2**20,
+        "max_response_bytes": 64 * 2**20,
     }
 
 

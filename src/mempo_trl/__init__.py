@@ -35,6 +35,8 @@ _EXPORTS = {
     "BM25Retriever": "mempo_trl.retrieval",
     "HttpRetriever": "mempo_trl.retrieval",
     "load_retriever": "mempo_trl.retrieval",
+    "RetrievalError": "mempo_trl.retrieval",
+    "RetrieverOutage": "mempo_trl.retrieval",
     "load_qa": "mempo_trl.data",
     "DataError": "mempo_trl.data",
     "load_tokenizer": "mempo_trl.loading",

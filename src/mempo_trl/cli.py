@@ -2,13 +2,20 @@
 
 Every module listed in `COMMAND_MODULES` exposes `add_cli(subparsers)`, which adds its subcommand(s) and sets
 `func(args) -> int` on them; a subcommand that parses its own arguments (`train`, TRL-style) also sets
-`accepts_extra=True` and reads them from `args.extra`. Heavy imports (torch, transformers, fastapi) stay inside those `func`s so that
-`mempo-trl --help` is instant.
+`accepts_extra=True` and reads them from `args.extra`. Heavy imports (torch, transformers, fastapi) stay inside those
+`func`s so that `mempo-trl --help` is instant.
+
+Errors a user can fix (bad arguments, YAML, paths, data, outputs, retrievers) end every command the same way, in
+`run`: one `error: ...` line on stderr and exit code 2, with no usage dump and no traceback (`MEMPO_DEBUG=1` shows
+the traceback).
 """
 
 import argparse
 import importlib
+import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 COMMAND_MODULES = (
@@ -18,23 +25,89 @@ COMMAND_MODULES = (
     "mempo_trl.merge",
     "mempo_trl.commands.kit",
 )
+USAGE_EXIT = 2
+
+
+class CommandError(Exception):
+    """A bad command line (unknown flag, wrong value type, ...); printed as one `error:` line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise CommandError(f"{message} (see `{self.prog} --help`)")
+
+
+def one_line_errors(parser: argparse.ArgumentParser, prog: str) -> argparse.ArgumentParser:
+    """Make `parser` (e.g. a `TrlParser`) raise `CommandError` instead of printing its usage and exiting.
+
+    Example:
+        >>> parser = one_line_errors(argparse.ArgumentParser(), "mempo-trl train")
+        >>> parser.add_argument("--max_steps", type=int) and parser.parse_args(["--max_steps", "ten"])
+        Traceback (most recent call last):
+        mempo_trl.cli.CommandError: argument --max_steps: invalid int value: 'ten' (see `mempo-trl train --help`)
+    """
+
+    def error(message: str):
+        raise CommandError(f"{message} (see `{prog} --help`)")
+
+    parser.error = error
+    return parser
+
+
+def error_message(err: BaseException) -> str | None:
+    """The one-line message for an error a user can fix, or None for anything else (a bug: keep the traceback).
+
+    Our own exceptions (`DataError`, `OutputError`, `RetrievalError`, ...) and bad values, paths, missing
+    packages and YAML syntax count as fixable.
+    """
+    import yaml
+
+    fixable = (CommandError, ValueError, OSError, ImportError, yaml.YAMLError)
+    if not isinstance(err, fixable) and not type(err).__module__.startswith("mempo_trl."):
+        return None
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, yaml.YAMLError):
+        text = f"invalid YAML: {text}"
+    return f"error: {text}"
+
+
+def run(func: Callable[..., int | None], *args: Any) -> int:
+    """Call a command; a fixable error becomes one `error:` line on stderr and exit code 2.
+
+    Example:
+        >>> run(lambda: open("/no/such/recipe.yaml"))
+        error: [Errno 2] No such file or directory: '/no/such/recipe.yaml'
+        2
+    """
+    try:
+        return int(func(*args) or 0)
+    except Exception as err:
+        message = error_message(err)
+        if message is None or os.environ.get("MEMPO_DEBUG"):
+            raise
+        print(message, file=sys.stderr, flush=True)
+        return USAGE_EXIT
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mempo-trl", description="MemPO search-agent training on TRL.")
+    parser = _Parser(prog="mempo-trl", description="MemPO search-agent training on TRL.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_cli(subparsers)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_extra", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return USAGE_EXIT
     return int(args.func(args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(_dispatch, sys.argv[1:] if argv is None else argv)

@@ -12,7 +12,7 @@ Example:
 
 from typing import Any
 
-from mempo_trl.retrieval.base import Passage, RetrievalError, Retriever
+from mempo_trl.retrieval.base import Passage, RetrievalError, Retriever, RetrieverOutage
 from mempo_trl.retrieval.bm25 import BM25Retriever
 from mempo_trl.retrieval.corpus import CorpusError, load_corpus, parse_contents
 from mempo_trl.retrieval.dense import DenseRetriever
@@ -28,6 +28,7 @@ __all__ = [
     "Passage",
     "RetrievalError",
     "Retriever",
+    "RetrieverOutage",
     "create_app",
     "load_corpus",
     "load_retriever",

@@ -1,4 +1,4 @@
-"""Shared types of the retrieval package: `Passage`, the `Retriever` protocol, `RetrievalError`."""
+"""Shared types of the retrieval package: `Passage`, the `Retriever` protocol, `RetrievalError`, `RetrieverOutage`."""
 
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -44,6 +44,13 @@ class Retriever(Protocol):
 
 class RetrievalError(RuntimeError):
     """A retriever could not answer; the message says where, what failed and how to fix it."""
+
+
+class RetrieverOutage(RetrievalError):
+    """A remote retriever stayed unreachable (refused, timed out, 5xx) for the client's whole retry budget.
+
+    Training saves a checkpoint and stops on it (resume once the server is back); other errors are bugs to fix.
+    """
 
 
 def check_search_args(queries: list[str], topk: int) -> None:

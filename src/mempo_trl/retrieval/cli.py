@@ -7,9 +7,10 @@ Examples:
 """
 
 import argparse
-import sys
 import time
 from typing import Any
+
+from mempo_trl.outputs import OutputError, check_port, check_writable
 
 
 def add_cli(subparsers: Any) -> None:
@@ -36,8 +37,13 @@ def add_cli(subparsers: Any) -> None:
     _add_index_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for other machines)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-queries", type=int, default=4096, help="most queries accepted in one request")
-    serve.add_argument("--max-topk", type=int, default=100, help="largest topk accepted")
+    serve.add_argument("--max_queries", "--max-queries", type=int, default=4096, help="most queries per request")
+    serve.add_argument("--max_topk", "--max-topk", type=int, default=100, help="largest topk accepted")
+    serve.add_argument("--max_body_bytes", type=int, default=4 * 2**20, help="largest request body accepted")
+    serve.add_argument("--max_response_bytes", type=int, default=64 * 2**20, help="largest answer sent")
+    serve.add_argument(
+        "--api_key", default=None, help="require 'Authorization: Bearer KEY' (default: $MEMPO_RETRIEVER_API_KEY)"
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
 
@@ -81,11 +87,7 @@ def _make_retriever(args: argparse.Namespace) -> Any:
 
 def _load_reporting(args: argparse.Namespace) -> Any:
     start = time.perf_counter()
-    try:
-        retriever = _make_retriever(args)
-    except (OSError, ValueError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return None
+    retriever = _make_retriever(args)
     action = "loaded from cache" if retriever.cache_hit else "built"
     print(
         f"{args.retriever} index of {retriever.num_passages} passages {action} in "
@@ -96,15 +98,30 @@ def _load_reporting(args: argparse.Namespace) -> Any:
 
 
 def _build_index(args: argparse.Namespace) -> int:
-    return 0 if _load_reporting(args) is not None else 1
+    from mempo_trl.retrieval.cache import cache_root
+
+    cache = check_writable(args.cache_dir or cache_root() / args.retriever, what="index cache")
+    if _load_reporting(args).cache_path is None:
+        raise OutputError(f"the index was built but could not be written to the cache {cache} (see the warning).")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    retriever = _load_reporting(args)
-    if retriever is None:
-        return 1
-    from mempo_trl.retrieval.server import serve
+    from mempo_trl.retrieval.server import check_limits, serve
 
+    check_limits(args.max_queries, args.max_topk, args.max_body_bytes, args.max_response_bytes)
+    check_port(args.host, args.port)
+    retriever = _load_reporting(args)
     print(f"serving on http://{args.host}:{args.port} (POST /retrieve, GET /health)", flush=True)
-    serve(retriever, args.host, args.port, args.max_queries, args.max_topk, args.log_level)
+    serve(
+        retriever,
+        args.host,
+        args.port,
+        args.max_queries,
+        args.max_topk,
+        args.log_level,
+        max_body_bytes=args.max_body_bytes,
+        max_response_bytes=args.max_response_bytes,
+        api_key=args.api_key,
+    )
     return 0

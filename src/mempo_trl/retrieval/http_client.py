@@ -2,35 +2,50 @@
 
 Request: `{"queries": [...], "topk": k, "return_scores": true}`. Response: `{"result": [[{"document": {"id",
 "contents"}, "score": s}, ...], ...]}`, one list per query; servers asked without scores return the documents
-directly. Connection errors, timeouts and 5xx are retried with exponential backoff; every failure ends in a
-`RetrievalError` that names the URL, what went wrong and how to fix it. An answer is never silently empty.
+directly. Every attempt has an overall deadline and a response size cap. Connection errors, timeouts and 5xx are
+retried with capped exponential backoff, each logged, until `max_retries` or the `retry_budget` runs out; that ends
+in a `RetrieverOutage`. Every other failure is a `RetrievalError`. Both name the URL, what went wrong and how to fix
+it. An answer is never silently empty.
 """
 
+import json
 import logging
+import os
 import time
 from typing import Any
 
 import httpx
 
-from mempo_trl.retrieval.base import Passage, RetrievalError, check_search_args
+from mempo_trl.retrieval.base import Passage, RetrievalError, RetrieverOutage, check_search_args
 from mempo_trl.retrieval.corpus import parse_contents
 
 
 logger = logging.getLogger(__name__)
 
 START_HINT = "Start one with `mempo-trl serve-retriever --corpus CORPUS.jsonl --port PORT`, or fix the URL."
+API_KEY_ENV = "MEMPO_RETRIEVER_API_KEY"
+
+
+class _Retryable(Exception):
+    """One failed attempt worth retrying; the message completes "the server ..."."""
 
 
 class HttpRetriever:
     """`Retriever` backed by a remote `/retrieve` endpoint; thread-safe, with a pool of keep-alive connections.
 
-    `url` is the server's base URL or its `/retrieve` endpoint. Each call makes up to `1 + max_retries`
-    attempts, sleeping `backoff * 2**i` seconds before retry `i + 1`; 4xx answers are not retried.
+    `url` is the server's base URL or its `/retrieve` endpoint. Each attempt must deliver its whole answer within
+    `timeout` seconds (checked as the body arrives, so a server trickling bytes cannot hang the caller) and at most
+    `max_response_bytes`. A failed attempt (refused, dropped, timed out, HTTP 5xx) is retried after
+    `min(backoff * 2**i, max_backoff)` seconds, while fewer than `max_retries` retries were made (`None`: no count
+    limit) and less than `retry_budget` seconds passed since the first failure; then `RetrieverOutage` is raised.
+    4xx answers, oversized and malformed answers are not retried. `api_key` (default: `$MEMPO_RETRIEVER_API_KEY`)
+    is sent as a bearer token.
 
     Example:
         >>> retriever = HttpRetriever("http://127.0.0.1:8000")
         >>> retriever.search(["who wrote hamlet"], topk=3)[0][0].title
         'Hamlet'
+        >>> HttpRetriever("http://10.0.0.5:8000", max_retries=None, retry_budget=600)  # training: ride out restarts
     """
 
     name = "http"
@@ -39,19 +54,33 @@ class HttpRetriever:
         self,
         url: str,
         timeout: float = 30.0,
-        max_retries: int = 3,
+        max_retries: int | None = 3,
         backoff: float = 0.5,
         pool_size: int = 16,
+        retry_budget: float = 300.0,
+        max_backoff: float = 30.0,
+        max_response_bytes: int = 256 * 2**20,
+        api_key: str | None = None,
     ):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"retriever URL must start with http:// or https://, got {url!r}")
+        if timeout <= 0 or retry_budget < 0 or max_response_bytes < 1 or (max_retries is not None and max_retries < 0):
+            raise ValueError(
+                f"HttpRetriever needs timeout > 0, retry_budget >= 0, max_response_bytes >= 1 and max_retries >= 0 "
+                f"(or None), got {timeout=}, {retry_budget=}, {max_response_bytes=}, {max_retries=}."
+            )
         base = url.rstrip("/")
         self.base_url = base.removesuffix("/retrieve")
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff = backoff
+        self.retry_budget = retry_budget
+        self.max_backoff = max_backoff
+        self.max_response_bytes = max_response_bytes
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         limits = httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size)
-        self._client = httpx.Client(timeout=timeout, limits=limits)
+        self._client = httpx.Client(timeout=timeout, limits=limits, headers=headers)
 
     def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
         """Ask the server for up to `topk` passages per query.
@@ -81,11 +110,13 @@ class HttpRetriever:
     def health(self) -> dict[str, Any]:
         """The server's `GET /health` answer, e.g. `{"status": "ok", "num_passages": 3, "retriever": "bm25"}`.
 
+        One attempt, no retries: a start-up check that fails fast (`wait_ready` waits for a server still loading).
+
         Example:
             >>> retriever.health()["status"]
             'ok'
         """
-        body = self._request("GET", f"{self.base_url}/health")
+        body = self._request("GET", f"{self.base_url}/health", retry=False)
         if not isinstance(body, dict):
             raise RetrievalError(f"{self.base_url}/health answered {_excerpt(body)}, not a JSON object.")
         return body
@@ -100,7 +131,7 @@ class HttpRetriever:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self._request("GET", f"{self.base_url}/health", retries=0)
+                return self._request("GET", f"{self.base_url}/health", retry=False)
             except RetrievalError as e:
                 if time.monotonic() >= deadline:
                     raise RetrievalError(f"Retrieval server not ready after {timeout:g}s: {e}") from e
@@ -115,44 +146,94 @@ class HttpRetriever:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, method: str, url: str, payload: dict | None = None, retries: int | None = None) -> Any:
-        retries = self.max_retries if retries is None else retries
-        attempts = retries + 1
-        for attempt in range(1, attempts + 1):
+    def _request(self, method: str, url: str, payload: dict | None = None, retry: bool = True) -> Any:
+        """One call under the retry policy (a single attempt when `retry` is False)."""
+        retries = self.max_retries if retry else 0
+        attempt, first_failure = 0, None
+        while True:
+            attempt += 1
             try:
-                response = self._client.request(method, url, json=payload)
-            except httpx.TimeoutException:
-                problem = (
-                    f"did not answer within {self.timeout:g}s. Raise `timeout`, send smaller batches, or check "
-                    "the server's load."
-                )
-            except httpx.ConnectError as e:
-                problem = f"refused the connection ({e}). Is the server running? {START_HINT}"
-            except httpx.TransportError as e:
-                problem = f"dropped the connection ({type(e).__name__}: {e}). Check the server's log."
+                body = self._attempt(method, url, payload)
+            except _Retryable as e:
+                problem = str(e)
             else:
-                if response.status_code < 400:
-                    try:
-                        return response.json()
-                    except ValueError:
-                        raise RetrievalError(
-                            f"{method} {url} answered with malformed JSON: {response.text[:300]!r}. Is this a "
-                            "retrieval server speaking Search-R1's /retrieve API?"
-                        ) from None
-                problem = f"answered HTTP {response.status_code}: {response.text[:300]!r}."
-                if response.status_code < 500:
-                    raise RetrievalError(
-                        f"{method} {url} {problem} The request was rejected; check the queries and topk against the "
-                        "server's limits (see its /docs)."
-                    )
-                problem += " Check the server's log."
-            if attempt < attempts:
-                delay = self.backoff * 2 ** (attempt - 1)
-                logger.warning(
-                    "%s %s attempt %d/%d failed, retrying in %gs: %s", method, url, attempt, attempts, delay, problem
+                if first_failure is not None:
+                    logger.warning(
+                        "%s %s answered again after %.1fs of outage (%d attempts).",
+                        method, url, time.monotonic() - first_failure, attempt,
+                    )  # fmt: skip
+                return body
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            left = self.retry_budget - (now - first_failure)
+            if (retries is not None and attempt > retries) or left <= 0:
+                raise RetrieverOutage(
+                    f"{method} {url} failed after {attempt} attempt(s) over {now - first_failure:.1f}s: the server "
+                    f"{problem}"
                 )
-                time.sleep(delay)
-        raise RetrievalError(f"{method} {url} failed after {attempts} attempt(s): the server {problem}")
+            delay = min(self.backoff * 2 ** (attempt - 1), self.max_backoff, left)
+            limit = "" if retries is None else f"/{retries + 1}"
+            logger.warning(
+                "%s %s attempt %d%s failed, retrying in %gs (%.0fs of retry budget left): %s",
+                method, url, attempt, limit, delay, left, problem,
+            )  # fmt: skip
+            time.sleep(delay)
+
+    def _attempt(self, method: str, url: str, payload: dict | None) -> Any:
+        """One request: the parsed JSON answer, `_Retryable` for an outage, `RetrievalError` for anything else."""
+        deadline = time.monotonic() + self.timeout
+        try:
+            with self._client.stream(method, url, json=payload) as response:
+                declared = response.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > self.max_response_bytes:
+                    raise self._too_large(method, url, f"announced {int(declared)} bytes")
+                chunks, size = [], 0
+                for chunk in response.iter_bytes():
+                    size += len(chunk)
+                    if size > self.max_response_bytes:
+                        raise self._too_large(method, url, f"sent more than {self.max_response_bytes} bytes")
+                    chunks.append(chunk)
+                    if time.monotonic() > deadline:
+                        raise _Retryable(
+                            f"was still sending its answer after {self.timeout:g}s ({size} bytes so far). Check "
+                            "the server's load and network, or raise `timeout`."
+                        )
+                status, content = response.status_code, b"".join(chunks)
+        except httpx.TimeoutException:
+            raise _Retryable(
+                f"did not send its whole answer within {self.timeout:g}s. Raise `timeout`, send smaller batches, or "
+                "check the server's load."
+            ) from None
+        except httpx.ConnectError as e:
+            raise _Retryable(f"refused the connection ({e}). Is the server running? {START_HINT}") from None
+        except httpx.TransportError as e:
+            raise _Retryable(f"dropped the connection ({type(e).__name__}: {e}). Check the server's log.") from None
+        text = content[:300].decode("utf-8", "replace")
+        if status >= 500:
+            raise _Retryable(f"answered HTTP {status}: {text!r}. Check the server's log.")
+        if status >= 400:
+            hint = (
+                "the API key (--api_key / $MEMPO_RETRIEVER_API_KEY)"
+                if status in (401, 403)
+                else "the queries and topk"
+            )
+            raise RetrievalError(
+                f"{method} {url} answered HTTP {status}: {text!r}. The request was rejected; check {hint} against "
+                "the server's limits (see its /docs)."
+            )
+        try:
+            return json.loads(content)
+        except ValueError:
+            raise RetrievalError(
+                f"{method} {url} answered with malformed JSON: {text!r}. Is this a retrieval server speaking "
+                "Search-R1's /retrieve API?"
+            ) from None
+
+    def _too_large(self, method: str, url: str, what: str) -> RetrievalError:
+        return RetrievalError(
+            f"{method} {url} {what}, over the client's cap of max_response_bytes={self.max_response_bytes}. Send "
+            "fewer queries per request or a smaller topk, or raise max_response_bytes."
+        )
 
 
 def _parse_hits(hits: Any, url: str, query_index: int) -> list[Passage]:

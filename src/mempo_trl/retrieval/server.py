@@ -3,19 +3,28 @@
 `POST /retrieve {"queries": [...], "topk": 3, "return_scores": true}` answers `{"result": [[{"document": {"id",
 "contents"}, "score"}, ...], ...]}` (documents alone when `return_scores` is false), so Search-R1, verl and SkyRL
 clients work unchanged. Searches run in FastAPI's thread pool, so one slow batch does not block `/health`.
+
+Limits (checked at start-up, enforced per request): queries per request, topk, request body bytes (a body without
+Content-Length is refused) and response bytes. With an API key (`api_key`, or `$MEMPO_RETRIEVER_API_KEY`),
+`/retrieve` needs `Authorization: Bearer <key>`; binding a non-loopback address without one logs a warning.
 """
 
+import hmac
+import ipaddress
+import json
 import logging
+import os
 from typing import Any
 
 from mempo_trl.retrieval.base import Retriever
+from mempo_trl.retrieval.http_client import API_KEY_ENV
 
 
 try:
     import uvicorn
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from pydantic import BaseModel, StrictBool, StrictInt, StrictStr
 except ImportError as e:
     raise ImportError(f"The retrieval server needs fastapi and uvicorn: pip install 'mempo_trl[server]' ({e}).") from e
@@ -32,8 +41,36 @@ class RetrieveRequest(BaseModel):
     return_scores: StrictBool = False
 
 
-def create_app(retriever: Retriever, max_queries: int = 4096, max_topk: int = 100) -> FastAPI:
-    """Wrap `retriever` in the `/retrieve` + `/health` API; bad requests get HTTP 422 with an `error` message.
+def check_limits(max_queries: int, max_topk: int, max_body_bytes: int, max_response_bytes: int) -> None:
+    """Raise `ValueError` naming the flag unless every limit is a positive integer (a server of 0 refuses all).
+
+    Example:
+        >>> check_limits(4096, 0, 2**22, 2**26)
+        Traceback (most recent call last):
+        ValueError: --max_topk must be an integer >= 1, got 0.
+    """
+    limits = {
+        "max_queries": max_queries,
+        "max_topk": max_topk,
+        "max_body_bytes": max_body_bytes,
+        "max_response_bytes": max_response_bytes,
+    }
+    for name, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be an integer >= 1, got {value!r}.")
+
+
+def create_app(
+    retriever: Retriever,
+    max_queries: int = 4096,
+    max_topk: int = 100,
+    max_body_bytes: int = 4 * 2**20,
+    max_response_bytes: int = 64 * 2**20,
+    api_key: str | None = None,
+) -> FastAPI:
+    """Wrap `retriever` in the `/retrieve` + `/health` API; bad requests get HTTP 4xx with an `error` message.
+
+    `api_key` defaults to `$MEMPO_RETRIEVER_API_KEY`; `/health` stays open (for readiness probes).
 
     Example:
         >>> from fastapi.testclient import TestClient
@@ -41,7 +78,30 @@ def create_app(retriever: Retriever, max_queries: int = 4096, max_topk: int = 10
         >>> client.post("/retrieve", json={"queries": [], "topk": 3}).json()["error"]
         'queries must not be empty; send 1 to 4096 queries per request.'
     """
+    check_limits(max_queries, max_topk, max_body_bytes, max_response_bytes)
+    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     app = FastAPI(title="mempo_trl retriever", summary="Search-R1 compatible /retrieve API.")
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if request.method == "POST":
+            if api_key is not None:
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    return JSONResponse(
+                        {"error": f"missing or wrong API key: send 'Authorization: Bearer <key>' ({API_KEY_ENV})."},
+                        status_code=401,
+                    )
+            length = request.headers.get("content-length", "")
+            if not length.isdigit():
+                return JSONResponse({"error": "send a Content-Length header (no chunked bodies)."}, status_code=411)
+            if int(length) > max_body_bytes:
+                return JSONResponse(
+                    {"error": f"request body of {length} bytes is over this server's limit of {max_body_bytes} "
+                     "(--max_body_bytes); split the batch."},
+                    status_code=413,
+                )  # fmt: skip
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def readable_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -56,6 +116,8 @@ def create_app(retriever: Retriever, max_queries: int = 4096, max_topk: int = 10
             "retriever": getattr(retriever, "name", type(retriever).__name__),
             "max_queries": max_queries,
             "max_topk": max_topk,
+            "max_body_bytes": max_body_bytes,
+            "max_response_bytes": max_response_bytes,
         }
 
     @app.post("/retrieve")
@@ -65,7 +127,7 @@ def create_app(retriever: Retriever, max_queries: int = 4096, max_topk: int = 10
         if len(request.queries) > max_queries:
             return _invalid(
                 f"too many queries ({len(request.queries)}); this server accepts at most {max_queries} per "
-                "request. Split the batch or restart the server with a larger --max-queries."
+                "request. Split the batch or restart the server with a larger --max_queries."
             )
         if not 1 <= request.topk <= max_topk:
             return _invalid(f"topk must be between 1 and {max_topk}, got {request.topk}.")
@@ -81,7 +143,13 @@ def create_app(retriever: Retriever, max_queries: int = 4096, max_topk: int = 10
             ]
         else:
             result = [[{"id": p.id, "contents": p.contents} for p in passages] for passages in hits]
-        return JSONResponse({"result": result})
+        body = json.dumps({"result": result}, ensure_ascii=False).encode()
+        if len(body) > max_response_bytes:
+            return _invalid(
+                f"the answer would be {len(body)} bytes, over this server's limit of {max_response_bytes} "
+                "(--max_response_bytes); send fewer queries or a smaller topk."
+            )
+        return Response(body, media_type="application/json")
 
     return app
 
@@ -93,14 +161,33 @@ def serve(
     max_queries: int = 4096,
     max_topk: int = 100,
     log_level: str = "info",
+    max_body_bytes: int = 4 * 2**20,
+    max_response_bytes: int = 64 * 2**20,
+    api_key: str | None = None,
 ) -> None:
     """Serve `retriever` with uvicorn until interrupted (access log off: it costs latency under load).
 
     Example:
         >>> serve(BM25Retriever.from_corpus("corpus.jsonl"), port=8000)  # then HttpRetriever("http://127.0.0.1:8000")
     """
-    app = create_app(retriever, max_queries=max_queries, max_topk=max_topk)
+    app = create_app(retriever, max_queries, max_topk, max_body_bytes, max_response_bytes, api_key)
+    if not _is_loopback(host) and not (api_key or os.environ.get(API_KEY_ENV)):
+        logger.warning(
+            "Serving on %s without an API key: anyone who can reach this address can query the server. Set "
+            "--api_key or $%s (clients send it as a bearer token), or bind 127.0.0.1.",
+            host,
+            API_KEY_ENV,
+        )
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _invalid(message: str) -> JSONResponse:

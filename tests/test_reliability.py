@@ -1,0 +1,228 @@
+"""Runs never lose work: every case goes through the real CLI or a real server subprocess (127.0.0.1 only).
+
+Retriever client and server: outages ridden out or ended with `RetrieverOutage`, trickling and oversized answers
+bounded, server limits and API key. Each loop and wait here is bounded by a timeout.
+"""
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mempo_trl.cli import main
+from mempo_trl.retrieval import HttpRetriever, RetrievalError, RetrieverOutage
+
+
+SCRIPTS = Path(__file__).parent / "scripts"
+CORPUS = [("1", "Hamlet", "Hamlet is a tragedy by William Shakespeare."), ("2", "Paris", "Paris is in France.")]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_corpus(directory: Path) -> Path:
+    corpus = directory / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i, "contents": f'"{t}"\n{x}'}) + "\n" for i, t, x in CORPUS))
+    return corpus
+
+
+def start_retriever(directory: Path, port: int, *flags: str, env: dict | None = None) -> subprocess.Popen:
+    """`mempo-trl serve-retriever` on 127.0.0.1:`port`, up and answering (or the test fails with its log)."""
+    corpus = write_corpus(directory)
+    command = [sys.executable, "-m", "mempo_trl", "serve-retriever", "--corpus", str(corpus), "--port", str(port)]
+    command += ["--cache-dir", str(directory / "cache"), "--log-level", "warning", *flags]
+    log = directory / f"server-{port}-{time.monotonic_ns()}.log"
+    with log.open("w") as log_file:
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+    try:
+        with HttpRetriever(f"http://127.0.0.1:{port}") as client:
+            client.wait_ready(timeout=60)
+    except RetrievalError:
+        process.kill()
+        pytest.fail(f"the retrieval server did not come up; its log:\n{log.read_text()}")
+    return process
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait(timeout=10)
+
+
+@pytest.fixture
+def bad_server(tmp_path):
+    """Start `tests/scripts/bad_server.py MODE`; returns its URL. Killed at the end of the test."""
+    processes = []
+
+    def start(mode: str) -> str:
+        port_file = tmp_path / f"{mode}.port"
+        processes.append(subprocess.Popen([sys.executable, str(SCRIPTS / "bad_server.py"), mode, str(port_file)]))
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text():
+            assert time.monotonic() < deadline, "bad_server.py did not start"
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{port_file.read_text()}"
+
+    yield start
+    for process in processes:
+        stop(process)
+
+
+# ------------------------------------------------------------------------------------------ retriever client
+
+
+def test_client_rides_out_a_server_restart(tmp_path, caplog):
+    port = free_port()
+    server = start_retriever(tmp_path, port)
+    client = HttpRetriever(f"http://127.0.0.1:{port}", max_retries=None, retry_budget=60, backoff=0.1, max_backoff=0.5)
+    assert [p.id for p in client.search(["hamlet"], topk=1)[0]] == ["1"]
+    stop(server)
+    restarted = []
+    restart = threading.Timer(1.0, lambda: restarted.append(start_retriever(tmp_path, port)))
+    restart.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mempo_trl.retrieval.http_client"):
+            hits = client.search(["hamlet"], topk=1)  # sent while the server is down
+        assert [p.id for p in hits[0]] == ["1"]
+    finally:
+        restart.join(timeout=90)
+        for process in restarted:
+            stop(process)
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) >= 3, messages  # each failed attempt is logged ...
+    assert all("refused the connection" in m and "retry budget left" in m for m in messages[:-1])
+    assert "answered again after" in messages[-1]  # ... and so is the recovery
+
+
+def test_client_outage_budget_exhausted_names_the_url(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = HttpRetriever(url, max_retries=None, retry_budget=1.0, backoff=0.1, max_backoff=0.2)
+    start = time.monotonic()
+    with pytest.raises(RetrieverOutage) as info:
+        client.search(["hamlet"], topk=1)
+    assert 1.0 <= time.monotonic() - start < 5
+    assert f"POST {url}/retrieve failed after" in str(info.value) and "refused the connection" in str(info.value)
+
+
+def test_client_deadline_stops_a_trickling_server(bad_server):
+    url = bad_server("trickle")  # sends one byte every 0.1 s, each read well within the timeout
+    client = HttpRetriever(url, timeout=1.0, max_retries=0)
+    start = time.monotonic()
+    with pytest.raises(RetrieverOutage) as info:
+        client.search(["hamlet"], topk=1)
+    assert time.monotonic() - start < 3
+    assert "was still sending its answer after 1s" in str(info.value)
+
+
+@pytest.mark.parametrize(("mode", "what"), [("huge", "sent more than"), ("huge_declared", "announced 1073741824")])
+def test_client_caps_the_response_size(bad_server, mode, what):
+    url = bad_server(mode)
+    client = HttpRetriever(url, max_response_bytes=2**20, max_retries=3, backoff=0)
+    with pytest.raises(RetrievalError) as info:
+        client.search(["hamlet"], topk=1)
+    assert not isinstance(info.value, RetrieverOutage)  # not retried: asking again gets the same answer
+    assert what in str(info.value) and "max_response_bytes=1048576" in str(info.value) and url in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------ retrieval server
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A server with an API key (from the environment), small body/response limits."""
+    port = free_port()
+    flags = ("--max_body_bytes", "2000", "--max_response_bytes", "300")
+    process = start_retriever(
+        tmp_path_factory.mktemp("guarded"), port, *flags, env={"MEMPO_RETRIEVER_API_KEY": "s3cret"}
+    )
+    yield f"http://127.0.0.1:{port}"
+    stop(process)
+
+
+def test_server_requires_the_api_key(guarded):
+    anonymous = httpx.post(f"{guarded}/retrieve", json={"queries": ["hamlet"], "topk": 1})
+    assert anonymous.status_code == 401 and "Authorization: Bearer" in anonymous.json()["error"]
+    wrong = httpx.post(f"{guarded}/retrieve", json={"queries": ["x"]}, headers={"authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    assert httpx.get(f"{guarded}/health").json()["status"] == "ok"  # readiness probes need no key
+    with HttpRetriever(guarded, api_key="s3cret") as client:
+        assert [p.id for p in client.search(["hamlet"], topk=1)[0]] == ["1"]
+    with HttpRetriever(guarded, api_key="nope") as client, pytest.raises(RetrievalError, match="HTTP 401.*API key"):
+        client.search(["hamlet"], topk=1)
+
+
+def test_server_limits_request_and_response_size(guarded):
+    key = {"authorization": "Bearer s3cret"}
+    big = httpx.post(f"{guarded}/retrieve", json={"queries": ["hamlet " * 400], "topk": 1}, headers=key)
+    assert big.status_code == 413 and "--max_body_bytes" in big.json()["error"]
+    chunked = httpx.post(f"{guarded}/retrieve", content=iter([b'{"queries": ["hamlet"]}']), headers=key)
+    assert chunked.status_code == 411
+    long_answer = httpx.post(f"{guarded}/retrieve", json={"queries": ["hamlet paris"] * 4, "topk": 2}, headers=key)
+    assert long_answer.status_code == 422 and "--max_response_bytes" in long_answer.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max_topk", "0"], "error: --max_topk must be an integer >= 1, got 0."),
+        (["--max_queries", "-1"], "error: --max_queries must be an integer >= 1, got -1."),
+        (["--port", "70000"], "error: port 70000 is out of range"),
+        (["--port", "http"], "error: argument --port: invalid int value: 'http' (see `mempo-trl serve-retriever"),
+    ],
+)
+def test_serve_retriever_checks_its_settings_at_start(tmp_path, capsys, flags, message):
+    assert main(["serve-retriever", "--corpus", str(write_corpus(tmp_path)), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_serve_retriever_refuses_a_port_in_use(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["serve-retriever", "--corpus", str(write_corpus(tmp_path)), "--port", port]) == 2
+    assert capsys.readouterr().err == f"error: cannot listen on 127.0.0.1:{port}: it is already in use. " + (
+        "Choose another --port or --host.\n"
+    )
+
+
+def test_serve_retriever_warns_on_a_public_address_without_a_key(tmp_path, monkeypatch, caplog):
+    import uvicorn
+
+    from mempo_trl.retrieval import cli as retrieval_cli
+
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(retrieval_cli, "check_port", lambda host, port: None)  # never bind a public address here
+    monkeypatch.delenv("MEMPO_RETRIEVER_API_KEY", raising=False)
+    corpus = str(write_corpus(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="mempo_trl.retrieval.server"):
+        assert main(["serve-retriever", "--corpus", corpus, "--host", "0.0.0.0"]) == 0
+        assert main(["serve-retriever", "--corpus", corpus, "--host", "0.0.0.0", "--api_key", "k"]) == 0
+        assert main(["serve-retriever", "--corpus", corpus, "--host", "127.0.0.1"]) == 0
+    assert [c["host"] for c in calls] == ["0.0.0.0", "0.0.0.0", "127.0.0.1"]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "0.0.0.0 without an API key" in warnings[0]
+
+
+def test_build_index_fails_when_it_cannot_write_its_cache(tmp_path, capsys):
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache directory should be")
+    assert main(["build-index", "--corpus", str(write_corpus(tmp_path)), "--cache-dir", str(blocked)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: index cache {blocked} is a file, not a directory. Choose a directory path.\n"
+    )
