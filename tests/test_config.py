@@ -54,7 +54,7 @@ def test_invalid_configs_fail_at_construction(tmp_path, overrides, message):
 
 def _trainer(tiny_model_dir, tmp_path, dataset=None, **overrides):
     model, tokenizer = load_tiny(tiny_model_dir)
-    dataset = dataset or Dataset.from_list([{"question": "q?", "golden_answers": ["a"]}])
+    dataset = dataset or Dataset.from_list([{"question": "q?", "golden_answers": ["x"]}])
     args = MemPOConfig(output_dir=str(tmp_path), **{**BASE, **overrides})
     return MemPOTrainer(model, NoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
 
@@ -72,7 +72,7 @@ def test_shared_prefix_scoring_follows_the_attention_implementation(tiny_model_d
     assert _trainer(tiny_model_dir, tmp_path).shared_prefix_scoring  # auto + sdpa
     model, tokenizer = load_tiny(tiny_model_dir)
     model.config._attn_implementation = "flash_attention_2"
-    dataset = Dataset.from_list([{"question": "q?", "golden_answers": ["a"]}])
+    dataset = Dataset.from_list([{"question": "q?", "golden_answers": ["x"]}])
     auto = MemPOTrainer(
         model, NoRetriever(), args=MemPOConfig(output_dir=str(tmp_path), **BASE), train_dataset=dataset,
         processing_class=tokenizer,

@@ -36,7 +36,7 @@ def test_defaults_fill_missing_optional_columns(tmp_path):
     path = write_lines(
         tmp_path / "qa.jsonl",
         [
-            json.dumps({"question": "A?", "golden_answers": ["a"], "extra": 1}),
+            json.dumps({"question": "A?", "golden_answers": ["x"], "extra": 1}),
             json.dumps({"question": "B?", "golden_answers": ["b"], "data_source": "nq", "id": 7}),
         ],
     )
@@ -51,13 +51,13 @@ def test_defaults_fill_missing_optional_columns(tmp_path):
 @pytest.mark.parametrize(
     ("row", "field", "hint"),
     [
-        ({"golden_answers": ["a"]}, "question", "is missing"),
-        ({"question": "  ", "golden_answers": ["a"]}, "question", "non-empty string"),
+        ({"golden_answers": ["x"]}, "question", "is missing"),
+        ({"question": "  ", "golden_answers": ["x"]}, "question", "non-empty string"),
         ({"question": "A?"}, "golden_answers", "is missing"),
         ({"question": "A?", "golden_answers": "a"}, "golden_answers", 'Wrap it in a list, e.g. ["a"]'),
         ({"question": "A?", "golden_answers": []}, "golden_answers", "empty list"),
-        ({"question": "A?", "golden_answers": ["a", ""]}, "golden_answers[1]", "non-empty string"),
-        ({"question": "A?", "golden_answers": ["a", None]}, "golden_answers[1]", "non-empty string"),
+        ({"question": "A?", "golden_answers": ["x", ""]}, "golden_answers[1]", "non-empty string"),
+        ({"question": "A?", "golden_answers": ["x", None]}, "golden_answers[1]", "non-empty string"),
         (
             {
                 "question": "1. A? 2. B?",
@@ -69,11 +69,11 @@ def test_defaults_fill_missing_optional_columns(tmp_path):
             "has 1 entries but 'sub_questions' has 2",
         ),
         (
-            {"question": "1. A?", "golden_answers": ["a"], "sub_questions": ["A?"], "sub_answers": [[" "]]},
+            {"question": "1. A?", "golden_answers": ["x"], "sub_questions": ["A?"], "sub_answers": [[" "]]},
             "sub_answers[0][0]",
             "non-empty string",
         ),
-        ({"question": "A?", "golden_answers": ["a"], "data_source": 3}, "data_source", "must be a string"),
+        ({"question": "A?", "golden_answers": ["x"], "data_source": 3}, "data_source", "must be a string"),
     ],
 )
 def test_bad_rows_name_file_line_and_field(tmp_path, row, field, hint):
@@ -137,7 +137,7 @@ def test_parquet_rows_are_validated_with_row_numbers(tmp_path):
 
 
 def test_bad_json_file_and_unknown_sources(tmp_path):
-    (tmp_path / "bad.json").write_text('[{"question": "A?",\n "golden_answers": ["a"],,}]', encoding="utf-8")
+    (tmp_path / "bad.json").write_text('[{"question": "A?",\n "golden_answers": ["x"],,}]', encoding="utf-8")
     with pytest.raises(DataError, match=r"bad\.json, line 2: invalid JSON"):
         load_qa(tmp_path / "bad.json")
     (tmp_path / "obj.json").write_text('{"question": "A?"}', encoding="utf-8")
@@ -157,7 +157,7 @@ def test_bad_json_file_and_unknown_sources(tmp_path):
 
 
 def test_validate_dataset_fills_defaults_and_casts_ids():
-    ds = datasets.Dataset.from_dict({"question": ["A?", "B?"], "golden_answers": [["a"], ["b"]], "id": [10, 11]})
+    ds = datasets.Dataset.from_dict({"question": ["A?", "B?"], "golden_answers": [["x"], ["b"]], "id": [10, 11]})
     out = validate_qa_rows(ds, "in-memory")
     assert out["id"] == ["10", "11"]
     assert out["data_source"] == ["unknown", "unknown"]

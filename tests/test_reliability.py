@@ -226,3 +226,63 @@ def test_build_index_fails_when_it_cannot_write_its_cache(tmp_path, capsys):
         capsys.readouterr().err
         == f"error: index cache {blocked} is a file, not a directory. Choose a directory path.\n"
     )
+
+
+# ------------------------------------------------------------------------------------------ data and rewards
+
+
+def train_settings(tmp_path: Path, model_dir: Path, **fields) -> list[str]:
+    """`mempo-trl train` arguments for a 1-step CPU run of the tiny model (as a recipe file plus `fields`)."""
+    settings = {
+        "model_name_or_path": str(model_dir), "output_dir": str(tmp_path / "out"), "use_cpu": True, "bf16": False,
+        "report_to": "none", "max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4,
+        "max_completion_length": 8, "max_turns": 1, **fields,
+    }  # fmt: skip
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in settings.items()))
+    return ["train", "--config", str(recipe)]
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("gold", "field", "problem"),
+    [
+        (["Ulm", "the"], "golden_answers[1]", "'the', which normalises to an empty answer"),
+        (["?"], "golden_answers[0]", "'?', which normalises to an empty answer"),
+        ([None], "golden_answers[0]", "must be a non-empty string, got None"),
+        ([1874], "golden_answers[0]", "must be a non-empty string, got 1874"),
+        ([["Ulm"]], "golden_answers[0]", "must be a non-empty string, got ['Ulm']"),
+    ],
+)
+def test_train_rejects_bad_golds_naming_file_line_and_field(tmp_path, capsys, tiny_model_dir, gold, field, problem):
+    data = tmp_path / "qa.jsonl"
+    rows = [{"question": "Where?", "golden_answers": ["Ulm"]}, {"question": "Which?", "golden_answers": gold}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(train_settings(tmp_path, tiny_model_dir, dataset_name=str(data))) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {data}, line 2: field '{field}' ") and problem in line, line
+
+
+def test_reward_functions_check_their_arguments():
+    from mempo_trl.rewards import mempo_format_reward, mempo_outcome_reward
+
+    done = "<mem>m</mem><think>t</think><answer>Ulm</answer>"
+    with pytest.raises(ValueError, match="golden_answers has 1 entries but there are 2 completions"):
+        mempo_outcome_reward(["q", "q"], [done, done], [["Ulm"]])
+    with pytest.raises(ValueError, match="format_valid has 3 entries but there are 2 completions"):
+        mempo_outcome_reward(["q", "q"], [done, done], [["Ulm"], ["Ulm"]], format_valid=[True] * 3)
+    with pytest.raises(ValueError, match="format_valid has 1 entries but there are 2 completions"):
+        mempo_format_reward(["q", "q"], [done, done], format_valid=[True])
+    with pytest.raises(TypeError, match="golden answers must be a string or a list of strings, got \\[None\\]"):
+        mempo_outcome_reward(["q"], [done], [[None]])
+    with pytest.raises(TypeError, match="golden answers must be .* got 1874"):
+        mempo_outcome_reward(["q"], [done], [1874])
+    with pytest.raises(TypeError, match="completions must be a list"):
+        mempo_outcome_reward(["q"], done, [["Ulm"]])
+    assert mempo_outcome_reward(["q", "q"], [done, done], [["ulm"], "Paris"]) == [1.0, 0.0]

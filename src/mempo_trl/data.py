@@ -12,6 +12,8 @@ from pathlib import Path
 
 import datasets
 
+from mempo_trl.rewards import normalize_answer
+
 
 _DEFAULTS = {"data_source": "unknown", "sub_questions": [], "sub_answers": []}
 _FEATURES = {
@@ -89,6 +91,15 @@ def _check_strings(value, source_name: str, line: int, field: str, what: str) ->
                 f"{field}[{k}]",
                 f"must be a non-empty string, got {alias!r}",
                 "Remove the empty entry or write the answer text.",
+            )
+        if not normalize_answer(alias):
+            raise _fail(
+                source_name,
+                line,
+                f"{field}[{k}]",
+                f"is {alias!r}, which normalises to an empty answer (only articles, punctuation or spaces), so any "
+                "answer made of punctuation would score as correct",
+                "Write the answer text, or remove the entry.",
             )
 
 

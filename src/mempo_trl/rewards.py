@@ -25,7 +25,30 @@ def normalize_answer(s: str) -> str:
 
 
 def _aliases(golden_answers: str | Sequence[str]) -> list[str]:
-    return [golden_answers] if isinstance(golden_answers, str) else [str(g) for g in golden_answers]
+    """The accepted answers as a list; anything but a string or a list of strings raises `TypeError`."""
+    aliases = [golden_answers] if isinstance(golden_answers, str) else golden_answers
+    if not isinstance(aliases, Sequence) or not all(isinstance(g, str) for g in aliases):
+        raise TypeError(
+            f"golden answers must be a string or a list of strings, got {golden_answers!r:.200}. Check the "
+            "'golden_answers' column (mempo_trl.load_qa validates it)."
+        )
+    return list(aliases)
+
+
+def _check_batch(completions: Any, **columns: Any) -> None:
+    """Raise `TypeError`/`ValueError` unless `completions` and every given column are lists of the same length."""
+    if not isinstance(completions, Sequence) or isinstance(completions, str):
+        raise TypeError(f"completions must be a list (one per trajectory), got {type(completions).__name__}.")
+    for name, column in columns.items():
+        if column is None:
+            continue
+        if not isinstance(column, Sequence) or isinstance(column, str):
+            raise TypeError(f"{name} must be a list (one entry per completion), got {type(column).__name__}.")
+        if len(column) != len(completions):
+            raise ValueError(
+                f"{name} has {len(column)} entries but there are {len(completions)} completions; reward functions "
+                "get one entry per completion (TRL passes each dataset column that way)."
+            )
 
 
 def exact_match(prediction: str | None, golden_answers: str | Sequence[str]) -> float:
@@ -146,6 +169,7 @@ def mempo_outcome_reward(
     >>> mempo_outcome_reward(["q", "q"], [done, [{"role": "assistant", "content": "Ulm"}]], [["ulm"], ["ulm"]])
     [1.0, 0.0]
     """
+    _check_batch(completions, golden_answers=golden_answers, sub_answers=sub_answers, format_valid=format_valid)
     rewards = []
     for i, completion in enumerate(completions):
         turn = parse_turn(_completion_text(completion))
@@ -169,4 +193,5 @@ def mempo_format_reward(
     >>> mempo_format_reward(["q", "q"], ["", ""], format_valid=[True, False])
     [1.0, 0.0]
     """
+    _check_batch(completions, format_valid=format_valid)
     return [float(bool(valid)) for valid in format_valid]
