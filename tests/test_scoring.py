@@ -1,6 +1,8 @@
 """Gold-answer scoring under the full-history and memory contexts (spec section 3): items and masks under the tiny
 and the real Qwen2.5 tokenizer, log-probs on the tiny model."""
 
+import copy
+
 import pytest
 import torch
 
@@ -155,3 +157,71 @@ def test_placeholder_forwards_keep_processes_in_step(tiny):
     assert logps.shape[0] == 1
     with pytest.raises(ValueError, match="num_forwards"):
         answer_token_logps(model, items * 9, tokenizer.pad_token_id, batch_size=8, num_forwards=1)
+
+
+def _full_items(tokenizer):
+    episodes = scripted_episodes(tokenizer, [SCRIPTS[0], SCRIPTS[2]], [GOLDS[0], GOLDS[2]])
+    keys, items = [], []
+    for e, ep in enumerate(episodes):
+        for pair in memory_scoring_items(ep, tokenizer):
+            keys.append(e)
+            items.append(pair.full)
+    return items, keys
+
+
+def test_scoring_forwards_skip_the_cache_and_feed_the_head_each_rows_own_positions(tiny):
+    model, tokenizer = tiny
+    items, keys = _full_items(tokenizer)
+    calls, head_outputs = [], []
+    hooks = [
+        model.register_forward_pre_hook(lambda _m, _a, kwargs: calls.append(kwargs), with_kwargs=True),
+        model.get_output_embeddings().register_forward_hook(lambda _m, _a, out: head_outputs.append(out.shape)),
+    ]
+    try:
+        answer_token_logps(model, items, tokenizer.pad_token_id)
+        shared_prefix_answer_logps(model, items, keys, tokenizer.pad_token_id, batch_size=8)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert [kwargs["use_cache"] for kwargs in calls] == [False, False]
+    # Shared prefix: one sequence per trajectory, and the head sees exactly one position per answer token.
+    assert calls[1]["input_ids"].shape[0] == 2
+    assert head_outputs[1] == (sum(len(it.answer_ids) for it in items), model.config.vocab_size)
+
+
+def test_shared_prefix_mask_is_built_in_the_models_dtype(tiny):
+    model, tokenizer = tiny
+    items, keys = _full_items(tokenizer)
+    double = copy.deepcopy(model).double()
+    masks = []
+    hook = double.register_forward_pre_hook(lambda _m, _a, kw: masks.append(kw["attention_mask"]), with_kwargs=True)
+    try:
+        logps64, mask64 = shared_prefix_answer_logps(double, items, keys, tokenizer.pad_token_id)
+    finally:
+        hook.remove()
+    assert masks[0].dtype == torch.float64 and masks[0].device == next(double.parameters()).device
+    logps32, mask32 = shared_prefix_answer_logps(model, items, keys, tokenizer.pad_token_id)
+    assert torch.equal(mask64, mask32)
+    torch.testing.assert_close(logps64.float(), logps32, atol=1e-4, rtol=1e-4)
+
+
+def test_scoring_is_dropout_free_and_restores_train_mode(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    base, tokenizer = tiny
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    model = get_peft_model(copy.deepcopy(base), config)
+    model.train()
+    items, keys = _full_items(tokenizer)
+    ids = torch.tensor([items[0].context_ids])
+    with torch.no_grad():  # the dropout is real: two train-mode forwards differ
+        assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+    for score in (
+        lambda: answer_token_logps(model, items, tokenizer.pad_token_id),
+        lambda: shared_prefix_answer_logps(model, items, keys, tokenizer.pad_token_id),
+    ):
+        first, second = score(), score()
+        assert torch.equal(first[0], second[0])
+        assert all(module.training for module in model.modules())

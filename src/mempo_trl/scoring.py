@@ -9,9 +9,12 @@ sequences that end with the same gold-answer continuation ``<answer> GOLD </answ
 `answer_token_logps` scores a list of such items with one batched no-grad forward per chunk (contexts left-padded,
 answers right-padded, positions counted from the first real token, logits untempered) and returns the per-token
 log-probs of the answer and the mask of the GOLD tokens, ready for `mempo_trl.memory.answer_probability`.
+Scoring forwards run in eval mode (no dropout, so P_mem - P_full is not noise; the training flags are restored) and
+without a KV cache.
 """
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +99,18 @@ def _pad_batch(items: Sequence[ScoringItem], pad_token_id: int) -> tuple[torch.T
     return input_ids, attention, answer_ids, answer_mask
 
 
+@contextmanager
+def eval_mode(model):
+    """Run ``model`` in eval mode (no dropout) and restore each module's ``training`` flag afterwards."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 @torch.no_grad()
 def answer_token_logps(
     model,
@@ -107,7 +122,7 @@ def answer_token_logps(
     """Untempered log p(answer token | context) for each item.
 
     Args:
-        model: a causal LM (the policy, a PEFT model or a reference model).
+        model: a causal LM (the policy, a PEFT model or a reference model); run in eval mode here.
         items: N scoring items.
         pad_token_id: id used for padding (masked out).
         batch_size: items per forward.
@@ -131,12 +146,14 @@ def answer_token_logps(
         input_ids, attention, answer_ids, answer_mask = _pad_batch(batch, pad_token_id)
         k = answer_ids.size(1)
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        logits = model(
-            input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
-            position_ids=position_ids.to(device),
-            logits_to_keep=k + 1,
-        ).logits[:, :-1]
+        with eval_mode(model):
+            logits = model(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                position_ids=position_ids.to(device),
+                logits_to_keep=k + 1,
+                use_cache=False,
+            ).logits[:, :-1]
         logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, answer_ids.to(device).unsqueeze(-1)).squeeze(-1)
         if chunk is not None:
             all_logps.append(logps.masked_fill(~answer_mask.to(device), 0.0))
@@ -185,11 +202,14 @@ def shared_prefix_answer_logps(
     forwards up to float rounding (tested), for ``N + sum(K)`` tokens instead of ``sum(L_j + K)``.
     Needs an attention implementation that takes 4D masks (``sdpa`` or ``eager``, not flash-attention).
 
+    Memory: the LM head sees only the ``sum(K)`` positions that predict an answer token, each row's own ones
+    (`_lm_head_inputs`); the (rows, 1, T, T) mask is built on the model's device in its dtype.
+
     Returns:
         ``logps`` (N, K) float32 and ``gold_mask`` (N, K) bool, aligned with ``items``.
     """
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
     rows = pack_shared_prefix(items, group_keys)
     width = max((len(it.answer_ids) for it in items), default=0)
     logps_out = torch.zeros((len(items), width), device=device)
@@ -201,44 +221,73 @@ def shared_prefix_answer_logps(
         chunks += [None] * (num_forwards - len(chunks))
     for chunk in chunks:
         batch = chunk or [([pad_token_id], [])]
-        lengths = [len(prefix) + sum(len(items[i].answer_ids) for i in idx) for prefix, idx in batch]
-        total = max(lengths)
+        total = max(len(prefix) + sum(len(items[i].answer_ids) for i in idx) for prefix, idx in batch)
         input_ids = torch.full((len(batch), total), pad_token_id, dtype=torch.long)
         position_ids = torch.zeros((len(batch), total), dtype=torch.long)
-        allowed = torch.zeros((len(batch), total, total), dtype=torch.bool)
-        targets = []  # (item index, row, positions predicting the answer tokens)
+        block = torch.full((len(batch), total), -1, dtype=torch.long)  # 0: shared context, j >= 1: answer block j
+        visible = torch.zeros((len(batch), total), dtype=torch.long)  # context tokens an answer token also sees
+        # One entry per scored answer token: (row, position predicting it, its id, item, slot, gold).
+        row_of, pos_of, token_of, item_of, slot_of, gold_of = [], [], [], [], [], []
         for r, (prefix, idx) in enumerate(batch):
             n = len(prefix)
             input_ids[r, :n] = torch.tensor(prefix)
             position_ids[r, :n] = torch.arange(n)
-            allowed[r, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+            block[r, :n] = 0
             start = n
-            for i in idx:
+            for j, i in enumerate(idx, start=1):
                 item, k = items[i], len(items[i].answer_ids)
                 cut = len(item.context_ids)
                 input_ids[r, start : start + k] = torch.tensor(item.answer_ids)
                 position_ids[r, start : start + k] = torch.arange(cut, cut + k)
-                allowed[r, start : start + k, :cut] = True
-                allowed[r, start : start + k, start : start + k] = torch.ones(k, k, dtype=torch.bool).tril()
-                targets.append((i, r, [cut - 1, *range(start, start + k - 1)]))
+                block[r, start : start + k] = j
+                visible[r, start : start + k] = cut
+                row_of += [r] * k
+                pos_of += [cut - 1, *range(start, start + k - 1)]
+                token_of += item.answer_ids
+                item_of += [i] * k
+                slot_of += range(k)
+                gold_of += item.answer_mask
                 start += k
-            allowed[r, range(start, total), range(start, total)] = True  # padding attends to itself only
-        bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        # Only the positions that predict an answer token go through the LM head (B x T x V would not fit).
-        keep = sorted({p for _, _, positions in targets for p in positions}) or [0]
-        column = {p: j for j, p in enumerate(keep)}
-        logits = model(
-            input_ids=input_ids.to(device),
-            attention_mask=bias.unsqueeze(1).to(device),
-            position_ids=position_ids.to(device),
-            logits_to_keep=torch.tensor(keep, device=device),
-        ).logits
+        block, visible = block.to(device), visible.to(device)
+        key = torch.arange(total, device=device)
+        # Query q sees key k when both are in the same block and k <= q (causal), or k is one of its context tokens;
+        # padding (block -1) sees earlier padding only, which keeps every row of the softmax non-empty.
+        allowed = (block.unsqueeze(2) == block.unsqueeze(1)) & (key.view(1, 1, -1) <= key.view(1, -1, 1))
+        allowed |= key.view(1, 1, -1) < visible.unsqueeze(2)
+        bias = torch.zeros((), dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        del allowed
+        rows_t = torch.tensor(row_of or [0], device=device)
+        positions = torch.tensor(pos_of or [0], device=device)
+        with eval_mode(model), _lm_head_inputs(model, rows_t, positions):
+            logits = model(
+                input_ids=input_ids.to(device),
+                attention_mask=bias.unsqueeze(1),
+                position_ids=position_ids.to(device),
+                use_cache=False,
+            ).logits  # (P, V): one row per scored answer token
+        if not row_of:
+            continue
         logps = torch.log_softmax(logits.float(), dim=-1)
-        for i, r, positions in targets:
-            answer = torch.tensor(items[i].answer_ids, device=device)
-            k = answer.numel()
-            gold = torch.tensor(items[i].answer_mask, dtype=torch.bool, device=device)
-            values = logps[r, [column[p] for p in positions]].gather(-1, answer.unsqueeze(-1)).squeeze(-1)
-            logps_out[i, :k] = values.masked_fill(~gold, 0.0)
-            mask_out[i, :k] = gold
+        values = logps.gather(-1, torch.tensor(token_of, device=device).unsqueeze(-1)).squeeze(-1)
+        gold = torch.tensor(gold_of, dtype=torch.bool, device=device)
+        where = (torch.tensor(item_of, device=device), torch.tensor(slot_of, device=device))
+        logps_out[where] = values.masked_fill(~gold, 0.0)
+        mask_out[where] = gold
     return logps_out, mask_out
+
+
+@contextmanager
+def _lm_head_inputs(model, rows: torch.Tensor, positions: torch.Tensor):
+    """While open, the model's LM head receives only ``hidden[rows, positions]`` ((P, H) instead of (B, T, H)).
+
+    A forward pre-hook on ``model.get_output_embeddings()``: the model's own forward still runs (hooks of
+    DeepSpeed/FSDP/PEFT, logit soft-capping or scaling after the head apply unchanged), and its ``logits`` come out
+    as (P, V). Each row's own positions are gathered, not the union over rows, so the head costs ``P x V``.
+    """
+    handle = model.get_output_embeddings().register_forward_pre_hook(
+        lambda _module, args: (args[0][rows, positions], *args[1:])
+    )
+    try:
+        yield
+    finally:
+        handle.remove()
