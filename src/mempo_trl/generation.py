@@ -1,14 +1,30 @@
 """Generation backends for evaluation: each is a `mempo_trl.rollout.GenerateFn` (prompt ids in, completion ids out).
 
 `HFGenerator` runs `model.generate` (batched, left-padded, greedy at temperature 0) and stops on the closing action
-tags when they are single tokens; `VLLMGenerator` runs vLLM's offline engine with the tags as stop strings. Both are
-given the same token ids by the rollout engine, so they see exactly the same prompts.
+tags as strings (`action_stopping_criteria`, also used by the trainer's HF generation); `VLLMGenerator` runs vLLM's
+offline engine with the tags as stop strings. Both are given the same token ids by the rollout engine, so they see
+exactly the same prompts, and `mempo_trl.rollout.cut_after_action` cuts what they return by the same policy.
 """
 
 from collections.abc import Sequence
 from pathlib import Path
 
 from mempo_trl.rollout import ACTION_STOPS
+
+
+def action_stopping_criteria(tokenizer):
+    """Stopping criteria for `model.generate` that end each sequence on its own once it has written ``</search>`` or
+    ``</answer>``, whatever their tokenization (the token completing the tag may also hold what follows, e.g. ``><``).
+
+    Built once per tokenizer (it indexes the vocabulary: ~0.5 s for Qwen2.5's) and passed as
+    ``generate(..., stopping_criteria=...)``.
+
+    Example:
+        >>> model.generate(input_ids, stopping_criteria=action_stopping_criteria(tokenizer))  # doctest: +SKIP
+    """
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    return StoppingCriteriaList([StopStringCriteria(tokenizer, list(ACTION_STOPS))])
 
 
 def stop_token_ids(tokenizer, model_eos: int | Sequence[int] | None = None) -> list[int]:
@@ -47,9 +63,8 @@ def strip_completion(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
 class HFGenerator:
     """`GenerateFn` over a transformers causal LM: `model.generate` on left-padded batches of `batch_size` prompts.
 
-    Greedy when `temperature == 0`, else sampling with `temperature`/`top_p`. Generation stops on eos and on the
-    ``</search>``/``</answer>`` tags that are single tokens; when a tag spans several tokens the turn runs to
-    `max_new_tokens` and `mempo_trl.rollout.cut_after_action` cuts it. The model is put in eval mode during a call
+    Greedy when `temperature == 0`, else sampling with `temperature`/`top_p`. Each sequence stops on eos or once it
+    has written ``</search>``/``</answer>`` (as strings, `action_stopping_criteria`). The model is put in eval mode during a call
     and restored afterwards. Returns no log-probs.
 
     Example:
@@ -76,6 +91,7 @@ class HFGenerator:
         self.top_p = top_p
         self.batch_size = batch_size
         self.eos_token_ids = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
+        self.stopping_criteria = action_stopping_criteria(tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
 
@@ -113,6 +129,7 @@ class HFGenerator:
                         input_ids=input_ids.to(self.model.device),
                         attention_mask=attention_mask.to(self.model.device),
                         generation_config=config,
+                        stopping_criteria=self.stopping_criteria,
                     )
                     for row, i in enumerate(batch):
                         completions[i] = strip_completion(output[row, width:].tolist(), self.eos_token_ids)

@@ -1,5 +1,6 @@
 """`MemPOTrainer`: TRL's `GRPOTrainer` with a multi-turn search rollout and the MemPO memory advantage."""
 
+import functools
 import math
 import textwrap
 import time
@@ -16,6 +17,7 @@ from trl.trainer.utils import nanstd, pad, use_adapter
 from mempo_trl.advantages import combine_advantages, group_outcome_advantages
 from mempo_trl.config import MemPOConfig
 from mempo_trl.data import validate_qa_rows
+from mempo_trl.generation import action_stopping_criteria
 from mempo_trl.memory import (
     answer_probability,
     memory_reward,
@@ -137,7 +139,9 @@ class MemPOTrainer(GRPOTrainer):
             raise ValueError(
                 "memory_full_from_reference=True needs a reference model: set beta > 0 or train a PEFT adapter."
             )
-        # HF generation stops on the closing action tags when each is a single token.
+        # HF generation stops on the closing action tags: as strings, per sequence (bound to TRL's `generate` call in
+        # `_generate_turns`), and as eos ids when a tag is one token.
+        self.action_stopping_criteria = None if self.use_vllm else action_stopping_criteria(self._tokenizer)
         for stop in ACTION_STOPS:
             ids = self._tokenizer(stop, add_special_tokens=False)["input_ids"]
             if len(ids) == 1 and ids[0] not in self.eos_token_ids:
@@ -162,7 +166,15 @@ class MemPOTrainer(GRPOTrainer):
 
     def _generate_turns(self, prompt_ids: list[list[int]]):
         """One turn per prompt with TRL's backend (HF generate, vLLM colocate or server)."""
-        return self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+        if self.action_stopping_criteria is None:
+            return self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+        # TRL's HF path passes no stopping criteria to `generate`: bind ours for this call.
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        model.generate = functools.partial(model.generate, stopping_criteria=self.action_stopping_criteria)
+        try:
+            return self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+        finally:
+            del model.generate
 
     def _global_sum(self, value: int) -> int:
         if self.accelerator.num_processes == 1:
