@@ -2,6 +2,7 @@
 
 import doctest
 import json
+import random
 
 import pytest
 import torch
@@ -170,3 +171,21 @@ def test_warm_tiny_model_is_reused(warm_model_dir):
     mtime = weights.stat().st_mtime_ns
     assert build_warm_tiny_model(warm_model_dir, seed=0) == warm_model_dir
     assert weights.stat().st_mtime_ns == mtime
+
+
+def test_mem_drop_leaves_facts_out_of_the_memory_but_not_the_answer(one_row_per_kind, retriever):
+    row = next(row for row in one_row_per_kind if row["data_source"] == "demo_compare")
+    facts = hop_facts(row, retriever.search(row["hop_queries"], 3))
+    kept = [parse_turn(text) for text, _ in oracle_episode_turns(row, retriever, mem_drop=0.0)]
+    dropped = [parse_turn(text) for text, _ in oracle_episode_turns(row, retriever, mem_drop=1.0)]
+    assert kept[-1].mem == " ".join(facts) and all(turn.mem == "Nothing yet." for turn in dropped)
+    assert [(t.action, t.content) for t in dropped] == [(t.action, t.content) for t in kept]
+    # About p of the facts are dropped, the same ones for the same seed.
+    rng_turns = [oracle_episode_turns(row, retriever, mem_drop=0.5, rng=random.Random(s))[-1][0] for s in range(200)]
+    share = sum(fact not in text for text in rng_turns for fact in facts) / (200 * len(facts))
+    assert 0.4 < share < 0.6
+    assert oracle_episode_turns(row, retriever, mem_drop=0.5, rng=random.Random(3)) == oracle_episode_turns(
+        row, retriever, mem_drop=0.5, rng=random.Random(3)
+    )
+    with pytest.raises(ValueError, match="mem_drop"):
+        oracle_episode_turns(row, retriever, mem_drop=1.5)

@@ -18,6 +18,7 @@ context (and in the memory reward's ``mem_traj``), and a 48-token turn has no ro
 
 import hashlib
 import json
+import random
 import re
 import time
 from collections.abc import Sequence
@@ -112,13 +113,20 @@ def hop_facts(row: dict, results: Sequence[Sequence[Any]]) -> list[str]:
     return [f"{_subject(query)}: {value}." for query, value in zip(queries, values)]
 
 
-def oracle_episode_turns(row: dict, retriever, topk: int = 3, max_turns: int = 8) -> list[tuple[str, str | None]]:
+def oracle_episode_turns(
+    row: dict, retriever, topk: int = 3, max_turns: int = 8, mem_drop: float = 0.0, rng: random.Random | None = None
+) -> list[tuple[str, str | None]]:
     """The turns of a scripted agent that solves a demo-world row: ``(turn text, information or None)``.
 
     One search turn per hop query, each followed by the real result of ``retriever`` rendered with
     `render_information`, then the answer turn (``None`` information) with the gold rendered as the memory
     reward scores it (`render_gold_answer`). The ``<mem>`` of each turn lists the facts found so far. Raises
     ``ValueError`` when the row needs more than ``max_turns`` turns.
+
+    ``mem_drop`` makes the memory imperfect on purpose: each fact of the episode is left out of every ``<mem>``
+    with probability ``mem_drop`` (drawn from ``rng``), while the searches and the answer stay right, so a model
+    warm-started on these turns forgets facts that a comparison or multi-objective answer needs: something for
+    the memory advantage to repair.
 
     Example:
         >>> turns = oracle_episode_turns(row, retriever)  # doctest: +SKIP
@@ -128,22 +136,36 @@ def oracle_episode_turns(row: dict, retriever, topk: int = 3, max_turns: int = 8
     queries = list(row["hop_queries"])
     if len(queries) + 1 > max_turns:
         raise ValueError(f"row {row.get('id')!r} needs {len(queries) + 1} turns, more than max_turns={max_turns}")
+    if not 0.0 <= mem_drop <= 1.0:
+        raise ValueError(f"mem_drop must be in [0, 1], got {mem_drop}")
     results = retriever.search(queries, topk)
     facts = hop_facts(row, results)
+    rng = rng or random.Random(0)
+    kept = [fact if mem_drop == 0.0 or rng.random() >= mem_drop else "" for fact in facts]
     turns: list[tuple[str, str | None]] = []
     for i, (query, passages) in enumerate(zip(queries, results)):
-        mem = " ".join(facts[:i]) or NOTHING_YET
+        mem = " ".join(fact for fact in kept[:i] if fact) or NOTHING_YET
         text = f"<mem> {mem} </mem>\n<think> {SEARCH_THOUGHT} </think>\n<search> {query} </search>"
         turns.append((text, render_information(passages)))
     answer, _ = render_gold_answer(row["golden_answers"], row.get("sub_answers"))
-    turns.append((f"<mem> {' '.join(facts)} </mem>\n<think> {ANSWER_THOUGHT} </think>\n{answer}", None))
+    mem = " ".join(fact for fact in kept if fact) or NOTHING_YET
+    turns.append((f"<mem> {mem} </mem>\n<think> {ANSWER_THOUGHT} </think>\n{answer}", None))
     return turns
 
 
 def sft_examples(
-    rows: Sequence[dict], retriever, tokenizer, context_mode: ContextMode = "memory", topk: int = 3
+    rows: Sequence[dict],
+    retriever,
+    tokenizer,
+    context_mode: ContextMode = "memory",
+    topk: int = 3,
+    mem_drop: float = 0.0,
+    seed: int = 0,
 ) -> list[tuple[list[int], list[int]]]:
     """One ``(prompt_ids, completion_ids)`` pair per round of every row's oracle episode.
+
+    ``mem_drop`` (see `oracle_episode_turns`) draws its drops from ``random.Random(seed)``, so the same seed
+    gives the same examples.
 
     The prompt is the round's context rebuilt with `initial_messages` + `round_messages` + `render_prompt`, as
     `mempo_trl.rollout.RolloutEngine` rebuilds it in training and evaluation. The completion is the turn's tokens
@@ -158,10 +180,11 @@ def sft_examples(
         '<|im_end|>'
     """
     examples = []
+    rng = random.Random(seed)
     for row in rows:
         base = initial_messages(row["question"])
         history: list[tuple[str, str]] = []
-        for text, information in oracle_episode_turns(row, retriever, topk):
+        for text, information in oracle_episode_turns(row, retriever, topk, mem_drop=mem_drop, rng=rng):
             prompt = render_prompt(tokenizer, round_messages(base, history, context_mode))
             completion = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             examples.append((prompt, completion))

@@ -1,0 +1,303 @@
+"""Does it learn? MemPO against its ablations, from one warm start, on CPU.
+
+Three arms train from the same SFT warm start (`mempo_trl.kit.learner`) with the same budget (steps, G, batch, lr)
+on the same RL questions, and are evaluated greedily on held-out questions (never in the SFT or RL data) every
+`--eval-every` steps:
+
+- `mempo`: memory context + memory advantage (the defaults);
+- `outcome_only`: memory context, outcome advantage only (`memory_coef: 0`);
+- `full_history`: full-history GRPO, the Search-R1 baseline (`context_mode: full_history`; evaluated in that mode).
+
+Resumable: every (arm, seed) run writes `runs/<arm>_s<seed>/curve.json` after each evaluation and `run.json` when
+it ends; a rerun skips finished runs (same settings), so later sessions add seeds. After every run it rewrites
+`curves.json` (all curves), the summary (`--results`, default `bench/results/learning.json`) and the figure.
+
+    python bench/learning.py                          # all arms x seeds 0 1 2 (~12 min per run on one core)
+    python bench/learning.py --seeds 0                # one seed per arm first
+    python bench/learning.py --quick --out outputs/learning_quick   # CI smoke: tiny world, a few steps
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+
+ARMS = {
+    "mempo": {},
+    "outcome_only": {"memory_coef": 0.0},
+    "full_history": {"context_mode": "full_history"},
+}
+"""The arms: MemPOConfig overrides of the shared budget."""
+
+BUDGET = {
+    "max_steps": 120,
+    "per_device_train_batch_size": 16,
+    "num_generations": 4,
+    "learning_rate": 2e-4,
+    "max_completion_length": 96,
+    "max_turns": 4,
+    "retrieval_topk": 3,
+    "temperature": 1.0,
+    "beta": 0.0,
+    "loss_type": "dapo",
+}
+"""What every arm gets: steps, G, batch (episodes per step), lr, and the episode limits."""
+
+QUICK = {
+    "world": {"seed": 1, "num_entities": 60, "num_questions": 120},
+    "sizes": {"test": 8, "rl": 32},
+    "warm": {"steps": 4, "batch_size": 4, "max_warm_rows": 16},
+    "budget": {"max_steps": 2, "per_device_train_batch_size": 4, "num_generations": 2},
+    "eval_every": 1,
+}
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+    import trl
+
+    import mempo_trl
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "mempo_trl": mempo_trl.__version__,
+    }
+
+
+def _settings(args, budget: dict, warm: dict, world: dict, sizes: dict) -> dict:
+    return {"budget": budget, "warm": warm, "world": world, "sizes": sizes, "eval_rows": args.eval_rows}
+
+
+def run_arm(arm: str, seed: int, run_dir: Path, warm_dir: Path, rows: dict, retriever, settings: dict, args) -> dict:
+    """Train one arm from the warm start; write `curve.json` after every evaluation and `run.json` at the end."""
+    import torch
+
+    from mempo_trl import MemPOConfig, MemPOTrainer
+    from mempo_trl.data import load_qa
+    from mempo_trl.kit.learner import HeldOutEvalCallback
+    from mempo_trl.kit.tiny import load_tiny
+
+    overrides = ARMS[arm]
+    context_mode = overrides.get("context_mode", "memory")
+    model, tokenizer = load_tiny(warm_dir)
+    model.train()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = MemPOConfig(
+        output_dir=str(run_dir),
+        **{**settings["budget"], **overrides},
+        seed=seed,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+
+    def save_curve(curve):
+        (run_dir / "curve.json").write_text(json.dumps({"arm": arm, "seed": seed, "curve": curve}, indent=2))
+
+    callback = HeldOutEvalCallback(
+        tokenizer,
+        rows["test"],
+        retriever,
+        eval_every=args.eval_every,
+        on_result=save_curve,
+        max_turns=settings["budget"]["max_turns"],
+        topk=settings["budget"]["retrieval_topk"],
+        context_mode=context_mode,
+    )
+    trainer = MemPOTrainer(
+        model,
+        retriever,
+        args=config,
+        train_dataset=load_qa(str(rows["rl_path"])),
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    train_log = [e for e in trainer.state.log_history if "episode/em" in e]
+    record = {
+        "arm": arm,
+        "seed": seed,
+        "settings": settings,
+        "overrides": overrides,
+        "seconds": seconds,
+        "curve": callback.curve,
+        "train_em": [e["episode/em"] for e in train_log],
+        "train_reward": [e.get("reward") for e in train_log],
+    }
+    (run_dir / "run.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(records: list[dict], command: str) -> dict:
+    """Per arm: warm and final held-out EM (mean/std over seeds), EM by type, tokens per question, memory recall."""
+    arms = {}
+    for arm in ARMS:
+        runs = sorted((r for r in records if r["arm"] == arm), key=lambda r: r["seed"])
+        if not runs:
+            continue
+        finals = [r["curve"][-1] for r in runs]
+        warm = runs[0]["curve"][0]
+        em_mean, em_std = _mean_std([f["em"] for f in finals])
+        types = sorted({t for f in finals for t in f["by_type"]})
+        arms[arm] = {
+            "seeds": [r["seed"] for r in runs],
+            "steps": finals[0]["step"],
+            "warm_em": warm["em"],
+            "final_em_mean": em_mean,
+            "final_em_std": em_std,
+            "final_f1_mean": _mean_std([f["f1"] for f in finals])[0],
+            "final_em_by_type": {t: _mean_std([f["by_type"][t]["em"] for f in finals])[0] for t in types},
+            "warm_em_by_type": {t: warm["by_type"][t]["em"] for t in warm["by_type"]},
+            "format_valid": _mean_std([f["format_valid"] for f in finals])[0],
+            "tokens_per_question": _mean_std([f["total_tokens_per_question"] for f in finals])[0],
+            "warm_tokens_per_question": warm["total_tokens_per_question"],
+            "peak_context_tokens": _mean_std([f["peak_context_tokens"] for f in finals])[0],
+            "memory_recall": _mean_std([f["memory_recall"] for f in finals])[0],
+            "memory_recall_std": _mean_std([f["memory_recall"] for f in finals])[1],
+            "warm_memory_recall": warm["memory_recall"],
+            "train_minutes_per_run": statistics.fmean(r["seconds"] for r in runs) / 60,
+        }
+    settings = records[0]["settings"] if records else {}
+    return {"arms": arms, "settings": settings, "command": command, "versions": _versions()}
+
+
+def plot(records: list[dict], path: Path) -> None:
+    """EM vs step per arm (mean line, min-max band over seeds) and final tokens per question per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_em, ax_tok) = plt.subplots(1, 2, figsize=(11, 4))
+    labels, tokens = [], []
+    for arm in ARMS:
+        runs = [r for r in records if r["arm"] == arm]
+        if not runs:
+            continue
+        steps = [p["step"] for p in runs[0]["curve"]]
+        ems = [[p["em"] for p in r["curve"]][: len(steps)] for r in runs]
+        width = min(len(e) for e in ems)
+        mean = [statistics.fmean(e[k] for e in ems) for k in range(width)]
+        line = ax_em.plot(steps[:width], mean, marker="o", label=f"{arm} ({len(runs)} seed(s))")[0]
+        if len(runs) > 1:
+            low = [min(e[k] for e in ems) for k in range(width)]
+            high = [max(e[k] for e in ems) for k in range(width)]
+            ax_em.fill_between(steps[:width], low, high, color=line.get_color(), alpha=0.2)
+        labels.append(arm)
+        tokens.append(statistics.fmean(r["curve"][-1]["total_tokens_per_question"] for r in runs))
+    ax_em.set_xlabel("MemPO step")
+    ax_em.set_ylabel("held-out EM (greedy)")
+    ax_em.legend()
+    ax_tok.bar(labels, tokens, color=["C0", "C1", "C2"][: len(labels)])
+    ax_tok.set_ylabel("total tokens per question (final eval)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="outputs/learning", help="world, warm model and runs (resumable)")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=None, help=f"MemPO steps per run (default {BUDGET['max_steps']})")
+    parser.add_argument("--eval-every", type=int, default=30)
+    parser.add_argument("--eval-rows", type=int, default=200, help="held-out questions per evaluation")
+    parser.add_argument("--results", default=None, help="summary JSON (default bench/results/learning.json)")
+    parser.add_argument("--figure", default=None, help="figure (default next to the summary, learning.png)")
+    parser.add_argument("--quick", action="store_true", help="tiny world, a few steps, 1 seed: a smoke run")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.kit.learner import LEARNER_WORLD, SPLIT_SIZES, WarmSettings, build_learner, write_learner_world
+    from mempo_trl.retrieval import BM25Retriever
+
+    torch.set_num_threads(1)  # small tensors: one thread is fastest, and the machine is shared
+    out = Path(args.out)
+    budget, warm, world, sizes = dict(BUDGET), asdict(WarmSettings()), LEARNER_WORLD, SPLIT_SIZES
+    if args.quick:
+        budget.update(QUICK["budget"])
+        warm.update(QUICK["warm"])
+        world, sizes = QUICK["world"], QUICK["sizes"]
+        args.eval_every, args.eval_rows, args.seeds = QUICK["eval_every"], sizes["test"], args.seeds[:1]
+    if args.steps is not None:
+        budget["max_steps"] = args.steps
+    results = Path(args.results or (out / "learning.json" if args.quick else "bench/results/learning.json"))
+    figure = Path(args.figure or results.with_suffix(".png"))
+    settings = _settings(args, budget, warm, world, sizes)
+
+    paths = write_learner_world(out / "world", world, sizes)
+    print(f"world: {paths.corpus.parent} (warm / rl / test rows in separate files)", flush=True)
+    start = time.perf_counter()
+    warm_dir = build_learner(out / "warm_model", paths, WarmSettings(**warm))
+    stats = json.loads((warm_dir / "warm_start.json").read_text())["stats"]
+    print(f"warm start: {warm_dir} ({stats['steps']} SFT steps, final loss {stats['final_loss']:.3f}, "
+          f"{time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+    retriever = BM25Retriever.from_corpus(str(paths.corpus), cache_dir=str(out / "bm25"))
+    rows = {"test": read_jsonl(paths.test)[: args.eval_rows], "rl_path": paths.rl}
+
+    command = "python bench/learning.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    for seed in args.seeds:
+        for arm in args.arms:
+            run_dir = out / "runs" / f"{arm}_s{seed}"
+            done = run_dir / "run.json"
+            if done.is_file() and json.loads(done.read_text())["settings"] == settings:
+                print(f"{arm} seed {seed}: done already ({done})", flush=True)
+                continue
+            print(f"{arm} seed {seed}: training {budget['max_steps']} steps", flush=True)
+            record = run_arm(arm, seed, run_dir, warm_dir, rows, retriever, settings, args)
+            curve = record["curve"]
+            print(f"{arm} seed {seed}: held-out EM {curve[0]['em']:.3f} -> {curve[-1]['em']:.3f} "
+                  f"({record['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
+            write_outputs(out, settings, results, figure, command)
+    write_outputs(out, settings, results, figure, command)
+    return 0
+
+
+def write_outputs(out: Path, settings: dict, results: Path, figure: Path, command: str) -> None:
+    """Collect every finished run with these settings into `curves.json`, the summary and the figure."""
+    records = []
+    for path in sorted((out / "runs").glob("*/run.json")):
+        record = json.loads(path.read_text())
+        if record["settings"] == settings:
+            records.append(record)
+    if not records:
+        return
+    results.parent.mkdir(parents=True, exist_ok=True)
+    curves = [{k: r[k] for k in ("arm", "seed", "seconds", "curve", "train_em")} for r in records]
+    results.with_name(results.stem + "_curves.json").write_text(json.dumps(curves, indent=1))
+    results.write_text(json.dumps(summarize(records, command), indent=2))
+    plot(records, figure)
+    print(f"wrote {results}, {figure}", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""A small agent that can learn the demo world on CPU: a bigger world, three disjoint splits, an SFT warm start
+with TRL's `SFTTrainer`, and a held-out evaluation with memory recall.
+
+- `write_learner_world` generates one seeded world (`mempo_trl.kit.demo_world`) with enough questions for three
+  disjoint sets: ``warm`` (SFT warm start), ``rl`` (MemPO) and ``test`` (held-out evaluation, never trained on);
+- `build_learner` builds a few-M-parameter Qwen2-shaped model with the kit's own tokenizer (MemPO tags are
+  single tokens, `mempo_trl.kit.tiny`) and warm-starts it with `sft_warm_start` on the oracle turns of the
+  ``warm`` rows, leaving the memory imperfect on purpose (`MEM_DROP`);
+- `heldout_eval` plays the held-out rows greedily and reports EM, F1, per question type, format, tokens and
+  ``memory_recall`` (the share of the facts a question needs that are in the episode's last ``<mem>``);
+  `HeldOutEvalCallback` runs it before, during and after training.
+"""
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from transformers import TrainerCallback
+
+
+LEARNER_WORLD = {"seed": 1, "num_entities": 400, "num_questions": 3000}
+"""The world of the learning experiment: ~820 passages, 3000 questions (30% 1-hop, 30% 2-hop, 20% comparison,
+20% multi-objective)."""
+
+SPLIT_SIZES = {"test": 300, "rl": 800}
+"""Held-out and RL rows; every other row of the world is a warm-start row."""
+
+LEARNER_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}
+"""About 1.1 M parameters: a training step on 16 rounds takes ~1 s on one busy CPU core."""
+
+MEM_DROP = 0.3
+"""Probability that the oracle's ``<mem>`` leaves out a fact (`oracle_episode_turns`): the warm-started model
+forgets facts that comparison and multi-objective answers need, which the memory advantage can repair."""
+
+
+@dataclass
+class WarmSettings:
+    """The SFT warm start of `build_learner`: `SFTTrainer` steps, batch size, learning rate, seed, ``mem_drop``."""
+
+    steps: int = 800
+    batch_size: int = 16
+    lr: float = 2e-3
+    seed: int = 0
+    mem_drop: float = MEM_DROP
+    max_warm_rows: int | None = None
+
+
+class LearnerPaths(NamedTuple):
+    """The files of `write_learner_world`: the corpus and the three disjoint QA splits."""
+
+    corpus: Path
+    warm: Path
+    rl: Path
+    test: Path
+
+
+def write_learner_world(out_dir: str | Path, world: dict | None = None, sizes: dict | None = None) -> LearnerPaths:
+    """Generate the learning world and write ``corpus.jsonl``, ``warm.jsonl``, ``rl.jsonl`` and ``test.jsonl``.
+
+    The world's rows come shuffled; the first ``sizes["test"]`` are held out, the next ``sizes["rl"]`` are the RL
+    rows and the rest warm-start rows, so the three sets share no question. Files already written with the same
+    settings are reused.
+
+    Example:
+        >>> import tempfile
+        >>> paths = write_learner_world(tempfile.mkdtemp(), {"seed": 1, "num_entities": 60, "num_questions": 90},
+        ...                             {"test": 20, "rl": 30})
+        >>> [sum(1 for _ in open(p)) for p in paths[1:]]
+        [40, 30, 20]
+    """
+    from mempo_trl.kit.demo_world import _write_jsonl, generate_world
+
+    world, sizes = world or LEARNER_WORLD, sizes or SPLIT_SIZES
+    out = Path(out_dir)
+    paths = LearnerPaths(out / "corpus.jsonl", out / "warm.jsonl", out / "rl.jsonl", out / "test.jsonl")
+    marker = out / "world.json"
+    settings = {"world": world, "sizes": sizes}
+    if marker.is_file() and json.loads(marker.read_text()) == settings and all(p.is_file() for p in paths):
+        return paths
+    generated = generate_world(**world)
+    rows = generated.questions
+    n_test, n_rl = sizes["test"], sizes["rl"]
+    if n_test + n_rl >= len(rows):
+        raise ValueError(f"the world has {len(rows)} questions, too few for {n_test} test + {n_rl} RL rows")
+    out.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(paths.corpus, generated.passages)
+    _write_jsonl(paths.test, rows[:n_test])
+    _write_jsonl(paths.rl, rows[n_test : n_test + n_rl])
+    _write_jsonl(paths.warm, rows[n_test + n_rl :])
+    marker.write_text(json.dumps(settings, indent=2))
+    return paths
+
+
+def sft_warm_start(
+    model_dir: str | Path, rows: Sequence[dict], retriever, settings: WarmSettings, max_turns: int = 8
+) -> dict:
+    """Warm-start the model in ``model_dir`` with TRL's `SFTTrainer` on the oracle turns of ``rows``; save it back.
+
+    One prompt/completion example per round (`mempo_trl.kit.warmstart.sft_examples`: the context rebuilt exactly
+    as training rebuilds it, the loss on the completion only). Rows the oracle cannot play (a comparison whose
+    passage the retriever misses) are skipped. Returns the stats, also written to ``warm_start.json``.
+    """
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from mempo_trl.kit.warmstart import WARM_START_FILE, sft_examples
+    from mempo_trl.loading import load_tokenizer
+
+    start = time.perf_counter()
+    model_dir = Path(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    rows = list(rows)[: settings.max_warm_rows]
+    examples, skipped = [], 0
+    for n, row in enumerate(rows):
+        try:
+            examples += sft_examples([row], retriever, tokenizer, mem_drop=settings.mem_drop, seed=settings.seed + n)
+        except ValueError:
+            skipped += 1
+    dataset = Dataset.from_dict(
+        {"input_ids": [p + c for p, c in examples], "labels": [[-100] * len(p) + c for p, c in examples]}
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    args = SFTConfig(
+        output_dir=str(model_dir / "sft"),
+        max_steps=settings.steps,
+        per_device_train_batch_size=settings.batch_size,
+        learning_rate=settings.lr,
+        lr_scheduler_type="linear",
+        warmup_steps=max(1, settings.steps // 20),
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        seed=settings.seed,
+        use_cpu=True,
+        bf16=False,
+        logging_steps=max(1, settings.steps // 20),
+        save_strategy="no",
+        report_to="none",
+        max_length=None,
+        dataset_num_proc=None,
+        disable_tqdm=True,
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    result = trainer.train()
+    trainer.model.save_pretrained(model_dir)
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    stats = {
+        "steps": settings.steps,
+        "rows": len(rows) - skipped,
+        "skipped_rows": skipped,
+        "examples": len(examples),
+        "initial_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else result.training_loss,
+        "seconds": time.perf_counter() - start,
+    }
+    (model_dir / WARM_START_FILE).write_text(json.dumps({"settings": asdict(settings), "stats": stats}, indent=2))
+    return stats
+
+
+def build_learner(
+    output_dir: str | Path, paths: LearnerPaths, settings: WarmSettings | None = None, model_seed: int = 0
+) -> Path:
+    """Build the learner model (`LEARNER_SIZE`, tokenizer trained on the world's corpus) and warm-start it.
+
+    A directory whose ``warm_start.json`` records the same settings and data is returned as it is.
+    """
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.kit.tiny import build_tiny_model
+    from mempo_trl.kit.warmstart import WARM_START_FILE
+    from mempo_trl.retrieval import BM25Retriever
+
+    settings = settings or WarmSettings()
+    out = Path(output_dir)
+    digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in paths)).hexdigest()
+    key = {"model_seed": model_seed, "size": LEARNER_SIZE, "warm": asdict(settings), "data_sha256": digest}
+    marker = out / WARM_START_FILE
+    if marker.is_file() and json.loads(marker.read_text()).get("learner") == key:
+        return out
+    corpus = read_jsonl(paths.corpus)
+    build_tiny_model(out, seed=model_seed, corpus_texts=[p["contents"] for p in corpus], **LEARNER_SIZE)
+    retriever = BM25Retriever.from_corpus(str(paths.corpus))
+    sft_warm_start(out, read_jsonl(paths.warm), retriever, settings)
+    record = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**record, "learner": key}, indent=2))
+    return out
+
+
+def needed_facts(row: dict, retriever, topk: int = 10) -> list[str]:
+    """The values a row's answer needs, one per hop (`mempo_trl.kit.warmstart.hop_facts`), e.g. ``["Sedo", "634,400"]``.
+
+    Empty when the retriever does not return a comparison's passage within ``topk``.
+    """
+    from mempo_trl.kit.warmstart import hop_facts
+
+    try:
+        facts = hop_facts(row, retriever.search(list(row["hop_queries"]), topk))
+    except ValueError:
+        return []
+    return [fact.split(": ", 1)[1].rstrip(".") for fact in facts]
+
+
+def memory_recall(mem: str | None, facts: Sequence[str]) -> float:
+    """Share of ``facts`` whose normalised text is in the normalised ``mem`` (0.0 without a memory).
+
+    Example:
+        >>> memory_recall("Tisdin Purbro: Sedo. Sedo: 634,400.", ["Sedo", "634,400"])
+        1.0
+        >>> memory_recall("Tisdin Purbro: Sedo.", ["Sedo", "634,400"])
+        0.5
+    """
+    from mempo_trl.rewards import normalize_answer
+
+    if not facts:
+        return float("nan")
+    text = f" {normalize_answer(mem or '')} "
+    return sum(f" {normalize_answer(fact)} " in text for fact in facts) / len(facts)
+
+
+def heldout_eval(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    retriever,
+    max_turns: int = 4,
+    topk: int = 3,
+    max_new_tokens: int = 96,
+    context_mode: str = "memory",
+) -> dict[str, Any]:
+    """Greedy evaluation of ``rows`` (`mempo_trl.evaluation.evaluate`), with ``memory_recall`` overall and per type.
+
+    Returns ``evaluate``'s overall metrics (``em``, ``f1``, ``format_valid``, ``total_tokens_per_question``,
+    ``peak_context_tokens``, ...) plus ``memory_recall``, and ``by_type``: ``em``, ``f1`` and ``memory_recall``
+    per ``data_source``.
+    """
+    import math
+
+    from mempo_trl.evaluation import evaluate
+
+    result = evaluate(
+        model,
+        tokenizer,
+        rows,
+        retriever,
+        max_turns=max_turns,
+        topk=topk,
+        context_mode=context_mode,
+        max_new_tokens=max_new_tokens,
+        batch_size=32,
+        progress=False,
+    )
+    recalls: dict[str, list[float]] = {}
+    for row, record in zip(rows, result.records):
+        mems = [r["mem"] for r in record["rounds"] if r["mem"] is not None]
+        recall = memory_recall(mems[-1] if mems else None, needed_facts(row, retriever))
+        if not math.isnan(recall):
+            recalls.setdefault(record["data_source"], []).append(recall)
+    overall = result.metrics["overall"]
+    keys = ("em", "f1", "format_valid", "turns_per_question", "total_tokens_per_question", "peak_context_tokens")
+    metrics = {k: overall[k] for k in keys}
+    every = [r for values in recalls.values() for r in values]
+    metrics["memory_recall"] = sum(every) / len(every) if every else math.nan
+    metrics["by_type"] = {
+        source: {
+            "em": m["em"],
+            "f1": m["f1"],
+            "memory_recall": sum(recalls.get(source, [])) / max(1, len(recalls.get(source, []))),
+        }
+        for source, m in result.metrics["by_data_source"].items()
+    }
+    return metrics
+
+
+class HeldOutEvalCallback(TrainerCallback):
+    """Evaluates the trained model on held-out rows (`heldout_eval`) before training, every ``eval_every`` steps
+    (0: never in between) and after training; ``curve`` holds ``{"step", **metrics}`` per evaluation and
+    ``on_result`` (if given) is called with the curve after each one."""
+
+    def __init__(self, tokenizer, rows, retriever, eval_every: int = 0, on_result=None, **eval_kwargs):
+        self.tokenizer, self.rows, self.retriever = tokenizer, list(rows), retriever
+        self.eval_every, self.on_result, self.eval_kwargs = eval_every, on_result, eval_kwargs
+        self.curve: list[dict] = []
+
+    def _evaluate(self, step: int, model) -> None:
+        if self.curve and self.curve[-1]["step"] == step:
+            return
+        start = time.perf_counter()
+        metrics = heldout_eval(model, self.tokenizer, self.rows, self.retriever, **self.eval_kwargs)
+        self.curve.append({"step": step, **metrics, "eval_seconds": time.perf_counter() - start})
+        if self.on_result is not None:
+            self.on_result(self.curve)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero:
+            self._evaluate(state.global_step, model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.eval_every and state.global_step % self.eval_every == 0 and state.is_world_process_zero:
+            self._evaluate(state.global_step, model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero:
+            self._evaluate(state.global_step, model)

@@ -1,0 +1,63 @@
+"""The learning kit (`mempo_trl.kit.learner`) and the experiment script `bench/learning.py` in its quick mode."""
+
+import doctest
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mempo_trl.kit import learner
+from mempo_trl.kit.learner import memory_recall, write_learner_world
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_doctests():
+    assert doctest.testmod(learner).failed == 0
+
+
+def test_splits_are_disjoint_and_complete(tmp_path):
+    from mempo_trl.data import read_jsonl
+
+    world = {"seed": 2, "num_entities": 60, "num_questions": 100}
+    paths = write_learner_world(tmp_path, world, {"test": 10, "rl": 20})
+    questions = [{row["question"] for row in read_jsonl(path)} for path in paths[1:]]
+    assert [len(q) for q in questions] == [len(read_jsonl(p)) for p in paths[1:]]
+    assert not (questions[0] & questions[1] or questions[0] & questions[2] or questions[1] & questions[2])
+    assert sum(len(q) for q in questions) == 100
+    with pytest.raises(ValueError, match="too few"):
+        write_learner_world(tmp_path / "x", world, {"test": 50, "rl": 50})
+
+
+def test_memory_recall_counts_whole_normalised_values():
+    assert memory_recall("A: 1,492. B: the Seikeis.", ["1492", "Seikeis"]) == 1.0
+    assert memory_recall("A: 14920.", ["1492"]) == 0.0  # a value inside another does not count
+    assert memory_recall(None, ["x"]) == 0.0
+
+
+@pytest.mark.slow
+def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
+    """`--quick`: every arm trains and is evaluated; the outputs are written; a rerun skips the finished runs."""
+    spec = importlib.util.spec_from_file_location("learning_bench", BENCH / "learning.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["learning_bench"] = module
+    spec.loader.exec_module(module)
+    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "learning.json").read_text())
+    assert sorted(summary["arms"]) == sorted(module.ARMS)
+    for arm in summary["arms"].values():
+        for key in ("warm_em", "final_em_mean", "final_em_std", "seeds", "final_em_by_type", "tokens_per_question",
+                    "memory_recall"):  # fmt: skip
+            assert key in arm
+        assert arm["seeds"] == [0] and arm["tokens_per_question"] > 0
+    assert summary["command"].startswith("python bench/learning.py") and "trl" in summary["versions"]
+    curves = json.loads((tmp_path / "learning_curves.json").read_text())
+    assert {c["arm"] for c in curves} == set(module.ARMS)
+    assert all([p["step"] for p in c["curve"]] == [0, 1, 2] for c in curves)
+    assert (tmp_path / "learning.png").stat().st_size > 0
+    capsys.readouterr()
+    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("done already") == len(module.ARMS)
