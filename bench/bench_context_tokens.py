@@ -7,14 +7,21 @@ and BM25 retriever (via `mempo_trl.evaluation.evaluate`, which does the token ac
 passages retrieved so far, kept to at most `--mem-tokens` tokens (the most recent notes win). Both context modes
 get the same scripted turns and the same retrieved passages; only the context differs.
 
+Two workloads: the demo passages as shipped (one or two sentences each) and wiki-length passages (the same passages
+padded to about `--wiki-words` words with seeded filler sentences about their subject, like the ~100-word chunks of
+wiki-18 that Search-R1 and the paper retrieve top-3 from).
+
     python bench/bench_context_tokens.py                      # tiny tokenizer, 8 rounds, mem <= 128 tokens
     python bench/bench_context_tokens.py --tokenizer DIR      # any local tokenizer with a chat template
 """
 
 import argparse
+import json
+import random
 import re
 import tempfile
 from collections import defaultdict
+from pathlib import Path
 
 from mempo_trl.data import load_qa
 from mempo_trl.evaluation import compare_modes, evaluate, load_eval_tokenizer
@@ -25,6 +32,28 @@ from mempo_trl.retrieval import BM25Retriever
 _QUESTION = re.compile(r"Question: (.*?)<\|im_end\|>", re.DOTALL)
 _DOC = re.compile(r"Doc \d+\(Title: (.*?)\) ([^.\n]*\.?)")
 THINK = "I should check the retrieved passages before answering."
+_FILLER = (
+    "{t} is described in several regional chronicles of the period.",
+    "Records about {t} were collected by local historians over many years.",
+    "Travellers who visited the area often wrote about {t} in their letters.",
+    "A museum exhibition once presented documents and maps related to {t}.",
+    "The name {t} appears in old registers, newspapers and trade directories.",
+    "Later accounts of {t} repeat the same facts with small differences.",
+    "Scholars still discuss how the early history of {t} should be read.",
+    "Photographs of {t} from the last century are kept in a public archive.",
+)
+
+
+def wiki_length_corpus(passages: list[dict], words: int, seed: int = 0) -> list[dict]:
+    """The passages padded to at least `words` words with seeded filler sentences about their title."""
+    rng = random.Random(seed)
+    padded = []
+    for passage in passages:
+        title, text = passage["contents"].split("\n", 1)
+        while len(text.split()) < words:
+            text += " " + rng.choice(_FILLER).format(t=title.strip('"'))
+        padded.append({"id": passage["id"], "contents": f"{title}\n{text}"})
+    return padded
 
 
 class ScriptedAgent:
@@ -63,23 +92,9 @@ class ScriptedAgent:
         return completions, None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: build the tiny model)")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--mem-tokens", type=int, default=128, help="upper bound of the <mem> summary, in tokens")
-    parser.add_argument("--topk", type=int, default=3)
-    args = parser.parse_args()
-
-    if args.tokenizer is None:
-        from mempo_trl.kit.tiny import build_tiny_model
-
-        tokenizer = load_eval_tokenizer(str(build_tiny_model(tempfile.mkdtemp(), seed=0)))
-    else:
-        tokenizer = load_eval_tokenizer(args.tokenizer)
-    paths = demo_paths()
-    rows = list(load_qa(paths.test))
-    retriever = BM25Retriever.from_corpus(paths.corpus)
+def run_workload(tokenizer, rows: list[dict], corpus: str, args) -> dict:
+    """Play the scripted agent in both context modes over `corpus`; return the overall metrics and the comparison."""
+    retriever = BM25Retriever.from_corpus(corpus)
     results = {}
     for mode in ("memory", "full_history"):
         agent = ScriptedAgent(tokenizer, rows, args.rounds, args.mem_tokens)
@@ -96,10 +111,12 @@ def main() -> None:
         )
     memory, full = results["memory"].metrics["overall"], results["full_history"].metrics["overall"]
     assert memory["em"] == full["em"] == 1.0 and memory["turns_per_question"] == args.rounds
+    return {"memory": memory, "full_history": full, **compare_modes(results["memory"], results["full_history"])}
 
-    print(
-        f"{len(rows)} demo test questions, {args.rounds} rounds, top-{args.topk} BM25, mem <= {args.mem_tokens} tokens"
-    )
+
+def print_workload(name: str, result: dict, args) -> None:
+    memory, full = result["memory"], result["full_history"]
+    print(f"\n{name}")
     print("| round | memory prompt tokens | full-history prompt tokens |")
     print("|---:|---:|---:|")
     for k, (m, f) in enumerate(zip(memory["prompt_tokens_per_round"], full["prompt_tokens_per_round"]), 1):
@@ -108,9 +125,43 @@ def main() -> None:
         f"| total per question | {memory['total_tokens_per_question']:.1f} | {full['total_tokens_per_question']:.1f} |"
     )
     print(f"| peak context | {memory['peak_context_tokens']:.1f} | {full['peak_context_tokens']:.1f} |")
-    comparison = compare_modes(results["memory"], results["full_history"])
-    print(f"total-token reduction at {args.rounds} rounds: {comparison['total_token_reduction_pct']:.2f}%")
-    print(f"peak-context reduction: {comparison['peak_context_reduction_pct']:.2f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: build the tiny model)")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--mem-tokens", type=int, default=128, help="upper bound of the <mem> summary, in tokens")
+    parser.add_argument("--topk", type=int, default=3)
+    parser.add_argument("--wiki-words", type=int, default=100, help="words per passage of the wiki-length workload")
+    args = parser.parse_args()
+
+    if args.tokenizer is None:
+        from mempo_trl.kit.tiny import build_tiny_model
+
+        tokenizer = load_eval_tokenizer(str(build_tiny_model(tempfile.mkdtemp(), seed=0)))
+    else:
+        tokenizer = load_eval_tokenizer(args.tokenizer)
+    paths = demo_paths()
+    rows = list(load_qa(paths.test))
+    wiki = Path(tempfile.mkdtemp()) / "wiki_length_corpus.jsonl"
+    passages = [json.loads(line) for line in paths.corpus.read_text(encoding="utf-8").splitlines()]
+    wiki.write_text("".join(json.dumps(p) + "\n" for p in wiki_length_corpus(passages, args.wiki_words)))
+    workloads = {
+        "demo passages": run_workload(tokenizer, rows, str(paths.corpus), args),
+        f"wiki-length passages (~{args.wiki_words} words)": run_workload(tokenizer, rows, str(wiki), args),
+    }
+    print(
+        f"{len(rows)} demo test questions, {args.rounds} rounds, top-{args.topk} BM25, mem <= {args.mem_tokens} tokens"
+    )
+    for name, result in workloads.items():
+        print_workload(name, result, args)
+    print()
+    for name, result in workloads.items():
+        print(
+            f"{name}: total-token reduction at {args.rounds} rounds {result['total_token_reduction_pct']:.2f}%, "
+            f"peak-context reduction {result['peak_context_reduction_pct']:.2f}%"
+        )
 
 
 if __name__ == "__main__":

@@ -84,3 +84,14 @@ def test_train_step_bench_runs_both_trainers(tiny_model_dir, one_thread):
     assert batched["loss_rows"] == shared["loss_rows"] == 2 * 2  # one row per round
     assert stock["loss_rows"] == 2  # one full-history row per trajectory
     bench.print_tables(results)
+
+
+def test_wiki_length_corpus_pads_every_passage_and_keeps_its_text():
+    bench = _load("bench_context_tokens")
+    passages = [{"id": "0", "contents": '"Sedo"\nSedo is a city.'}, {"id": "1", "contents": '"Rum"\n' + "w " * 120}]
+    padded = bench.wiki_length_corpus(passages, words=100)
+    assert [p["id"] for p in padded] == ["0", "1"]
+    title, text = padded[0]["contents"].split("\n", 1)
+    assert title == '"Sedo"' and text.startswith("Sedo is a city. ") and 100 <= len(text.split()) < 120
+    assert "Sedo" in text[16:]  # the filler is about the passage's subject
+    assert padded[1] == passages[1] and bench.wiki_length_corpus(passages, words=100) == padded
