@@ -41,9 +41,9 @@ forgets facts that comparison and multi-objective answers need, which the memory
 class WarmSettings:
     """The SFT warm start of `build_learner`: `SFTTrainer` steps, batch size, learning rate, seed, ``mem_drop``."""
 
-    steps: int = 800
+    steps: int = 400
     batch_size: int = 16
-    lr: float = 2e-3
+    lr: float = 3e-3
     seed: int = 0
     mem_drop: float = MEM_DROP
     max_warm_rows: int | None = None
@@ -144,6 +144,7 @@ def sft_warm_start(
         max_length=None,
         dataset_num_proc=None,
         disable_tqdm=True,
+        train_sampling_strategy="group_by_length",  # batches of similar lengths: less padding
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     result = trainer.train()
