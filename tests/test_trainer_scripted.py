@@ -1,7 +1,8 @@
 """MemPOTrainer on a scripted policy: contexts, rows, masks, <mem> spans and advantages checked by hand.
 
 Generation is replaced by a script keyed on (question, round) and the answer scorer by a table of P values, so every
-number below is computed by hand from the spec (sections 2-4).
+number below is computed by hand from the spec (sections 2-4). It runs under the tiny tokenizer (tags are single
+tokens) and Qwen2.5's real one, with a model that stops after its action and one that keeps talking.
 """
 
 import math
@@ -11,10 +12,12 @@ import statistics
 import pytest
 import torch
 from datasets import Dataset
+from transformers import Qwen2ForCausalLM
 
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.context import initial_messages, render_prompt, round_messages
 from mempo_trl.kit.tiny import load_tiny
+from mempo_trl.loading import load_tokenizer
 from mempo_trl.retrieval import Passage
 
 
@@ -50,9 +53,25 @@ P_VALUES = {"a1 two": (0.35, 0.12), "a2 two": (0.68, 0.71), "a2 three": (0.5, 0.
 PREVIOUS_MEM = {"a1 one": "a1 two", "a2 one": "a2 two", "a2 two": "a2 three", "b2 one": "b2 two"}
 
 
-@pytest.fixture
-def scripted_trainer(tiny_model_dir, tmp_path, monkeypatch):
-    model, tokenizer = load_tiny(tiny_model_dir)
+# After its action the scripted model keeps talking (a hallucinated result); under Qwen2.5 the tag's `>` merges with
+# the `<` that follows into one token `><`.
+CHATTER = "<information>Doc 1(Title: invented) more</information>"
+
+
+def kept_ids(tokenizer, turn, chatter):
+    """Brute force: the shortest prefix of the sampled ids whose text holds the whole turn."""
+    ids = tokenizer(turn + chatter, add_special_tokens=False)["input_ids"]
+    return next(ids[:k] for k in range(1, len(ids) + 1) if tokenizer.decode(ids[:k]).startswith(turn))
+
+
+@pytest.fixture(params=[("tiny", ""), ("tiny", CHATTER), ("qwen2.5", ""), ("qwen2.5", CHATTER)], ids="-".join)
+def scripted_trainer(request, tiny_model_dir, tmp_path, monkeypatch):
+    name, chatter = request.param
+    if name == "tiny":
+        model, tokenizer = load_tiny(tiny_model_dir)
+    else:
+        model_dir = request.getfixturevalue("qwen_model_dir")
+        model, tokenizer = Qwen2ForCausalLM.from_pretrained(model_dir), load_tokenizer(model_dir)
     dataset = Dataset.from_list([{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT])
     args = MemPOConfig(
         output_dir=str(tmp_path),
@@ -83,11 +102,11 @@ def scripted_trainer(tiny_model_dir, tmp_path, monkeypatch):
             seen = [(k, j) for k, turns in enumerate(SCRIPT[question]) for j, t in enumerate(turns) if t in text]
             if seen:  # memory mode: the context holds the previous turn only
                 ((k, j),) = seen
-                outs.append(tokenizer(SCRIPT[question][k][j + 1], add_special_tokens=False)["input_ids"])
+                outs.append(tokenizer(SCRIPT[question][k][j + 1] + chatter, add_special_tokens=False)["input_ids"])
             else:  # round 1 of the next trajectory of this question
                 counters[question] = counters.get(question, -1) + 1
                 text = SCRIPT[question][counters[question]][0]
-                outs.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+                outs.append(tokenizer(text + chatter, add_special_tokens=False)["input_ids"])
         return outs, None
 
     def scripted_logps(model, items, pad_token_id, batch_size=8, num_forwards=None):
@@ -114,11 +133,11 @@ def scripted_trainer(tiny_model_dir, tmp_path, monkeypatch):
             model, items, pad_token_id, batch_size, num_forwards
         ),
     )
-    return trainer, tokenizer, retriever
+    return trainer, tokenizer, retriever, chatter
 
 
 def test_scripted_rollout_rows_contexts_and_advantages(scripted_trainer):
-    trainer, tokenizer, retriever = scripted_trainer
+    trainer, tokenizer, retriever, chatter = scripted_trainer
     trainer.model.train()
     inputs = [{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT for _ in range(2)]
     out = trainer._generate_and_score_completions(inputs)
@@ -129,8 +148,8 @@ def test_scripted_rollout_rows_contexts_and_advantages(scripted_trainer):
     expected_rows += [("Where is Beta?", 0, 0)] + [("Where is Beta?", 1, r) for r in range(2)]
     pad = tokenizer.pad_token_id
     for i, (q, k, r) in enumerate(expected_rows):
-        # The completion is exactly the scripted turn, masked to its length.
-        turn_ids = tokenizer(SCRIPT[q][k][r], add_special_tokens=False)["input_ids"]
+        # The completion is the scripted turn as sampled, up to the token completing its action tag.
+        turn_ids = kept_ids(tokenizer, SCRIPT[q][k][r], chatter)
         n = int(out["completion_mask"][i].sum())
         assert out["completion_ids"][i, :n].tolist() == turn_ids
         # The prompt is rebuilt from the question, the previous turn and its result only.
@@ -170,10 +189,10 @@ def test_scripted_rollout_rows_contexts_and_advantages(scripted_trainer):
         expected = torch.full((adv.shape[1],), outcome[(q, k)])
         expected[n:] = 0.0
         mem = re.match(r"<mem>(.*?)</mem>", SCRIPT[q][k][r])
-        if r > 0:
-            start = ids.index(tokenizer.convert_tokens_to_ids("<mem>"))
-            end = ids.index(tokenizer.convert_tokens_to_ids("</mem>"))
-            assert tokenizer.decode(ids[start : end + 1]) == mem.group(0)
+        if r > 0:  # the turn starts with <mem>: its span runs from token 0 to the token completing </mem>
+            start = 0
+            end = next(e for e in range(n) if mem.group(0) in tokenizer.decode(ids[: e + 1]))
+            assert tokenizer.decode(ids[start : end + 1]).startswith(mem.group(0))
             expected[start : end + 1] += mem_adv[mem.group(1)]
         torch.testing.assert_close(adv[i], expected, rtol=1e-5, atol=1e-5)
 
@@ -186,7 +205,7 @@ def test_scripted_rollout_rows_contexts_and_advantages(scripted_trainer):
 
 
 def test_invalid_first_turn_ends_episode_with_zero_outcome(scripted_trainer):
-    trainer, _, _ = scripted_trainer
+    trainer, _, _, _ = scripted_trainer
     trainer.model.train()
     inputs = [{"question": "Where is Beta?", "golden_answers": ["Rome"], "data_source": "demo"}] * 2
     out = trainer._generate_and_score_completions(inputs)
