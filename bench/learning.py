@@ -12,7 +12,7 @@ Resumable: every (arm, seed) run writes `runs/<arm>_s<seed>/curve.json` after ea
 it ends; a rerun skips finished runs (same settings), so later sessions add seeds. After every run it rewrites
 `curves.json` (all curves), the summary (`--results`, default `bench/results/learning.json`) and the figure.
 
-    python bench/learning.py                          # all arms x seeds 0 1 2 (~12 min per run on one core)
+    python bench/learning.py                          # all arms x seeds 0 1 2 (see BUDGET; resumable)
     python bench/learning.py --seeds 0                # one seed per arm first
     python bench/learning.py --quick --out outputs/learning_quick   # CI smoke: tiny world, a few steps
 """
@@ -37,10 +37,10 @@ ARMS = {
 """The arms: MemPOConfig overrides of the shared budget."""
 
 BUDGET = {
-    "max_steps": 120,
-    "per_device_train_batch_size": 16,
+    "max_steps": 40,
+    "per_device_train_batch_size": 8,
     "num_generations": 4,
-    "learning_rate": 2e-4,
+    "learning_rate": 3e-4,
     "max_completion_length": 96,
     "max_turns": 4,
     "retrieval_topk": 3,
@@ -119,6 +119,10 @@ def run_arm(arm: str, seed: int, run_dir: Path, warm_dir: Path, rows: dict, retr
         topk=settings["budget"]["retrieval_topk"],
         context_mode=context_mode,
     )
+    # The warm start's evaluation is the same for every arm and seed of a context mode: computed once.
+    warm_eval = run_dir.parent / f"warm_eval_{context_mode}.json"
+    if warm_eval.is_file() and json.loads(warm_eval.read_text())["settings"] == settings:
+        callback.curve.append(json.loads(warm_eval.read_text())["eval"])
     trainer = MemPOTrainer(
         model,
         retriever,
@@ -131,6 +135,7 @@ def run_arm(arm: str, seed: int, run_dir: Path, warm_dir: Path, rows: dict, retr
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
+    warm_eval.write_text(json.dumps({"settings": settings, "eval": callback.curve[0]}, indent=2))
     train_log = [e for e in trainer.state.log_history if "episode/em" in e]
     record = {
         "arm": arm,
@@ -226,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=None, help=f"MemPO steps per run (default {BUDGET['max_steps']})")
-    parser.add_argument("--eval-every", type=int, default=30)
-    parser.add_argument("--eval-rows", type=int, default=200, help="held-out questions per evaluation")
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--eval-rows", type=int, default=100, help="held-out questions per evaluation")
     parser.add_argument("--results", default=None, help="summary JSON (default bench/results/learning.json)")
     parser.add_argument("--figure", default=None, help="figure (default next to the summary, learning.png)")
     parser.add_argument("--quick", action="store_true", help="tiny world, a few steps, 1 seed: a smoke run")

@@ -56,3 +56,10 @@ def test_unknown_reward_name(capsys, recipe):
 
 def test_invalid_mempo_setting(capsys, recipe):
     _fails(capsys, ["--config", recipe(loss_type="grpo")], "loss_type")
+
+
+def test_heldout_questions_prints_em_before_and_after_training(capsys, recipe):
+    assert main(["train", "--config", recipe(heldout_questions=3, max_steps=1)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("held-out EM (3 questions, greedy): ")
+    assert "before training (step 0) -> " in last and "after (step 1)" in last

@@ -47,6 +47,11 @@ class ScriptArguments:
         metadata={"help": f"Outcome reward functions by name, from {sorted(REWARD_FUNCS)}; weigh them with "
                   "`reward_weights`. `format` helps a small model that rarely answers right."},
     )  # fmt: skip
+    heldout_questions: int = field(
+        default=0,
+        metadata={"help": "Evaluate greedily on this many held-out questions (`eval_dataset_name`, default the demo "
+                  "test set) before and after training, and print both (`mempo_trl.kit.learner`). 0: off."},
+    )  # fmt: skip
 
 
 def _load_model_and_tokenizer(model_args, training_args):
@@ -127,6 +132,22 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args):
     }
     trainer.add_callback(LaunchBannerCallback(trainer))
     trainer.add_callback(StepSummaryCallback())
+    if script_args.heldout_questions > 0:
+        from mempo_trl.kit.learner import HeldOutEvalCallback
+
+        heldout = eval_dataset if eval_dataset is not None else load_qa(str(demo_paths().test), split="test")
+        rows = list(heldout.select(range(min(script_args.heldout_questions, len(heldout)))))
+        trainer.add_callback(
+            HeldOutEvalCallback(
+                tokenizer,
+                rows,
+                retriever,
+                max_turns=training_args.max_turns,
+                topk=training_args.retrieval_topk,
+                max_new_tokens=training_args.max_completion_length,
+                context_mode=training_args.context_mode,
+            )
+        )
     return trainer
 
 
@@ -173,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"metrics written to {Path(training_args.output_dir, 'mempo_metrics.json')}")
         summary = {k: metrics[k] for k in sorted(metrics) if k.startswith(("train_runtime", "episode/", "memory/"))}
         print(json.dumps(summary, indent=2))
+        for callback in trainer.callback_handler.callbacks:
+            if hasattr(callback, "before_after"):
+                print(callback.before_after())
     return 0
 
 

@@ -41,8 +41,8 @@ forgets facts that comparison and multi-objective answers need, which the memory
 class WarmSettings:
     """The SFT warm start of `build_learner`: `SFTTrainer` steps, batch size, learning rate, seed, ``mem_drop``."""
 
-    steps: int = 400
-    batch_size: int = 16
+    steps: int = 300
+    batch_size: int = 12
     lr: float = 3e-3
     seed: int = 0
     mem_drop: float = MEM_DROP
@@ -198,6 +198,8 @@ def needed_facts(row: dict, retriever, topk: int = 10) -> list[str]:
     """
     from mempo_trl.kit.warmstart import hop_facts
 
+    if not row.get("hop_queries"):
+        return []
     try:
         facts = hop_facts(row, retriever.search(list(row["hop_queries"]), topk))
     except ValueError:
@@ -294,6 +296,23 @@ class HeldOutEvalCallback(TrainerCallback):
         self.curve.append({"step": step, **metrics, "eval_seconds": time.perf_counter() - start})
         if self.on_result is not None:
             self.on_result(self.curve)
+
+    def before_after(self) -> str:
+        """One line: held-out EM (and format, memory recall) of the first and the last evaluation.
+
+        Example:
+            >>> callback = HeldOutEvalCallback(None, [{}, {}], None)
+            >>> callback.curve = [{"step": 0, "em": 0.1, "format_valid": 0.5, "memory_recall": 0.25},
+            ...                   {"step": 30, "em": 0.2, "format_valid": 0.75, "memory_recall": 0.5}]
+            >>> callback.before_after()  # doctest: +ELLIPSIS
+            'held-out EM (2 questions, greedy): 0.100 before training (step 0) -> 0.200 after (step 30) | format ...'
+        """
+        first, last = self.curve[0], self.curve[-1]
+        return (
+            f"held-out EM ({len(self.rows)} questions, greedy): {first['em']:.3f} before training (step "
+            f"{first['step']}) -> {last['em']:.3f} after (step {last['step']}) | format {first['format_valid']:.3f} -> "
+            f"{last['format_valid']:.3f} | memory recall {first['memory_recall']:.3f} -> {last['memory_recall']:.3f}"
+        )
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if state.is_world_process_zero:
