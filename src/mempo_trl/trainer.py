@@ -12,7 +12,7 @@ import torch
 from accelerate.utils import gather_object, is_peft_model
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import nanstd, pad, use_adapter
+from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 
 from mempo_trl.advantages import combine_advantages, group_outcome_advantages
 from mempo_trl.config import MemPOConfig
@@ -165,16 +165,28 @@ class MemPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ generation helpers
 
     def _generate_turns(self, prompt_ids: list[list[int]]):
-        """One turn per prompt with TRL's backend (HF generate, vLLM colocate or server)."""
+        """One turn per prompt with TRL's backend (HF generate, vLLM colocate or server).
+
+        TRL's vLLM server mode, and colocate mode with tensor parallelism, gather the prompts of all processes (of a
+        TP group) and hand each process the completions at ``process_index * len(prompts)``: right only when every
+        process sends the same number of prompts. Episodes end at different rounds, so the prompt list is padded to
+        the largest count over processes with copies of its shortest prompt, whose completions are dropped.
+        """
+        n = len(prompt_ids)
+        if self.use_vllm and (self.vllm_mode == "server" or self.vllm_tensor_parallel_size > 1):
+            placeholder = min(prompt_ids, key=len)
+            prompt_ids = prompt_ids + [placeholder] * (self._global_max(n) - n)
         if self.action_stopping_criteria is None:
-            return self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
-        # TRL's HF path passes no stopping criteria to `generate`: bind ours for this call.
-        model = self.accelerator.unwrap_model(self.model_wrapped)
-        model.generate = functools.partial(model.generate, stopping_criteria=self.action_stopping_criteria)
-        try:
-            return self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
-        finally:
-            del model.generate
+            completions, logprobs = self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+        else:
+            # TRL's HF path passes no stopping criteria to `generate`: bind ours for this call.
+            model = self.accelerator.unwrap_model(self.model_wrapped)
+            model.generate = functools.partial(model.generate, stopping_criteria=self.action_stopping_criteria)
+            try:
+                completions, logprobs = self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+            finally:
+                del model.generate
+        return completions[:n], None if logprobs is None else logprobs[:n]
 
     def _global_sum(self, value: int) -> int:
         if self.accelerator.num_processes == 1:
@@ -355,8 +367,11 @@ class MemPOTrainer(GRPOTrainer):
                 )
                 output["old_per_token_logps"] = old_logps
             if self.use_vllm and all(r.logprobs is not None for r in records):
+                # vLLM reports a NaN log-prob as None (TRL's `extract_logprobs`): back to NaN, as TRL does; the IS
+                # ratio then leaves those tokens uncorrected and the IS metrics skip them.
                 sampling = pad(
-                    [torch.tensor(r.logprobs, dtype=torch.float32) for r in records] + [torch.zeros(1)] * num_dummy,
+                    [torch.tensor([math.nan if x is None else x for x in r.logprobs]) for r in records]
+                    + [torch.zeros(1)] * num_dummy,
                     padding_value=0.0,
                     padding_side="right",
                 ).to(device)
@@ -365,6 +380,10 @@ class MemPOTrainer(GRPOTrainer):
                     output["importance_sampling_ratio"] = self._importance_sampling_ratio(
                         output["old_per_token_logps"], sampling, completion_mask
                     )
+                    self._log_importance_sampling(
+                        mode, output["old_per_token_logps"], sampling, output["importance_sampling_ratio"],
+                        completion_mask,
+                    )  # fmt: skip
             if self.beta != 0.0:
                 if self.ref_model is not None:
                     ref_logps, _, _ = self._get_per_token_logps_and_entropies(
@@ -409,6 +428,28 @@ class MemPOTrainer(GRPOTrainer):
         return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
     # ------------------------------------------------------------------ logging
+
+    def _log_importance_sampling(self, mode, old_logps, sampling_logps, ratio, mask):
+        """TRL's vLLM diagnostics: ``sampling/sampling_logp_difference/{mean,max}`` and
+        ``sampling/importance_sampling_ratio/{min,mean,max}`` over real completion tokens, NaN log-probs skipped."""
+        device = self.accelerator.device
+        mask = mask.bool()
+        delta = (old_logps - sampling_logps).abs()
+        delta = delta[mask & ~torch.isnan(delta)]
+        zero = torch.tensor(0.0, device=device)
+        mean_delta, max_delta = (delta.mean(), delta.max()) if delta.numel() else (zero, zero)
+        self._metrics[mode]["sampling/sampling_logp_difference/mean"].append(
+            self.accelerator.gather(mean_delta).mean().item()
+        )
+        self._metrics[mode]["sampling/sampling_logp_difference/max"].append(
+            self.accelerator.gather(max_delta).max().item()
+        )
+        flat = ratio.flatten() if self.vllm_importance_sampling_mode.startswith("sequence") else ratio[mask]
+        stats = (flat.min(), flat.mean(), flat.max()) if flat.numel() else (zero, zero, zero)
+        low, mean, high = (self.accelerator.gather(x) for x in stats)
+        self._metrics[mode]["sampling/importance_sampling_ratio/min"].append(nanmin(low).item())
+        self._metrics[mode]["sampling/importance_sampling_ratio/mean"].append(mean.nanmean().item())
+        self._metrics[mode]["sampling/importance_sampling_ratio/max"].append(nanmax(high).item())
 
     def _metric_names(self) -> list[str]:
         names = [

@@ -1,0 +1,83 @@
+"""Train MemPO for two steps with TRL's vLLM generation on a fake engine and dump what each episode got.
+
+    torchrun --nproc_per_node 2 tests/scripts/vllm_worker.py MODE MODEL_DIR OUT_DIR   (used by tests/test_vllm.py)
+
+MODE is ``server`` (TRL's server mode), ``colocate_tp`` (colocate, tensor_parallel_size = world size) or
+``colocate`` (tensor_parallel_size 1). Four questions Q0..Q3, G = 2, two per process; episode Q<k> ends in round
+``1 + k % 4`` (`fake_vllm.end_round`), so from round 2 on the processes send different numbers of prompts.
+Each process writes ``OUT_DIR/rank<r>.json``: every episode's question and turn texts, the weight syncs and
+generate calls the fake engine saw, and the logged metrics.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from datasets import Dataset
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fake_vllm  # noqa: E402
+
+from mempo_trl import MemPOConfig, MemPOTrainer  # noqa: E402
+from mempo_trl.kit.tiny import load_tiny  # noqa: E402
+from mempo_trl.retrieval import Passage  # noqa: E402
+
+
+class EchoRetriever:
+    def search(self, queries, topk):
+        return [[Passage(id=q, title=q, text=f"about {q}")] for q in queries]
+
+
+def main(mode: str, model_dir: str, out_dir: str) -> None:
+    fake_vllm.install(model_dir)
+    fake_vllm.NAN_ROUNDS.update({(1, 2), (3, 1)})  # a NaN (None) sampling log-prob in two turns
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model, tokenizer = load_tiny(model_dir)
+    args = MemPOConfig(
+        output_dir=str(Path(out_dir) / "run"),
+        per_device_train_batch_size=4 // world,  # 2 questions x G = 2 per step, on any world size
+        num_generations=2,
+        max_completion_length=32,
+        max_turns=4,
+        max_steps=2,
+        learning_rate=1e-3,
+        use_vllm=True,
+        vllm_mode="server" if mode == "server" else "colocate",
+        vllm_tensor_parallel_size=world if mode == "colocate_tp" else 1,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
+    dataset = Dataset.from_list([{"question": f"Q{k} where?", "golden_answers": [f"A{k}"]} for k in range(4)])
+    trainer = MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
+    episodes = []
+    run = trainer.rollout_engine.run
+
+    def recording_run(*a, **kw):
+        result = run(*a, **kw)
+        episodes.extend(result[0])
+        return result
+
+    trainer.rollout_engine.run = recording_run
+    trainer.train()
+    engine = fake_vllm.engine_of(trainer)
+    rank = trainer.accelerator.process_index
+    out = {
+        "rank": rank,
+        "episodes": [{"question": ep.row["question"], "turns": [r.text for r in ep.rounds]} for ep in episodes],
+        "engine": None if engine is None else engine.counters.__dict__,
+        "log_history": trainer.state.log_history,
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

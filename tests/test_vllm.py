@@ -1,0 +1,74 @@
+"""TRL's vLLM generation (server mode, colocate with tensor parallelism) on a fake engine, over two CPU processes.
+
+`tests/fake_vllm.py` replaces only what TRL imports from vLLM; TRL's `VLLMGeneration` (gather, broadcast, slice by
+position, `extract_logprobs`, weight sync) runs as on a GPU box. The fake engine's turns name their episode and round,
+and its log-probs are those of a synced copy of the model, so misrouted completions or misaligned rows show.
+"""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+WORKER = Path(__file__).parent / "scripts" / "vllm_worker.py"
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_vllm import end_round  # noqa: E402
+
+
+def _torchrun(mode: str, model_dir: Path, out: Path, nproc: int = 2) -> list[dict]:
+    with socket.socket() as sock:  # a free loopback port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [*cmd, str(WORKER), mode, str(model_dir), str(out)], cwd=out, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def _check_episodes(ranks: list[dict]) -> None:
+    """Every episode got its own turn in every round and ran to its scripted end."""
+    episodes = [ep for r in ranks for ep in r["episodes"]]
+    assert len(episodes) == 8  # 2 steps x 2 questions x G = 2
+    for ep in episodes:
+        k = int(ep["question"][1])
+        expected = [f"<mem>q{k} r{t}</mem>" for t in range(1, end_round(k) + 1)]
+        assert [turn[: len(e)] for turn, e in zip(ep["turns"], expected)] == expected, ep
+        assert len(ep["turns"]) == end_round(k)
+    # The processes really sent different numbers of prompts in some round (what the padding is for).
+    per_rank_rounds = [[sum(1 for ep in r["episodes"][:2] if len(ep["turns"]) > t) for t in range(4)] for r in ranks]
+    assert per_rank_rounds[0] != per_rank_rounds[1]
+
+
+def _check_sampling_metrics(log_history: list[dict]) -> None:
+    """TRL's IS diagnostics are logged, finite (NaN log-probs skipped) and show aligned rows (ratio 1)."""
+    steps = [entry for entry in log_history if "loss" in entry]
+    assert len(steps) == 2
+    for entry in steps:
+        for name in ("min", "mean", "max"):
+            assert entry[f"sampling/importance_sampling_ratio/{name}"] == pytest.approx(1.0, abs=1e-4)
+        assert 0.0 <= entry["sampling/sampling_logp_difference/max"] < 1e-4
+        assert math.isfinite(entry["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["server", "colocate_tp"])
+def test_vllm_hands_every_process_its_own_completions(tiny_model_dir, tmp_path, mode):
+    ranks = _torchrun(mode, tiny_model_dir, tmp_path)
+    _check_episodes(ranks)
+    _check_sampling_metrics(ranks[0]["log_history"])
+    engines = [r["engine"] for r in ranks if r["engine"] is not None]
+    assert engines and all(e["syncs"] == 2 for e in engines)  # one weight sync per step, before round 1
+    # Every generate call got the same number of prompts from both processes (padded), 2 + 2 at most.
+    assert all(n == 4 for e in engines for n in e["prompts"])
