@@ -286,3 +286,100 @@ def test_reward_functions_check_their_arguments():
     with pytest.raises(TypeError, match="completions must be a list"):
         mempo_outcome_reward(["q"], done, [["Ulm"]])
     assert mempo_outcome_reward(["q", "q"], [done, done], [["ulm"], "Paris"]) == [1.0, 0.0]
+
+
+# ------------------------------------------------------------------------------------------ outputs and CLI errors
+
+
+def test_train_refuses_an_output_dir_it_cannot_write_before_any_work(tmp_path, capsys, tiny_model_dir):
+    blocked = tmp_path / "out"
+    blocked.write_text("a file where the output directory should be")
+    assert main(train_settings(tmp_path, tiny_model_dir, output_dir=str(blocked))) == 2
+    assert one_error_line(capsys) == f"error: output directory {blocked} is a file, not a directory. " + (
+        "Choose a directory path."
+    )
+    assert main(train_settings(tmp_path, tiny_model_dir, output_dir="/proc/mempo-out")) == 2
+    assert one_error_line(capsys).startswith("error: output directory /proc/mempo-out cannot be written")
+
+
+def test_train_refuses_to_overwrite_earlier_results_unless_told(tmp_path, capsys, tiny_model_dir):
+    out = tmp_path / "out"
+    (out / "checkpoint-3").mkdir(parents=True)
+    (out / "model.safetensors").write_text("an earlier model")
+    assert main(train_settings(tmp_path, tiny_model_dir)) == 2
+    assert one_error_line(capsys) == (
+        f"error: output directory {out} already holds results (checkpoint-3, model.safetensors). Pass "
+        f"--resume_from_checkpoint {out / 'checkpoint-3'} to continue it, --overwrite_output_dir to replace them, "
+        "or choose another output directory."
+    )
+    assert (out / "model.safetensors").read_text() == "an earlier model"
+    assert main([*train_settings(tmp_path, tiny_model_dir), "--overwrite_output_dir", "true"]) == 0
+    assert (out / "mempo_metrics.json").is_file() and (out / "model.safetensors").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        (["kit", "build-tiny-model"], "--output_dir"),
+        (["kit", "build-demo"], "--output_dir"),
+        (["eval", "--model", "MODEL"], "--out"),
+        (["merge-lora", "--adapter", "MODEL"], "--out"),
+    ],
+)
+def test_every_command_checks_its_output_dir_first(tmp_path, capsys, tiny_model_dir, command, flag):
+    argv = [str(tiny_model_dir) if arg == "MODEL" else arg for arg in command]
+    if command[0] == "merge-lora":
+        (tmp_path / "adapter").mkdir()
+        (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+        argv[argv.index(str(tiny_model_dir))] = str(tmp_path / "adapter")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file")
+    assert main([*argv, flag, str(blocked)]) == 2
+    assert one_error_line(capsys) == f"error: output directory {blocked} is a file, not a directory. " + (
+        "Choose a directory path."
+    )
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "results.json").write_text("{}")
+    assert main([*argv, flag, str(used)]) == 2
+    assert one_error_line(capsys).startswith(f"error: output directory {used} already holds results (results.json)")
+
+
+def test_warm_start_checks_the_model_dir_first(tmp_path, capsys):
+    assert main(["kit", "warm-start", "--model_name_or_path", str(tmp_path / "none")]) == 2
+    assert one_error_line(capsys).startswith(f"error: model path {tmp_path / 'none'} does not exist.")
+
+
+@pytest.mark.parametrize(
+    ("fields", "extra", "message"),
+    [
+        ({}, ["--max_steps", "ten"], "error: argument --max_steps/--max-steps: invalid int value: 'ten' (see "),
+        ({"model_name_or_path": "/no/such/model"}, [], "error: model path /no/such/model does not exist."),
+        ({"model_name_or_path": "CONFIG"}, [], "is a file, not a model directory"),
+        ({"report_to": ["tensorboard"]}, [], "error: --report_to tensorboard needs the tensorboard package"),
+        ({"resume_from_checkpoint": "/no/checkpoint-9"}, [], "error: checkpoint /no/checkpoint-9 to resume from"),
+    ],
+)
+def test_train_cli_errors_are_one_line(tmp_path, capsys, tiny_model_dir, fields, extra, message):
+    import importlib.util
+
+    if "report_to" in fields and importlib.util.find_spec("tensorboard"):
+        pytest.skip("tensorboard is installed here")
+    if fields.get("model_name_or_path") == "CONFIG":
+        fields = {"model_name_or_path": str(tiny_model_dir / "config.json")}
+    assert main([*train_settings(tmp_path, tiny_model_dir, **fields), *extra]) == 2
+    assert message in one_error_line(capsys)
+    assert not (tmp_path / "out").exists()  # nothing was built or written
+
+
+def test_yaml_syntax_error_is_one_line(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("max_steps: [1\noutput_dir: out\n")
+    assert main(["train", "--config", str(recipe)]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: invalid YAML: while parsing a flow sequence") and str(recipe) in line
+
+
+def test_unknown_subcommand_flag_is_one_line(capsys):
+    assert main(["serve-retriever", "--corpus", "c.jsonl", "--max-topk-typo", "3"]) == 2
+    assert one_error_line(capsys) == "error: unrecognized arguments: --max-topk-typo 3 (see `mempo-trl --help`)"

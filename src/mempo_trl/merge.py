@@ -12,6 +12,8 @@ and without peft.
 import argparse
 from pathlib import Path
 
+from mempo_trl.outputs import prepare_output_dir
+
 
 def merge_lora(adapter: str | Path, out: str | Path, base: str | None = None, dtype: str = "auto") -> Path:
     """Load the base model and the adapter, merge them (`merge_and_unload`) and save model + tokenizer to `out`.
@@ -36,6 +38,9 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | None = None, dt
 
 
 def _merge_cli(args: argparse.Namespace) -> int:
+    if not Path(args.adapter, "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{args.adapter} is not a LoRA adapter directory (no adapter_config.json).")
+    prepare_output_dir(args.out, overwrite=args.overwrite_output_dir)
     out = merge_lora(args.adapter, args.out, base=args.base, dtype=args.dtype)
     print(f"merged model saved to {out}")
     return 0
@@ -47,6 +52,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--adapter", required=True, help="Directory of the trained adapter (a training output_dir).")
     parser.add_argument("--out", required=True, help="Directory for the merged model.")
+    parser.add_argument(
+        "--overwrite_output_dir", action="store_true", help="Write into an --out that already holds files."
+    )
     parser.add_argument("--base", help="Base model path or Hub id (default: the one named in the adapter config).")
     parser.add_argument(
         "--dtype",

@@ -2,19 +2,39 @@
 
 Every command calls one of these first: `prepare_output_dir` (a directory of results: writable, and an existing
 non-empty one is resumed, overwritten on request or refused), `check_writable` (a cache or other directory that is
-expected to hold things already) and `check_port` (a port a server will listen on). Each raises `OutputError`
-with one sentence naming the path and the fix.
+expected to hold things already), `check_port` (a port a server will listen on) and `check_report_to` (logging
+backends). Each raises `OutputError` with one sentence naming the path and the fix.
 """
 
 import errno
+import importlib.util
 import os
 import socket
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+
+
+PROBE_PREFIX = ".mempo-write-probe-"
+REPORT_TO_PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "trackio": ("trackio",),
+    "mlflow": ("mlflow",), "comet_ml": ("comet_ml",), "clearml": ("clearml",), "neptune": ("neptune",),
+    "dvclive": ("dvclive",), "swanlab": ("swanlab",), "codecarbon": ("codecarbon",), "azure_ml": ("azureml",),
+}  # fmt: skip
 
 
 class OutputError(ValueError):
     """An output that cannot be written, or an existing result that would be overwritten; the message says which."""
+
+
+@dataclass
+class OutputArguments:
+    """`--overwrite_output_dir`, for commands that write an `output_dir` (training has it in its own arguments)."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Write into an `output_dir` that already holds results (nothing is deleted first)."},
+    )
 
 
 def check_writable(directory: str | os.PathLike, what: str = "output directory") -> Path:
@@ -28,11 +48,14 @@ def check_writable(directory: str | os.PathLike, what: str = "output directory")
     path = Path(directory).expanduser()
     if path.exists() and not path.is_dir():
         raise OutputError(f"{what} {path} is a file, not a directory. Choose a directory path.")
-    probe = path / f".mempo-write-probe-{uuid.uuid4().hex}"
+    created = [parent for parent in (path, *path.parents) if not parent.exists()]
+    probe = path / f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
+        for parent in created:  # leave no empty directories behind; the command creates them when it writes
+            parent.rmdir()
     except OSError as e:
         reason = e.strerror or type(e).__name__
         raise OutputError(
@@ -45,11 +68,13 @@ def prepare_output_dir(
     directory: str | os.PathLike,
     overwrite: bool = False,
     resume: bool | str | None = None,
+    check_existing: bool = True,
 ) -> Path:
     """Check that `directory` can be written and holds no earlier results unless resuming or told to overwrite.
 
     An existing non-empty directory is accepted when `resume` is set (training continues from its checkpoint) or
-    `overwrite` is true (its files are replaced as they are written); otherwise `OutputError` says so.
+    `overwrite` is true (its files are replaced as they are written; nothing is deleted); otherwise `OutputError`
+    says so. `check_existing=False` checks only that it can be written (the other processes of a distributed run).
 
     Example:
         >>> prepare_output_dir("outputs/run1")  # outputs/run1 holds a model from an earlier run
@@ -57,8 +82,10 @@ def prepare_output_dir(
         mempo_trl.outputs.OutputError: output directory outputs/run1 already holds results (README.md, ...). ...
     """
     path = check_writable(directory)
-    existing = sorted(p.name for p in path.iterdir())
-    if existing and not overwrite and not resume:
+    if isinstance(resume, str) and resume.lower() != "true" and not Path(resume).is_dir():
+        raise OutputError(f"checkpoint {resume} to resume from does not exist. Pass a checkpoint-N directory.")
+    existing = sorted(p.name for p in path.iterdir() if not p.name.startswith(PROBE_PREFIX)) if path.is_dir() else []
+    if check_existing and existing and not overwrite and not resume:
         shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
         checkpoints = sorted(path.glob("checkpoint-*"))
         resume_hint = f"--resume_from_checkpoint {checkpoints[-1]} to continue it, " if checkpoints else ""
@@ -67,6 +94,24 @@ def prepare_output_dir(
             "replace them, or choose another output directory."
         )
     return path
+
+
+def check_report_to(report_to: list[str] | str | None) -> None:
+    """Check that the package of every `report_to` logging backend is installed (before the run, not at its end).
+
+    Example:
+        >>> check_report_to(["tensorboard"])  # tensorboard not installed
+        Traceback (most recent call last):
+        mempo_trl.outputs.OutputError: --report_to tensorboard needs the tensorboard package: pip install ...
+    """
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    for name in names:
+        packages = REPORT_TO_PACKAGES.get(name, ())
+        if packages and not any(importlib.util.find_spec(package) for package in packages):
+            raise OutputError(
+                f"--report_to {name} needs the {packages[0]} package: pip install {packages[0]}, or log elsewhere "
+                "(--report_to none)."
+            )
 
 
 def check_port(host: str, port: int) -> None:

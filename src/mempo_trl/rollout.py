@@ -23,6 +23,7 @@ from mempo_trl.context import (
     round_messages,
 )
 from mempo_trl.protocol import Turn, locate_mem_span, parse_turn, render_information, token_char_offsets
+from mempo_trl.retrieval.base import RetrieverOutage
 
 
 ACTION_STOPS = ("</search>", "</answer>")
@@ -175,9 +176,15 @@ class RolloutEngine:
                 all processes; while it is positive, a process without active episodes still calls ``generate`` (on
                 one placeholder prompt) so that every process issues the same generation calls (vLLM server and
                 ZeRO-3 generation are collectives).
+
+        Raises:
+            RetrieverOutage: the retriever stayed unreachable. The process that lost it ends its episodes and keeps
+                taking part in the rounds; after the last one, every process learns (through ``global_active``)
+                whether any process lost it, and all of them raise together, so a caller can save a checkpoint.
         """
         episodes = [self.new_episode(dict(row)) for row in rows]
         timings = RolloutTimings()
+        outage: RetrieverOutage | None = None
         for round_index in range(self.max_turns):
             active = [ep for ep in episodes if not ep.finished]
             if global_active is not None:
@@ -200,12 +207,20 @@ class RolloutEngine:
                     ep.finished = True
             if searches:
                 start = time.perf_counter()
-                results = self.retriever.search([query for _, query in searches], self.topk)
+                try:
+                    results = self.retriever.search([query for _, query in searches], self.topk)
+                except RetrieverOutage as e:
+                    outage, results = e, []
+                    for ep in episodes:
+                        ep.finished = True
                 timings.retrieval += time.perf_counter() - start
                 for (ep, _), passages in zip(searches, results):
                     ep.rounds[-1].information = render_information(passages)
         for ep in episodes:
             ep.finished = True
+        lost = global_active(int(outage is not None)) if global_active is not None else int(outage is not None)
+        if lost:
+            raise outage or RetrieverOutage(f"{lost} other process(es) lost the retrieval server (see their log).")
         return episodes, timings
 
     def _make_record(self, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float] | None):

@@ -7,6 +7,7 @@ model, the demo world of `mempo_trl.kit`); the library core never imports the ki
 
 import argparse
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 
 
 def add_command(subparsers: argparse._SubParsersAction, name: str, help: str, main: Callable[[list[str]], int]):
@@ -19,6 +20,10 @@ def add_command(subparsers: argparse._SubParsersAction, name: str, help: str, ma
 def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) -> tuple:
     """Parse `argv` (and `--config file.yaml`) into instances of `dataclass_types`, TRL-style.
 
+    A bad argument raises `CommandError` (one `error:` line). A command with an `output_dir` also gets
+    `--overwrite_output_dir` (`OutputArguments`), and its `output_dir` is checked (`prepare_output_dir`) here,
+    before the command does any work.
+
     Example:
         >>> from mempo_trl.commands.kit import BuildDemoArguments
         >>> parse("mempo-trl kit build-demo", [BuildDemoArguments], ["--output_dir", "demo"])[0].output_dir
@@ -26,4 +31,17 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     """
     from trl import TrlParser
 
-    return TrlParser(list(dataclass_types), prog=prog).parse_args_and_config(args=argv)
+    from mempo_trl.cli import one_line_errors
+    from mempo_trl.outputs import OutputArguments, prepare_output_dir
+
+    names = {f.name for t in dataclass_types for f in fields(t)}
+    writes = "output_dir" in names and "overwrite_output_dir" not in names
+    types = [*dataclass_types, OutputArguments] if writes else list(dataclass_types)
+    parsed = one_line_errors(TrlParser(types, prog=prog), prog).parse_args_and_config(args=argv)
+    if not writes:
+        return tuple(parsed)
+    *parsed, output = parsed
+    for args in parsed:
+        if getattr(args, "output_dir", None):
+            prepare_output_dir(args.output_dir, overwrite=output.overwrite_output_dir)
+    return tuple(parsed)

@@ -25,6 +25,7 @@ from mempo_trl.evaluation import (
     load_model,
     plot_context_tokens,
 )
+from mempo_trl.outputs import prepare_output_dir
 
 
 RESULTS_FILE = "results.json"
@@ -125,6 +126,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from mempo_trl.retrieval import CorpusError, RetrievalError
 
     modes = list(CONTEXT_MODES) if args.context_mode == "both" else [args.context_mode]
+    prepare_output_dir(args.out, overwrite=args.overwrite_output_dir)
     try:
         check_model_source(args.model)
         rows = _load_rows(args)
@@ -252,6 +254,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         help="memory (MemPO), full_history (Search-R1 baseline) or both on the same questions",
     )
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--overwrite_output_dir", action="store_true", help="write into an --out that already holds results"
+    )
     parser.add_argument(
         "--backend", choices=["transformers", "vllm"], default="transformers", help="vllm needs mempo_trl[vllm]"
     )

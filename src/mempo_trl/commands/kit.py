@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from mempo_trl.commands import add_command, parse
 from mempo_trl.kit.warmstart import WARM_BATCH_SIZE, WARM_LR, WARM_STEPS
+from mempo_trl.loading import check_model_path
+from mempo_trl.outputs import check_writable
 
 
 @dataclass
@@ -92,6 +94,8 @@ def warm_start(argv: list[str]) -> int:
     from mempo_trl.kit.warmstart import warm_start
 
     (args,) = parse("mempo-trl kit warm-start", [WarmStartArguments], argv)
+    check_model_path(args.model_name_or_path)
+    check_writable(args.model_name_or_path, what="model directory")  # trained in place
     stats = warm_start(
         args.model_name_or_path,
         steps=args.max_steps,

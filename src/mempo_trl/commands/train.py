@@ -11,10 +11,10 @@ Arguments are parsed TRL-style (`TrlParser`) over `ScriptArguments`, `MemPOConfi
 import argparse
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mempo_trl.cli import one_line_errors, run
 from mempo_trl.commands import add_command
 
 
@@ -42,6 +42,16 @@ class ScriptArguments:
         metadata={"help": "URL of a Search-R1-style retrieval server (`POST /retrieve`); overrides corpus."},
     )
     retriever_cache_dir: str | None = field(default=None, metadata={"help": "Where BM25 indexes are cached."})
+    retriever_retry_budget: float = field(
+        default=600.0,
+        metadata={"help": "Seconds an unreachable `retriever_url` is retried (each outage logged) before training "
+                  "saves a checkpoint and stops; resume from it once the server is back."},
+    )  # fmt: skip
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Write into an `output_dir` that already holds results; without it (or "
+                  "`resume_from_checkpoint`) such a directory is refused before anything is loaded."},
+    )  # fmt: skip
     rewards: list[str] = field(
         default_factory=lambda: ["outcome"],
         metadata={"help": f"Outcome reward functions by name, from {sorted(REWARD_FUNCS)}; weigh them with "
@@ -88,7 +98,9 @@ def _load_retriever(script_args: ScriptArguments):
     from mempo_trl.retrieval import BM25Retriever, HttpRetriever
 
     if script_args.retriever_url:
-        retriever = HttpRetriever(script_args.retriever_url)
+        retriever = HttpRetriever(
+            script_args.retriever_url, max_retries=None, retry_budget=script_args.retriever_retry_budget
+        )
         retriever.health()  # fail before training, with the URL in the message
         return retriever
     corpus = script_args.corpus or str(demo_paths().corpus)
@@ -152,8 +164,22 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args):
 
 
 def train(trainer, training_args, dataset_name: str | None = None) -> dict:
-    """Train, save the model, the metrics and the model card (and push). Returns the final metrics."""
-    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    """Train, save the model, the metrics and the model card (and push). Returns the final metrics.
+
+    If the retrieval server stays unreachable for the whole retry budget, a checkpoint of the last finished step is
+    saved and `RetrieverOutage` is raised again, naming the checkpoint to resume from.
+    """
+    from mempo_trl.retrieval import RetrieverOutage
+
+    try:
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except RetrieverOutage as err:
+        trainer._save_checkpoint(trainer.model, trial=None)
+        checkpoint = Path(training_args.output_dir, f"checkpoint-{trainer.state.global_step}")
+        raise RetrieverOutage(
+            f"training stopped: {err} Saved {checkpoint}; once the server answers again, rerun with "
+            f"--resume_from_checkpoint {checkpoint}."
+        ) from err
     trainer.save_model(training_args.output_dir)
     metrics = {**result.metrics, **trainer.final_metrics()}
     if trainer.is_world_process_zero():
@@ -170,24 +196,33 @@ def parse_args(argv: list[str] | None = None):
 
     from mempo_trl.config import MemPOConfig
 
-    parser = TrlParser((ScriptArguments, MemPOConfig, ModelConfig))
+    parser = one_line_errors(TrlParser((ScriptArguments, MemPOConfig, ModelConfig)), "mempo-trl train")
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     if model_args.model_name_or_path is None:
         model_args.model_name_or_path = TINY_MODEL
     return script_args, training_args, model_args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: a bad recipe or bad data stops before training with one clear message."""
-    from mempo_trl.data import DataError
-    from mempo_trl.retrieval import CorpusError, RetrievalError
+def check_before_training(script_args: ScriptArguments, training_args, model_args) -> None:
+    """Fail in seconds, not after training: model path, logging backends, a writable and unused `output_dir`."""
+    from mempo_trl.loading import check_model_path
+    from mempo_trl.outputs import check_report_to, prepare_output_dir
 
-    try:
-        script_args, training_args, model_args = parse_args(argv)
-        trainer = build_trainer(script_args, training_args, model_args)
-    except (DataError, CorpusError, RetrievalError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if model_args.model_name_or_path != TINY_MODEL:
+        check_model_path(model_args.model_name_or_path)
+    check_report_to(training_args.report_to)
+    prepare_output_dir(
+        training_args.output_dir,
+        overwrite=script_args.overwrite_output_dir,
+        resume=training_args.resume_from_checkpoint,
+        check_existing=int(os.environ.get("RANK", "0")) == 0,  # before rank 0 writes base_model there
+    )
+
+
+def _main(argv: list[str] | None) -> int:
+    script_args, training_args, model_args = parse_args(argv)
+    check_before_training(script_args, training_args, model_args)
+    trainer = build_trainer(script_args, training_args, model_args)
     metrics = train(trainer, training_args, script_args.dataset_name)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"model saved to {training_args.output_dir}")
@@ -198,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
             if hasattr(callback, "before_after"):
                 print(callback.before_after())
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: a bad recipe, path or data stops before training with one `error:` line (exit 2)."""
+    return run(_main, argv)
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
