@@ -23,8 +23,9 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from mempo_trl.agent import AgentSettings, MemPOAgent, load_chat_tokenizer
 from mempo_trl.data import load_qa
-from mempo_trl.evaluation import compare_modes, evaluate, load_eval_tokenizer
+from mempo_trl.evaluation import compare_modes, evaluate
 from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.retrieval import BM25Retriever
 
@@ -97,18 +98,11 @@ def run_workload(tokenizer, rows: list[dict], corpus: str, args) -> dict:
     retriever = BM25Retriever.from_corpus(corpus)
     results = {}
     for mode in ("memory", "full_history"):
-        agent = ScriptedAgent(tokenizer, rows, args.rounds, args.mem_tokens)
-        results[mode] = evaluate(
-            None,
-            tokenizer,
-            rows,
-            retriever,
-            max_turns=args.rounds,
-            topk=args.topk,
-            context_mode=mode,
-            generator=agent,
-            progress=False,
+        script = ScriptedAgent(tokenizer, rows, args.rounds, args.mem_tokens)
+        agent = MemPOAgent(
+            tokenizer, retriever, script, AgentSettings(max_turns=args.rounds, retrieval_topk=args.topk)
         )
+        results[mode] = evaluate(agent, rows, context_mode=mode, progress=False)
     memory, full = results["memory"].metrics["overall"], results["full_history"].metrics["overall"]
     assert memory["em"] == full["em"] == 1.0 and memory["turns_per_question"] == args.rounds
     return {"memory": memory, "full_history": full, **compare_modes(results["memory"], results["full_history"])}
@@ -139,9 +133,9 @@ def main() -> None:
     if args.tokenizer is None:
         from mempo_trl.kit.tiny import build_tiny_model
 
-        tokenizer = load_eval_tokenizer(str(build_tiny_model(tempfile.mkdtemp(), seed=0)))
+        tokenizer = load_chat_tokenizer(str(build_tiny_model(tempfile.mkdtemp(), seed=0)))
     else:
-        tokenizer = load_eval_tokenizer(args.tokenizer)
+        tokenizer = load_chat_tokenizer(args.tokenizer)
     paths = demo_paths()
     rows = list(load_qa(paths.test))
     wiki = Path(tempfile.mkdtemp()) / "wiki_length_corpus.jsonl"

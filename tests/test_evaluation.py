@@ -9,6 +9,7 @@ from collections import defaultdict
 import pytest
 from helpers import EchoRetriever, free_port
 
+from mempo_trl.agent import AgentSettings, MemPOAgent
 from mempo_trl.cli import main
 from mempo_trl.context import initial_messages, render_prompt
 from mempo_trl.evaluation import compare_modes, evaluate
@@ -81,16 +82,10 @@ METRIC_SCRIPT = {
 
 def test_scripted_policy_metrics(tokenizer):
     retriever = EchoRetriever()
-    result = evaluate(
-        None,
-        tokenizer,
-        METRIC_ROWS,
-        retriever,
-        max_turns=3,
-        topk=2,
-        generator=Script(tokenizer, METRIC_SCRIPT),
-        progress=False,
+    agent = MemPOAgent(
+        tokenizer, retriever, Script(tokenizer, METRIC_SCRIPT), AgentSettings(max_turns=3, retrieval_topk=2)
     )
+    result = evaluate(agent, METRIC_ROWS, progress=False)
     per_question = [(r["em"], round(r["f1"], 6), r["sub_em"], r["format_valid"]) for r in result.records]
     assert per_question == [
         (1.0, 1.0, 1.0, True),
@@ -149,16 +144,10 @@ def test_token_counts_match_a_hand_count(tokenizer):
 
     results = {}
     for mode, prompts in expected_prompts.items():
-        result = evaluate(
-            None,
-            tokenizer,
-            rows,
-            EchoRetriever(),
-            max_turns=3,
-            context_mode=mode,
-            generator=Script(tokenizer, {question: texts}),
-            progress=False,
+        agent = MemPOAgent(
+            tokenizer, EchoRetriever(), Script(tokenizer, {question: texts}), AgentSettings(max_turns=3)
         )
+        result = evaluate(agent, rows, context_mode=mode, progress=False)
         record = result.records[0]
         assert [r.prompt_ids for r in result.episodes[0].rounds] == prompts
         assert [r["prompt_tokens"] for r in record["rounds"]] == [len(p) for p in prompts]
@@ -226,14 +215,16 @@ def test_cli_end_to_end_both_modes(tiny_model_dir, tmp_path, cache, capsys):
     import matplotlib.image
 
     out = tmp_path / "eval"
-    argv = ["eval", "--model", str(tiny_model_dir), "--out", str(out), "--limit", "8", "--max-turns", "2"]
-    assert main([*argv, "--max-new-tokens", "24", "--context-mode", "both", "--batch-size", "3", "--no-progress"]) == 0
+    argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--max_eval_samples", "8"]
+    argv += ["--max_turns", "2", "--max_completion_length", "24", "--context_mode", "both"]
+    assert main([*argv, "--per_device_eval_batch_size", "3", "--disable_tqdm", "true"]) == 0
     assert "memory vs full_history" in capsys.readouterr().out
 
     report = json.loads((out / "results.json").read_text())
     settings = report["settings"]
     assert settings["context_modes"] == ["memory", "full_history"]
-    assert (settings["max_turns"], settings["topk"], settings["num_questions"]) == (2, 3, 8)
+    agent = settings["agent"]
+    assert (agent["max_turns"], agent["retrieval_topk"], settings["num_questions"]) == (2, 3, 8)
     assert settings["retriever"]["kind"] == "bm25" and settings["retriever"]["num_passages"] > 0
     assert {"torch", "transformers", "trl", "mempo_trl"} <= set(report["versions"])
     assert set(report["modes"]) == {"memory", "full_history"}
@@ -270,10 +261,11 @@ def test_cli_several_sources_limit_and_default_data_source(tiny_model_dir, tmp_p
         path.write_text(
             "".join(json.dumps({"question": f"q{k} of {name}?", "golden_answers": ["x"]}) + "\n" for k in range(n))
         )
-        files += ["--data", str(path)]
+        files.append(str(path))
     out = tmp_path / "eval"
-    argv = ["eval", "--model", str(tiny_model_dir), *files, "--limit", "2", "--out", str(out), "--max-turns", "1"]
-    assert main([*argv, "--max-new-tokens", "4", "--no-progress"]) == 0
+    argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", *files, "--max_eval_samples", "2"]
+    argv += ["--output_dir", str(out), "--max_turns", "1", "--max_completion_length", "4", "--disable_tqdm", "true"]
+    assert main(argv) == 0
     metrics = json.loads((out / "results.json").read_text())["modes"]["memory"]
     assert {s: m["num_questions"] for s, m in metrics["by_data_source"].items()} == {"nq_dev": 2, "hotpot_dev": 2}
     assert metrics["overall"]["num_questions"] == 4
@@ -288,21 +280,21 @@ def test_cli_bad_inputs_print_one_line(problem, tiny_model_dir, tmp_path, cache,
     if problem == "no_golden_answers":
         data = tmp_path / "qa.jsonl"
         data.write_text(json.dumps({"question": "Who?", "answer": "Ada"}) + "\n")
-        extra, expected = ["--data", str(data)], [str(data), "line 1", "golden_answers"]
+        extra, expected = ["--dataset_name", str(data)], [str(data), "line 1", "golden_answers"]
     elif problem == "unreachable_retriever":
         url = f"http://127.0.0.1:{free_port()}"
-        extra = ["--retriever", url, "--retriever-timeout", "2", "--retriever-retries", "0"]
+        extra = ["--retriever_url", url, "--retriever_timeout", "2", "--retriever_max_retries", "0"]
         expected = [url, "refused", "serve-retriever"]
     elif problem == "missing_model":
         model = str(tmp_path / "no_such_model")
-        expected = [model, "not found", "save_pretrained"]
+        expected = [model, "does not exist", "save_pretrained"]
     elif problem == "not_a_model_dir":
         model = str(tmp_path)
         expected = [model, "config.json"]
     else:
         corpus = str(tmp_path / "missing.jsonl")
         extra, expected = ["--corpus", corpus], [corpus]
-    code = main(["eval", "--model", model, "--out", str(tmp_path / "out"), "--no-progress", *extra])
+    code = main(["eval", "--model_name_or_path", model, "--output_dir", str(tmp_path / "out"), *extra])
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert code == 2
@@ -313,7 +305,9 @@ def test_cli_bad_inputs_print_one_line(problem, tiny_model_dir, tmp_path, cache,
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
 def test_cli_vllm_backend_without_vllm(tiny_model_dir, tmp_path, cache, capsys):
-    code = main(["eval", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--backend", "vllm"])
+    code = main(
+        ["eval", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path), "--use_vllm", "true"]
+    )
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "mempo_trl[vllm]" in lines[0]
 
@@ -321,9 +315,8 @@ def test_cli_vllm_backend_without_vllm(tiny_model_dir, tmp_path, cache, capsys):
 def test_summary_means_are_over_questions_reaching_a_round(tokenizer):
     rows = [{"question": q, "golden_answers": ["x"]} for q in ("one round?", "two rounds?")]
     script = {"one round?": [turn("answer", "x")], "two rounds?": [turn("search", "s"), turn("answer", "x")]}
-    result = evaluate(
-        None, tokenizer, rows, EchoRetriever(), max_turns=4, generator=Script(tokenizer, script), progress=False
-    )
+    agent = MemPOAgent(tokenizer, EchoRetriever(), Script(tokenizer, script), AgentSettings(max_turns=4))
+    result = evaluate(agent, rows, progress=False)
     first, second = result.records
     means = result.metrics["overall"]["prompt_tokens_per_round"]
     assert means[0] == (first["rounds"][0]["prompt_tokens"] + second["rounds"][0]["prompt_tokens"]) / 2

@@ -36,7 +36,7 @@ def test_recipe_parses_with_trl_parser(recipe):
     from mempo_trl.commands.train import parse_args
 
     # use_cpu: the GPU recipes set bf16, which TrainingArguments rejects on a machine without a GPU otherwise.
-    script_args, training_args, model_args = parse_args(["--config", str(recipe), "--use_cpu", "true"])
+    script_args, training_args, model_args, retriever_args = parse_args(["--config", str(recipe), "--use_cpu", "true"])
     assert model_args.model_name_or_path
     assert training_args.loss_type == "dapo"
     assert training_args.generation_batch_size % training_args.num_generations == 0
@@ -46,14 +46,14 @@ def test_recipe_parses_with_trl_parser(recipe):
 def test_gpu_recipes_have_the_paper_settings(recipe):
     from mempo_trl.commands.train import parse_args
 
-    script_args, training_args, model_args = parse_args(["--config", str(recipe), "--use_cpu", "true"])
+    script_args, training_args, model_args, retriever_args = parse_args(["--config", str(recipe), "--use_cpu", "true"])
     assert model_args.model_name_or_path.startswith("Qwen/Qwen2.5-")
     assert model_args.dtype == "bfloat16" and training_args.bf16
     assert (training_args.num_generations, training_args.max_turns, training_args.retrieval_topk) == (16, 8, 3)
     assert training_args.memory_threshold == pytest.approx(math.log(0.5))
     assert training_args.memory_coef == 1.0
     assert training_args.gradient_checkpointing
-    assert script_args.dataset_name and (script_args.retriever_url or script_args.corpus)
+    assert script_args.dataset_name and (retriever_args.retriever_url or retriever_args.corpus)
     # Trajectories per generation on 8 GPUs form whole groups of G.
     per_generation_on_8 = training_args.per_device_train_batch_size * 8 * training_args.steps_per_generation
     assert per_generation_on_8 % training_args.num_generations == 0
@@ -64,9 +64,9 @@ def test_gpu_recipes_have_the_paper_settings(recipe):
 def test_3b_recipe_is_lora_and_7b_recipe_is_full_with_vllm_colocate():
     from mempo_trl.commands.train import parse_args
 
-    _, lora_args, lora_model = parse_args(["--config", str(GPU_RECIPES[0]), "--use_cpu", "true"])
+    _, lora_args, lora_model, _ = parse_args(["--config", str(GPU_RECIPES[0]), "--use_cpu", "true"])
     assert lora_model.use_peft and lora_model.lora_target_modules == "all-linear" and not lora_args.use_vllm
-    _, vllm_args, full_model = parse_args(["--config", str(GPU_RECIPES[1]), "--use_cpu", "true"])
+    _, vllm_args, full_model, _ = parse_args(["--config", str(GPU_RECIPES[1]), "--use_cpu", "true"])
     assert not full_model.use_peft
     assert vllm_args.use_vllm and vllm_args.vllm_mode == "colocate"
     assert 0 < vllm_args.vllm_gpu_memory_utilization < 0.5

@@ -1,5 +1,6 @@
 """The Hub model card of a MemPO run, written locally (never pushed)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
     from mempo_trl.commands.train import build_trainer, parse_args
 
     out = tmp_path / "mempo-tiny-card"
-    script_args, training_args, model_args = parse_args(
+    script_args, training_args, model_args, retriever_args = parse_args(
         [
             "--config", str(QUICKSTART),
             "--model_name_or_path", str(warm_model_dir),
@@ -24,15 +25,20 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
             "--max_turns", "2", "--max_completion_length", "24", "--max_steps", "1",
         ]
     )  # fmt: skip
-    trainer = build_trainer(script_args, training_args, model_args)
+    trainer = build_trainer(script_args, training_args, model_args, retriever_args)
     trainer.train()
+    trainer.save_model()
     trainer.create_model_card(dataset_name=script_args.dataset_name)
+    assert json.loads((out / "mempo_agent.json").read_text())["max_turns"] == 2  # pushed with the weights
 
     card = (out / "README.md").read_text(encoding="utf-8")
     _, front_matter, body = card.split("---\n", 2)
     metadata = yaml.safe_load(front_matter)
     assert "mempo" in metadata["tags"] and set(trainer._tag_names) <= set(metadata["tags"])
     assert "# Model Card for mempo-tiny-card" in body  # the output_dir name, not TRL's "None"
+    quick_start = body.split("## Quick start", 1)[1].split("## Training procedure", 1)[0]
+    assert 'MemPOAgent.from_pretrained("mempo-tiny-card", retriever=' in quick_start
+    assert "pipeline(" not in body and "time machine" not in body  # TRL's generic chat snippet is replaced
     for words in (
         "MemPO",
         "Self-Memory Policy Optimization",

@@ -322,7 +322,7 @@ def test_train_refuses_to_overwrite_earlier_results_unless_told(tmp_path, capsys
     [
         (["kit", "build-tiny-model"], "--output_dir"),
         (["kit", "build-demo"], "--output_dir"),
-        (["eval", "--model", "MODEL"], "--out"),
+        (["eval", "--model_name_or_path", "MODEL"], "--output_dir"),
         (["merge-lora", "--adapter", "MODEL"], "--out"),
     ],
 )

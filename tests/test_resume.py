@@ -65,10 +65,10 @@ def test_resume_from_checkpoint_matches_straight_run(warm_model_dir, tmp_path):
     halfway = _weights(first)
     assert any(not torch.equal(halfway[n], final[n]) for n in final)
 
-    script_args, training_args, model_args = parse_args(
+    script_args, training_args, model_args, retriever_args = parse_args(
         _args(warm_model_dir, resumed_dir, *saving, "--resume_from_checkpoint", str(checkpoint))
     )
-    second = build_trainer(script_args, training_args, model_args)
+    second = build_trainer(script_args, training_args, model_args, retriever_args)
     train(second, training_args)
     assert second.state.global_step == 4
     resumed = _weights(second)

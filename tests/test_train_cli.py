@@ -51,7 +51,9 @@ def test_batch_size_not_divisible_by_num_generations(capsys, recipe):
 
 
 def test_unknown_reward_name(capsys, recipe):
-    _fails(capsys, ["--config", recipe(rewards=["outcome", "style"])], "style", "format")
+    _fails(
+        capsys, ["--config", recipe(reward_funcs=["mempo_outcome_reward", "style"])], "style", "mempo_format_reward"
+    )
 
 
 def test_invalid_mempo_setting(capsys, recipe):

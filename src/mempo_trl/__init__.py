@@ -41,6 +41,9 @@ _EXPORTS = {
     "DataError": "mempo_trl.data",
     "load_tokenizer": "mempo_trl.loading",
     "evaluate": "mempo_trl.evaluation",
+    "MemPOAgent": "mempo_trl.agent",
+    "AgentSettings": "mempo_trl.agent",
+    "AgentResult": "mempo_trl.agent",
 }
 
 __all__ = ["__version__", *_EXPORTS]

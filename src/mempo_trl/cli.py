@@ -21,6 +21,7 @@ from typing import Any
 COMMAND_MODULES = (
     "mempo_trl.commands.train",
     "mempo_trl.commands.eval",
+    "mempo_trl.commands.ask",
     "mempo_trl.retrieval.cli",
     "mempo_trl.merge",
     "mempo_trl.commands.kit",

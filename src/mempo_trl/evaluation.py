@@ -1,8 +1,8 @@
 """Evaluation harness: play a model as a MemPO agent over QA rows and report answers, format and token cost.
 
-`evaluate` runs one context mode through `mempo_trl.rollout.RolloutEngine` (the context builder of training) and
-returns an `EvalResult`: one record per question (the trajectory, its scores and its token counts) and the
-metrics, overall and per ``data_source``. ``context_mode="full_history"`` is the Search-R1 style baseline whose
+`evaluate` plays a `MemPOAgent` over QA rows in one context mode (through `mempo_trl.rollout.RolloutEngine`, the
+context builder of training) and returns an `EvalResult`: one record per question (the trajectory, its scores and
+its token counts) and the metrics, overall and per ``data_source``. ``context_mode="full_history"`` is the Search-R1 style baseline whose
 context grows every round; `compare_modes` sets the two side by side on the same questions.
 
 Token accounting is exact: a round's prompt tokens are the ids the model was given, its completion tokens the ids
@@ -19,13 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mempo_trl.context import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT, ContextMode
+from mempo_trl.agent import AgentResult, MemPOAgent
+from mempo_trl.context import ContextMode
 from mempo_trl.rewards import outcome_score
-from mempo_trl.rollout import Episode, GenerateFn, RolloutEngine
-
-
-class EvalError(RuntimeError):
-    """An evaluation that cannot start (missing model, missing backend); the message says how to fix it."""
+from mempo_trl.rollout import Episode, GenerateFn
 
 
 @dataclass
@@ -53,6 +50,7 @@ def episode_record(episode: Episode) -> dict:
         True
     """
     row = episode.row
+    result = AgentResult.from_episode(episode)
     score = outcome_score(
         episode.answer, row["golden_answers"], row.get("sub_answers") or None, format_valid=episode.format_valid
     )
@@ -71,7 +69,6 @@ def episode_record(episode: Episode) -> dict:
         }
         for r in episode.rounds
     ]
-    processed = [r["prompt_tokens"] + r["completion_tokens"] for r in rounds]
     return {
         "id": row.get("id"),
         "data_source": row.get("data_source", "unknown"),
@@ -84,10 +81,10 @@ def episode_record(episode: Episode) -> dict:
         "sub_em": score.sub_em,
         "format_valid": episode.format_valid,
         "turns_valid": all(r.turn.valid for r in episode.rounds),
-        "num_turns": len(rounds),
-        "num_searches": sum(1 for r in episode.rounds if r.information is not None),
-        "peak_context_tokens": max(processed, default=0),
-        "total_tokens": sum(processed),
+        "num_turns": result.num_turns,
+        "num_searches": result.num_searches,
+        "peak_context_tokens": result.peak_context_tokens,
+        "total_tokens": result.total_tokens,
         "rounds": rounds,
     }
 
@@ -162,69 +159,38 @@ class _Progress:
 
 
 def evaluate(
-    model,
-    tokenizer,
+    agent: MemPOAgent,
     rows: Sequence[dict],
-    retriever,
     *,
-    max_turns: int = 8,
-    topk: int = 3,
-    context_mode: ContextMode = "memory",
-    generator: GenerateFn | None = None,
-    batch_size: int = 16,
-    max_new_tokens: int = 512,
-    temperature: float = 0.0,
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
-    instruction: str = DEFAULT_INSTRUCTION,
+    context_mode: ContextMode | None = None,
     progress: bool = True,
 ) -> EvalResult:
-    """Play every row as one episode with `model` and score it.
+    """Play every row as one episode with `agent` and score it.
 
     Args:
-        model: a transformers causal LM; ignored when `generator` is given (pass ``None`` then).
-        tokenizer: its tokenizer, with a chat template.
+        agent: a `MemPOAgent` (its settings give the turn protocol).
         rows: QA rows (``question``, ``golden_answers``, optional ``data_source``/``sub_answers``), e.g. `load_qa`.
-        retriever: anything with ``search(queries, topk)``.
-        context_mode: ``"memory"`` (MemPO) or ``"full_history"`` (Search-R1 baseline).
-        generator: a `GenerateFn`; default `HFGenerator(model, tokenizer, ...)` with the arguments below. Its
-            ``eos_token_ids`` attribute, if any, tells the rollout which ids end a turn.
+        context_mode: ``"memory"`` (MemPO) or ``"full_history"`` (Search-R1 baseline); default: the agent's.
 
     Example:
         >>> import tempfile
-        >>> from mempo_trl import load_qa, load_retriever
+        >>> from mempo_trl import MemPOAgent, load_qa
         >>> from mempo_trl.kit.demo_world import demo_paths
-        >>> from mempo_trl.kit.tiny import build_tiny_model, load_tiny
-        >>> model, tokenizer = load_tiny(build_tiny_model(tempfile.mkdtemp()))
-        >>> rows, retriever = list(load_qa(demo_paths().test))[:4], load_retriever(str(demo_paths().corpus))
-        >>> result = evaluate(model, tokenizer, rows, retriever, max_turns=2, max_new_tokens=16, progress=False)
+        >>> from mempo_trl.kit.tiny import build_tiny_model
+        >>> model_dir = build_tiny_model(tempfile.mkdtemp())
+        >>> agent = MemPOAgent.from_pretrained(model_dir, str(demo_paths().corpus), max_turns=2, max_completion_length=16)
+        >>> result = evaluate(agent, list(load_qa(demo_paths().test))[:4], progress=False)
         >>> result.metrics["overall"]["num_questions"], result.records[0]["rounds"][0]["completion_tokens"]
         (4, 16)
     """
-    if generator is None:
-        from mempo_trl.generation import HFGenerator
-
-        generator = HFGenerator(
-            model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size
-        )
-    eos = getattr(generator, "eos_token_ids", None)
-    engine = RolloutEngine(
-        tokenizer,
-        retriever,
-        max_turns=max_turns,
-        topk=topk,
-        context_mode=context_mode,
-        system_prompt=system_prompt,
-        instruction=instruction,
-        eos_token_ids=eos if eos is not None else [tokenizer.eos_token_id],
-    )
-    rows = [dict(row) for row in rows]
-    tracked = _Progress(generator, len(rows), max_turns, f"eval {context_mode}", progress)
+    mode = context_mode or agent.settings.context_mode
+    tracked = _Progress(agent.generator, len(rows), agent.settings.max_turns, f"eval {mode}", progress)
     try:
-        episodes, timings = engine.run(rows, tracked)
+        episodes, timings = agent.play(rows, tracked, context_mode=mode)
     finally:
         tracked.close()
     records = [episode_record(ep) for ep in episodes]
-    return EvalResult(context_mode, records, summarize(records), episodes, timings.generation, timings.retrieval)
+    return EvalResult(mode, records, summarize(records), episodes, timings.generation, timings.retrieval)
 
 
 def compare_modes(memory: EvalResult, full_history: EvalResult) -> dict[str, float]:
@@ -280,65 +246,3 @@ def plot_context_tokens(results: Sequence[EvalResult], path: str | Path) -> Path
     fig.savefig(path)
     plt.close(fig)
     return path
-
-
-def check_model_source(path: str) -> None:
-    """Raise `EvalError` unless `path` is a model directory (with ``config.json``) or a Hub model in the local cache.
-
-    Example:
-        >>> check_model_source("/no/such/model")
-        Traceback (most recent call last):
-        mempo_trl.evaluation.EvalError: model '/no/such/model' not found: no such directory, and no model of that name in the local Hugging Face cache (evaluation runs offline). Pass a directory written by save_pretrained, e.g. by `mempo-trl kit build-tiny-model --output_dir DIR`.
-    """
-    from huggingface_hub import try_to_load_from_cache
-
-    if Path(path).exists():
-        if not (Path(path) / "config.json").is_file():
-            raise EvalError(
-                f"{path} is not a model directory (no config.json). Pass a directory written by save_pretrained."
-            )
-        return
-    try:
-        cached = try_to_load_from_cache(path, "config.json")
-    except ValueError:  # not a valid repo id either
-        cached = None
-    if not isinstance(cached, str):
-        raise EvalError(
-            f"model {path!r} not found: no such directory, and no model of that name in the local Hugging Face "
-            "cache (evaluation runs offline). Pass a directory written by save_pretrained, e.g. by "
-            "`mempo-trl kit build-tiny-model --output_dir DIR`."
-        )
-
-
-def load_eval_tokenizer(path: str):
-    """The tokenizer of a model, read as its ``tokenizer.json`` says when there is one, else with `AutoTokenizer`.
-
-    `AutoTokenizer` swaps in `Qwen2Tokenizer` for Qwen2 configs, which re-tokenizes a custom ``tokenizer.json``
-    differently. Raises `EvalError` when the tokenizer has no chat template.
-
-    Example:
-        >>> load_eval_tokenizer("tiny").padding_side  # doctest: +SKIP
-        'left'
-    """
-    from mempo_trl.loading import load_tokenizer
-
-    tokenizer = load_tokenizer(path)
-    if not tokenizer.chat_template:
-        raise EvalError(f"the tokenizer of {path} has no chat template; MemPO prompts are chat conversations.")
-    return tokenizer
-
-
-def load_model(path: str, device: str | None = None, dtype: str = "auto"):
-    """Load ``(model, tokenizer)`` for evaluation, in eval mode on `device` (default: cuda when available).
-
-    Example:
-        >>> model, tokenizer = load_model("tiny", device="cpu")  # doctest: +SKIP
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    check_model_source(path)
-    tokenizer = load_eval_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval(), tokenizer

@@ -165,7 +165,7 @@ class VLLMGenerator:
         except ImportError:
             raise ImportError(
                 "the vllm backend needs vLLM: pip install 'mempo_trl[vllm]' (on a CUDA machine), or use "
-                "--backend transformers."
+                "drop --use_vllm."
             ) from None
         self._tokens_prompt = TokensPrompt
         self.llm = LLM(model=str(model_path), seed=seed, **llm_kwargs)

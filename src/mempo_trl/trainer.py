@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 import textwrap
 import time
 from collections import defaultdict
@@ -15,6 +16,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 
 from mempo_trl.advantages import combine_advantages, group_outcome_advantages
+from mempo_trl.agent import AgentSettings
 from mempo_trl.config import MemPOConfig
 from mempo_trl.data import validate_qa_rows
 from mempo_trl.generation import action_stopping_criteria
@@ -541,6 +543,11 @@ class MemPOTrainer(GRPOTrainer):
             last.update({k: v for k, v in entry.items() if isinstance(v, int | float) and not isinstance(v, bool)})
         return last
 
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        """Save as TRL does, plus the agent's turn protocol (`mempo_agent.json`, read by `MemPOAgent`)."""
+        super()._save(output_dir, state_dict=state_dict)
+        AgentSettings.from_config(self.args).save(output_dir or self.args.output_dir)
+
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card plus a MemPO section: base model, data, retriever, recipe and final metrics."""
         model_name = model_name or Path(self.args.output_dir).name  # as `push_to_hub` names it (TRL: "None")
@@ -553,6 +560,10 @@ class MemPOTrainer(GRPOTrainer):
         text = card.read_text(encoding="utf-8")
         # TRL links the base model to the Hub; a local base model would render as "[None](https://huggingface.co/None)".
         text = text.replace("[None](https://huggingface.co/None)", f"`{info['base_model']}`")
+        hub_id = self.args.hub_model_id or model_name
+        text = re.sub(
+            r"(## Quick start\n\n)```python\n.*?```", lambda m: m.group(1) + _usage(hub_id), text, count=1, flags=re.S
+        )
         own_fields = [name for name in MemPOConfig.__annotations__ if name not in ("system_prompt", "instruction")]
         recipe = {name: getattr(self.args, name) for name in own_fields}
         recipe.update(
@@ -584,3 +595,23 @@ class MemPOTrainer(GRPOTrainer):
             "",
         ]
         card.write_text(text + "\n".join(lines), encoding="utf-8")
+
+
+def _usage(hub_id: str) -> str:
+    """The model card's quick start: the agent API, with the settings saved next to the weights."""
+    return textwrap.dedent(
+        f"""\
+        ```python
+        from mempo_trl import MemPOAgent
+
+        # retriever: a Search-R1-style server (`mempo-trl serve-retriever --corpus wiki-18.jsonl`) or a JSONL corpus
+        agent = MemPOAgent.from_pretrained("{hub_id}", retriever="http://127.0.0.1:8000")
+        result = agent.run("Who founded the company that built the tallest tower in Lyon?")
+        print(result.answer, result.num_turns, result.memories)
+        ```
+
+        Or from the command line:
+        `mempo-trl ask "your question" --model_name_or_path {hub_id} --retriever_url http://127.0.0.1:8000`.
+        The agent reads its turn protocol (prompt, instruction, max turns, top-k) from `mempo_agent.json`,
+        saved with the weights."""
+    )

@@ -1,31 +1,27 @@
-"""`mempo-trl eval`: load a model, QA files and a retriever, run `mempo_trl.evaluation.evaluate`, write the results.
+"""`mempo-trl eval`: play a trained agent over QA rows and report EM, F1, format, turns, searches and token cost.
 
-Writes ``results.json`` (metrics, settings, versions), ``trajectories.jsonl`` (one line per question and mode) and
-``context_tokens.png`` (mean prompt tokens per round).
+    mempo-trl eval --model_name_or_path outputs/quickstart --output_dir eval_out --context_mode both
+
+The agent runs with the settings saved with it (`mempo_agent.json`); a flag such as `--max_turns 4` overrides them
+and says so. Writes ``results.json`` (metrics, settings, versions), ``trajectories.jsonl`` (one line per question
+and mode) and ``context_tokens.png`` (mean prompt tokens per round) into `output_dir`.
 """
 
 import argparse
 import json
 import logging
 import platform
-import sys
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mempo_trl.context import CONTEXT_MODES, DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
-from mempo_trl.evaluation import (
-    EvalError,
-    EvalResult,
-    check_model_source,
-    compare_modes,
-    evaluate,
-    load_eval_tokenizer,
-    load_model,
-    plot_context_tokens,
-)
-from mempo_trl.outputs import prepare_output_dir
+from mempo_trl.commands import add_command, parse
+from mempo_trl.commands.ask import AgentArguments, demo_corpus, load_agent
+from mempo_trl.commands.retrieval import RetrieverArguments, build_retriever
+from mempo_trl.context import CONTEXT_MODES
+from mempo_trl.evaluation import EvalResult, compare_modes, evaluate, plot_context_tokens
 
 
 RESULTS_FILE = "results.json"
@@ -33,11 +29,33 @@ TRAJECTORIES_FILE = "trajectories.jsonl"
 PLOT_FILE = "context_tokens.png"
 
 
-def _versions(backend: str) -> dict[str, str]:
+@dataclass
+class EvalArguments:
+    """The questions to evaluate on and where the results go."""
+
+    output_dir: str = field(metadata={"help": "Directory for results.json, trajectories.jsonl and the plot."})
+    dataset_name: list[str] | None = field(
+        default=None,
+        metadata={"help": "QA .jsonl/.json/.parquet files, FlashRAG-style directories or `datasets` names, each "
+                  "reported on its own (default: the demo test split)."},
+    )  # fmt: skip
+    dataset_split: str = field(default="test", metadata={"help": "Split of a directory or `datasets` source."})
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "`datasets` config name, e.g. nq for FlashRAG_datasets."}
+    )
+    max_eval_samples: int | None = field(default=None, metadata={"help": "First N questions of every source."})
+    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+
+    def __post_init__(self):
+        if self.max_eval_samples is not None and self.max_eval_samples < 1:
+            raise ValueError(f"max_eval_samples must be >= 1, got {self.max_eval_samples}.")
+
+
+def _versions(use_vllm: bool) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     names = ["mempo_trl", "torch", "transformers", "trl", "tokenizers", "datasets", "bm25s"]
-    if backend == "vllm":
+    if use_vllm:
         names.append("vllm")
     found = {"python": platform.python_version()}
     for name in names:
@@ -60,17 +78,17 @@ def _quiet_retry_warnings():
         log.setLevel(level)
 
 
-def _load_rows(args: argparse.Namespace) -> list[dict]:
+def _load_rows(args: EvalArguments) -> list[dict]:
     from mempo_trl.data import load_qa
     from mempo_trl.kit.demo_world import demo_paths
 
-    sources = args.data or [str(demo_paths().test)]
+    sources = args.dataset_name or [str(demo_paths().test)]
     rows = []
     for source in sources:
-        dataset = load_qa(source, split=args.split, config=args.data_config)
-        if args.limit is not None:
-            dataset = dataset.select(range(min(args.limit, len(dataset))))
-        name = Path(source).stem if Path(source).exists() else args.data_config or source
+        dataset = load_qa(source, split=args.dataset_split, config=args.dataset_config)
+        if args.max_eval_samples is not None:
+            dataset = dataset.select(range(min(args.max_eval_samples, len(dataset))))
+        name = Path(source).stem if Path(source).exists() else args.dataset_config or source
         # Rows without a data_source are reported under the name of the file or dataset they come from.
         rows += [
             {**row, "data_source": name if row["data_source"] == "unknown" else row["data_source"]} for row in dataset
@@ -78,27 +96,24 @@ def _load_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _load_retriever(args: argparse.Namespace, probe: str):
-    from mempo_trl.kit.demo_world import demo_paths
-    from mempo_trl.retrieval import RetrievalError, load_retriever
+def _probe_retriever(retriever, args: RetrieverArguments, probe: str) -> dict:
+    """Search once (a dead server fails here, not mid-run) and describe the retriever for results.json."""
+    from mempo_trl.retrieval import RetrievalError
 
-    corpus = args.corpus or str(demo_paths().corpus)
-    spec = args.retriever or corpus
-    kwargs = {"timeout": args.retriever_timeout, "max_retries": args.retriever_retries}
-    retriever = load_retriever(spec, **kwargs) if spec.startswith(("http://", "https://")) else load_retriever(spec)
     with _quiet_retry_warnings():
-        retriever.search([probe], args.topk)
-    info = {"spec": spec, "kind": getattr(retriever, "name", type(retriever).__name__), "corpus": corpus}
+        retriever.search([probe], 1)
+    info = {"kind": getattr(retriever, "name", type(retriever).__name__), "corpus": args.corpus or demo_corpus()}
+    if args.retriever_url:
+        info.update(url=args.retriever_url, corpus=args.corpus)
     if hasattr(retriever, "num_passages"):
         info["num_passages"] = retriever.num_passages
     if hasattr(retriever, "health"):
-        info["corpus"] = args.corpus
         try:  # Search-R1's own server has no /health
             with _quiet_retry_warnings():
                 info["server"] = retriever.health()
         except RetrievalError:
             info["server"] = None
-    return retriever, info
+    return info
 
 
 def _print_summary(results: Sequence[EvalResult], comparison: dict | None) -> None:
@@ -120,57 +135,21 @@ def _print_summary(results: Sequence[EvalResult], comparison: dict | None) -> No
         )
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    """`mempo-trl eval`: load, evaluate every requested context mode, write the outputs; 2 on a bad input."""
-    from mempo_trl.data import DataError
-    from mempo_trl.retrieval import CorpusError, RetrievalError
+def main(argv: list[str] | None = None) -> int:
+    """`mempo-trl eval`: load, evaluate every requested context mode, write the outputs."""
+    agent_args, eval_args, retriever_args = parse(
+        "mempo-trl eval", [AgentArguments, EvalArguments, RetrieverArguments], argv
+    )
+    rows = _load_rows(eval_args)
+    retriever = build_retriever(retriever_args, default_corpus=demo_corpus())
+    retriever_info = _probe_retriever(retriever, retriever_args, rows[0]["question"])
+    agent = load_agent(agent_args, retriever, None if agent_args.context_mode == "both" else agent_args.context_mode)
 
-    modes = list(CONTEXT_MODES) if args.context_mode == "both" else [args.context_mode]
-    prepare_output_dir(args.out, overwrite=args.overwrite_output_dir)
-    try:
-        check_model_source(args.model)
-        rows = _load_rows(args)
-        retriever, retriever_info = _load_retriever(args, rows[0]["question"])
-        if args.backend == "vllm":
-            from mempo_trl.generation import VLLMGenerator
-
-            model, tokenizer = None, load_eval_tokenizer(args.model)
-            generator = VLLMGenerator(args.model, tokenizer, args.max_new_tokens, args.temperature, seed=args.seed)
-        else:
-            import torch
-
-            from mempo_trl.generation import HFGenerator
-
-            torch.manual_seed(args.seed)
-            model, tokenizer = load_model(args.model, args.device, args.dtype)
-            generator = HFGenerator(
-                model, tokenizer, args.max_new_tokens, args.temperature, batch_size=args.batch_size
-            )
-    except (DataError, CorpusError, RetrievalError, EvalError, ImportError, OSError, ValueError) as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 2
-
-    out = Path(args.out)
+    modes = list(CONTEXT_MODES) if agent_args.context_mode == "both" else [agent.settings.context_mode]
+    out = Path(eval_args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    try:
-        results = [
-            evaluate(
-                model,
-                tokenizer,
-                rows,
-                retriever,
-                max_turns=args.max_turns,
-                topk=args.topk,
-                context_mode=mode,
-                generator=generator,
-                progress=not args.no_progress,
-            )
-            for mode in modes
-        ]
-    except RetrievalError as e:  # the server went away during the run
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 2
+    results = [evaluate(agent, rows, context_mode=m, progress=not eval_args.disable_tqdm) for m in modes]
     comparison = compare_modes(*results) if len(results) == 2 else None
     with (out / TRAJECTORIES_FILE).open("w", encoding="utf-8") as f:
         for result in results:
@@ -178,27 +157,24 @@ def run_eval(args: argparse.Namespace) -> int:
                 f.write(json.dumps({"context_mode": result.context_mode, **record}, ensure_ascii=False) + "\n")
     plot_context_tokens(results, out / PLOT_FILE)
     settings = {
-        "model": args.model,
-        "data": args.data or ["demo test split"],
-        "split": args.split,
-        "data_config": args.data_config,
-        "limit": args.limit,
+        "model_name_or_path": agent_args.model_name_or_path,
+        "dataset_name": eval_args.dataset_name or ["demo test split"],
+        "dataset_split": eval_args.dataset_split,
+        "dataset_config": eval_args.dataset_config,
+        "max_eval_samples": eval_args.max_eval_samples,
         "num_questions": len(rows),
         "retriever": retriever_info,
-        "topk": args.topk,
-        "max_turns": args.max_turns,
         "context_modes": modes,
-        "backend": args.backend,
-        "temperature": args.temperature,
-        "max_new_tokens": args.max_new_tokens,
-        "batch_size": args.batch_size,
-        "seed": args.seed,
-        "system_prompt": DEFAULT_SYSTEM_PROMPT,
-        "instruction": DEFAULT_INSTRUCTION,
+        "agent": asdict(agent.settings),
+        "agent_settings_saved": agent.saved_settings is not None,
+        "use_vllm": agent_args.use_vllm,
+        "temperature": agent_args.temperature,
+        "per_device_eval_batch_size": agent_args.per_device_eval_batch_size,
+        "seed": agent_args.seed,
     }
     report = {
         "settings": settings,
-        "versions": _versions(args.backend),
+        "versions": _versions(agent_args.use_vllm),
         "modes": {
             r.context_mode: {**r.metrics, "generation_s": r.generation_s, "retrieval_s": r.retrieval_s}
             for r in results
@@ -212,59 +188,10 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add `mempo-trl eval` (e.g. `--model tiny --context-mode both --out eval_out`)."""
-    parser = subparsers.add_parser(
+    add_command(
+        subparsers,
         "eval",
-        help="evaluate a model as a MemPO agent (EM/F1, format, token cost)",
-        description="Run a model as a MemPO search agent over QA rows and report EM, F1, sub-EM, format validity, "
-        "turns, searches and token cost, in memory and/or full-history context mode.",
+        "evaluate a trained agent (EM/F1, format, turns, token cost) in one or both context modes",
+        main,
     )
-    parser.add_argument("--model", required=True, help="local model directory (or a cached Hub name)")
-    parser.add_argument(
-        "--data",
-        action="append",
-        help="QA .jsonl/.json/.parquet file, FlashRAG-style directory or datasets name; repeatable "
-        "(default: the demo test split)",
-    )
-    parser.add_argument("--split", default="test", help="split of a directory or datasets source")
-    parser.add_argument("--data-config", default=None, help="datasets config name, e.g. nq for FlashRAG_datasets")
-    parser.add_argument("--limit", type=_positive_int, default=None, help="first N questions of every --data source")
-    parser.add_argument("--corpus", default=None, help="corpus .jsonl for BM25 (default: the demo corpus)")
-    parser.add_argument(
-        "--retriever",
-        default=None,
-        help="retriever spec: http://host:port, bm25:<corpus>, ... (default: BM25 on --corpus)",
-    )
-    parser.add_argument("--retriever-timeout", type=float, default=30.0, help="seconds per HTTP request")
-    parser.add_argument("--retriever-retries", type=int, default=3, help="HTTP retries after a failed request")
-    parser.add_argument("--max-turns", type=_positive_int, default=8, help="rounds per question at most")
-    parser.add_argument("--topk", type=_positive_int, default=3, help="passages per search")
-    parser.add_argument(
-        "--context-mode",
-        choices=[*CONTEXT_MODES, "both"],
-        default="memory",
-        help="memory (MemPO), full_history (Search-R1 baseline) or both on the same questions",
-    )
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument(
-        "--overwrite_output_dir", action="store_true", help="write into an --out that already holds results"
-    )
-    parser.add_argument(
-        "--backend", choices=["transformers", "vllm"], default="transformers", help="vllm needs mempo_trl[vllm]"
-    )
-    parser.add_argument("--batch-size", type=_positive_int, default=16, help="prompts per model.generate call")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=512, help="tokens per turn at most")
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=run_eval)

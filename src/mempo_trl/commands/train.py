@@ -3,8 +3,8 @@
     accelerate launch --config_file accelerate_configs/zero2.yaml -m mempo_trl train \\
         --config examples/configs/qwen2.5-3b-lora.yaml
 
-Arguments are parsed TRL-style (`TrlParser`) over `ScriptArguments`, `MemPOConfig` and TRL's `ModelConfig`
-(LoRA, quantisation); any of them may come from `--config recipe.yaml` and be overridden on the command line.
+Arguments are parsed TRL-style (`TrlParser`) over `ScriptArguments`, `RetrieverArguments`, `MemPOConfig` and TRL's
+`ModelConfig` (LoRA, quantisation); any of them may come from `--config recipe.yaml` and be overridden on the command line.
 `model_name_or_path: tiny` builds the offline tiny model (`mempo_trl.kit.tiny`) into `<output_dir>/base_model`.
 """
 
@@ -14,54 +14,71 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mempo_trl.cli import one_line_errors, run
-from mempo_trl.commands import add_command
+from mempo_trl.cli import run
+from mempo_trl.commands import add_command, parse
+from mempo_trl.commands.retrieval import RetrieverArguments, build_retriever
 
 
 TINY_MODEL = "tiny"
-REWARD_FUNCS = {"outcome": "mempo_outcome_reward", "format": "mempo_format_reward"}
+REWARD_FUNCS = {"mempo_outcome_reward", "mempo_format_reward"}
 
 
 @dataclass
 class ScriptArguments:
-    """Data and retriever of a MemPO run (the model and training fields live in `ModelConfig` / `MemPOConfig`)."""
+    """Data and rewards of a MemPO run (retriever: `RetrieverArguments`; model and training: `ModelConfig`,
+    `MemPOConfig`)."""
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "QA data: a .jsonl/.json/.parquet path or a `datasets` name (Search-R1/FlashRAG rows). "
+        metadata={"help": "QA data: a .jsonl/.json/.parquet path or a `datasets` name (FlashRAG or Search-R1 rows). "
                   "Default: the shipped demo world."},
     )  # fmt: skip
     dataset_split: str = field(default="train", metadata={"help": "Split of `dataset_name` to train on."})
+    dataset_config: str | None = field(default=None, metadata={"help": "`datasets` config name of `dataset_name`."})
     eval_dataset_name: str | None = field(default=None, metadata={"help": "Optional QA data for evaluation."})
-    eval_split: str = field(default="test", metadata={"help": "Split of `eval_dataset_name`."})
-    corpus: str | None = field(
-        default=None, metadata={"help": "Passage corpus (JSONL `{id, contents}`) for the embedded BM25 retriever."}
-    )
-    retriever_url: str | None = field(
-        default=None,
-        metadata={"help": "URL of a Search-R1-style retrieval server (`POST /retrieve`); overrides corpus."},
-    )
-    retriever_cache_dir: str | None = field(default=None, metadata={"help": "Where BM25 indexes are cached."})
-    retriever_retry_budget: float = field(
-        default=600.0,
-        metadata={"help": "Seconds an unreachable `retriever_url` is retried (each outage logged) before training "
-                  "saves a checkpoint and stops; resume from it once the server is back."},
-    )  # fmt: skip
+    eval_dataset_split: str = field(default="test", metadata={"help": "Split of `eval_dataset_name`."})
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Write into an `output_dir` that already holds results; without it (or "
                   "`resume_from_checkpoint`) such a directory is refused before anything is loaded."},
     )  # fmt: skip
-    rewards: list[str] = field(
-        default_factory=lambda: ["outcome"],
-        metadata={"help": f"Outcome reward functions by name, from {sorted(REWARD_FUNCS)}; weigh them with "
-                  "`reward_weights`. `format` helps a small model that rarely answers right."},
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["mempo_outcome_reward"],
+        metadata={"help": f"Outcome reward functions: {sorted(REWARD_FUNCS)} or a dotted import path "
+                  "(`my_lib.rewards.custom_reward`); weigh them with `reward_weights`. `mempo_format_reward` helps a "
+                  "small model that rarely answers right."},
     )  # fmt: skip
     heldout_questions: int = field(
         default=0,
         metadata={"help": "Evaluate greedily on this many held-out questions (`eval_dataset_name`, default the demo "
                   "test set) before and after training, and print both (`mempo_trl.kit.learner`). 0: off."},
     )  # fmt: skip
+
+
+def load_reward_funcs(names: list[str]) -> list:
+    """The reward functions `names` name: ours by name, anything else by dotted import path (as TRL's scripts).
+
+    Example:
+        >>> [f.__name__ for f in load_reward_funcs(["mempo_outcome_reward", "mempo_trl.rewards.mempo_format_reward"])]
+        ['mempo_outcome_reward', 'mempo_format_reward']
+    """
+    import importlib
+
+    from mempo_trl import rewards
+
+    funcs = []
+    for name in names:
+        if name in REWARD_FUNCS:
+            funcs.append(getattr(rewards, name))
+            continue
+        module, _, attr = name.rpartition(".")
+        try:
+            funcs.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError, ValueError):
+            raise ValueError(
+                f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)} or a dotted import path."
+            ) from None
+    return funcs
 
 
 def _load_model_and_tokenizer(model_args, training_args):
@@ -93,39 +110,36 @@ def _load_model_and_tokenizer(model_args, training_args):
     return model, tokenizer
 
 
-def _load_retriever(script_args: ScriptArguments):
-    from mempo_trl.kit.demo_world import demo_paths
-    from mempo_trl.retrieval import BM25Retriever, HttpRetriever
+def _load_retriever(retriever_args: RetrieverArguments):
+    from mempo_trl.commands.ask import demo_corpus
 
-    if script_args.retriever_url:
-        retriever = HttpRetriever(
-            script_args.retriever_url, max_retries=None, retry_budget=script_args.retriever_retry_budget
-        )
+    retriever = build_retriever(retriever_args, default_corpus=demo_corpus(), ride_out_outages=True)
+    if retriever_args.retriever_url:
         retriever.health()  # fail before training, with the URL in the message
-        return retriever
-    corpus = script_args.corpus or str(demo_paths().corpus)
-    return BM25Retriever.from_corpus(corpus, cache_dir=script_args.retriever_cache_dir)
+    return retriever
 
 
-def build_trainer(script_args: ScriptArguments, training_args, model_args):
+def build_trainer(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments):
     """Load and validate the data, the retriever and the model; return a ready `MemPOTrainer`."""
     from trl import get_peft_config
 
-    from mempo_trl import rewards as rewards_module
     from mempo_trl.callbacks import LaunchBannerCallback, StepSummaryCallback
     from mempo_trl.data import load_qa
     from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.trainer import MemPOTrainer
 
-    train_dataset = load_qa(script_args.dataset_name or str(demo_paths().train), split=script_args.dataset_split)
+    train_dataset = load_qa(
+        script_args.dataset_name or str(demo_paths().train),
+        split=script_args.dataset_split,
+        config=script_args.dataset_config,
+    )
     eval_dataset = None
     if script_args.eval_dataset_name:
-        eval_dataset = load_qa(script_args.eval_dataset_name, split=script_args.eval_split)
-    retriever = _load_retriever(script_args)
-    unknown = sorted(set(script_args.rewards) - set(REWARD_FUNCS))
-    if unknown:
-        raise ValueError(f"Unknown rewards {unknown}: choose from {sorted(REWARD_FUNCS)}.")
-    reward_funcs = [getattr(rewards_module, REWARD_FUNCS[name]) for name in script_args.rewards]
+        eval_dataset = load_qa(
+            script_args.eval_dataset_name, split=script_args.eval_dataset_split, config=script_args.dataset_config
+        )
+    retriever = _load_retriever(retriever_args)
+    reward_funcs = load_reward_funcs(script_args.reward_funcs)
     model, tokenizer = _load_model_and_tokenizer(model_args, training_args)
     trainer = MemPOTrainer(
         model=model,
@@ -140,7 +154,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args):
     trainer.model_card_info = {
         "base_model": model_args.model_name_or_path,
         "dataset": script_args.dataset_name or "mempo_trl demo world",
-        "retriever": script_args.retriever_url or script_args.corpus or "BM25 over the demo corpus",
+        "retriever": retriever_args.retriever_url or retriever_args.corpus or "BM25 over the demo corpus",
     }
     trainer.add_callback(LaunchBannerCallback(trainer))
     trainer.add_callback(StepSummaryCallback())
@@ -192,15 +206,15 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
 
 def parse_args(argv: list[str] | None = None):
     """Parse `ScriptArguments`, `MemPOConfig` and `ModelConfig` from the command line and an optional recipe."""
-    from trl import ModelConfig, TrlParser
+    from trl import ModelConfig
 
     from mempo_trl.config import MemPOConfig
 
-    parser = one_line_errors(TrlParser((ScriptArguments, MemPOConfig, ModelConfig)), "mempo-trl train")
-    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    types = (ScriptArguments, RetrieverArguments, MemPOConfig, ModelConfig)
+    script_args, retriever_args, training_args, model_args = parse("mempo-trl train", types, argv)
     if model_args.model_name_or_path is None:
         model_args.model_name_or_path = TINY_MODEL
-    return script_args, training_args, model_args
+    return script_args, training_args, model_args, retriever_args
 
 
 def check_before_training(script_args: ScriptArguments, training_args, model_args) -> None:
@@ -220,9 +234,9 @@ def check_before_training(script_args: ScriptArguments, training_args, model_arg
 
 
 def _main(argv: list[str] | None) -> int:
-    script_args, training_args, model_args = parse_args(argv)
+    script_args, training_args, model_args, retriever_args = parse_args(argv)
     check_before_training(script_args, training_args, model_args)
-    trainer = build_trainer(script_args, training_args, model_args)
+    trainer = build_trainer(script_args, training_args, model_args, retriever_args)
     metrics = train(trainer, training_args, script_args.dataset_name)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"model saved to {training_args.output_dir}")

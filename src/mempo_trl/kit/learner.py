@@ -242,20 +242,15 @@ def heldout_eval(
     """
     import math
 
+    from mempo_trl.agent import AgentSettings, MemPOAgent
     from mempo_trl.evaluation import evaluate
+    from mempo_trl.generation import HFGenerator
 
-    result = evaluate(
-        model,
-        tokenizer,
-        rows,
-        retriever,
-        max_turns=max_turns,
-        topk=topk,
-        context_mode=context_mode,
-        max_new_tokens=max_new_tokens,
-        batch_size=32,
-        progress=False,
+    settings = AgentSettings(
+        max_turns=max_turns, retrieval_topk=topk, context_mode=context_mode, max_completion_length=max_new_tokens
     )
+    agent = MemPOAgent(tokenizer, retriever, HFGenerator(model, tokenizer, max_new_tokens, batch_size=32), settings)
+    result = evaluate(agent, rows, progress=False)
     recalls: dict[str, list[float]] = {}
     for row, record in zip(rows, result.records):
         mems = [r["mem"] for r in record["rounds"] if r["mem"] is not None]

@@ -1,0 +1,103 @@
+"""`mempo-trl ask "question"`: answer one question with a trained agent and show its turns.
+
+    mempo-trl ask "Who founded the company that built the Orbix tower?" --model_name_or_path outputs/quickstart
+
+The agent runs with the settings saved with it (`mempo_agent.json`); `--max_turns 4` and the like override them.
+Without `--corpus` or `--retriever_url` it searches the demo corpus.
+"""
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+from mempo_trl.commands import add_command, parse
+from mempo_trl.commands.retrieval import RetrieverArguments, build_retriever
+
+
+@dataclass
+class AgentArguments:
+    """The model to run and, when given, settings that override those saved with it (`mempo_agent.json`)."""
+
+    model_name_or_path: str = field(metadata={"help": "Trained model directory or Hub id."})
+    model_revision: str | None = field(default=None, metadata={"help": "Hub revision of the model."})
+    max_turns: int | None = field(default=None, metadata={"help": "Rounds per question at most (saved value)."})
+    retrieval_topk: int | None = field(default=None, metadata={"help": "Passages per search (saved value)."})
+    context_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": "`memory` (MemPO) or `full_history` (Search-R1 baseline); `eval` also takes `both` (saved value).",
+            "choices": ["memory", "full_history", "both"],
+        },
+    )
+    max_completion_length: int | None = field(
+        default=None, metadata={"help": "Tokens per turn at most (saved value)."}
+    )
+    system_prompt: str | None = field(default=None, metadata={"help": "System message (saved value)."})
+    instruction: str | None = field(default=None, metadata={"help": "User message with `{question}` (saved value)."})
+    temperature: float = field(default=0.0, metadata={"help": "Sampling temperature; 0 is greedy."})
+    per_device_eval_batch_size: int = field(default=16, metadata={"help": "Prompts per `model.generate` call."})
+    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM (needs mempo_trl[vllm] and a GPU)."})
+    device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: cuda when available)."})
+    dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16 or float16."})
+    seed: int = field(default=0, metadata={"help": "Seed of sampling."})
+
+    def __post_init__(self):
+        for name in ("max_turns", "retrieval_topk", "max_completion_length", "per_device_eval_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
+
+
+def load_agent(args: AgentArguments, retriever, context_mode: str | None = None):
+    """`MemPOAgent.from_pretrained` with the arguments; an override of a saved setting prints one line."""
+    from mempo_trl.agent import MemPOAgent
+
+    return MemPOAgent.from_pretrained(
+        args.model_name_or_path,
+        retriever,
+        use_vllm=args.use_vllm,
+        revision=args.model_revision,
+        device=args.device,
+        dtype=args.dtype,
+        temperature=args.temperature,
+        batch_size=args.per_device_eval_batch_size,
+        seed=args.seed,
+        max_turns=args.max_turns,
+        retrieval_topk=args.retrieval_topk,
+        context_mode=context_mode,
+        max_completion_length=args.max_completion_length,
+        system_prompt=args.system_prompt,
+        instruction=args.instruction,
+    )
+
+
+def demo_corpus() -> str:
+    """The corpus of the shipped demo world: what `eval` and `ask` search when given no retriever."""
+    from mempo_trl.kit.demo_world import demo_paths
+
+    return str(demo_paths().corpus)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    question = argv.pop(0) if argv and not argv[0].startswith("-") else None
+    agent_args, retriever_args = parse("mempo-trl ask QUESTION", [AgentArguments, RetrieverArguments], argv)
+    if question is None:
+        raise ValueError('no question: mempo-trl ask "your question" --model_name_or_path DIR')
+    if agent_args.context_mode == "both":
+        raise ValueError("ask plays one context mode: memory or full_history.")
+    retriever = build_retriever(retriever_args, default_corpus=demo_corpus())
+    result = load_agent(agent_args, retriever, agent_args.context_mode).run(question)
+    for k, turn in enumerate(result.turns, 1):
+        print(f"turn {k} <mem> {turn['mem']}")
+        print(f"turn {k} <{turn['action'] or 'invalid'}> {turn['content'] or ''}")
+    print(f"answer: {result.answer}")
+    print(
+        f"{result.num_turns} turns, {result.num_searches} searches, {result.total_tokens} tokens "
+        f"(peak context {result.peak_context_tokens})"
+    )
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    add_command(subparsers, "ask", "answer one question with a trained MemPO agent and show its turns", main)

@@ -1,0 +1,129 @@
+"""The agent travels with its settings: the trainer saves them, `MemPOAgent`, `eval` and `ask` read them."""
+
+import doctest
+import json
+import logging
+
+import pytest
+from datasets import Dataset
+from helpers import EchoRetriever
+
+import mempo_trl.agent as agent_module
+from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl.agent import AGENT_FILE, AgentError, AgentSettings, MemPOAgent
+from mempo_trl.cli import main
+from mempo_trl.kit.tiny import load_tiny
+
+
+CUSTOM = dict(
+    system_prompt="You are Orbix-bot.",
+    instruction="Use the tags. Q: {question}",
+    max_turns=1,
+    retrieval_topk=2,
+    context_mode="full_history",
+    max_completion_length=6,
+)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMPO_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def trained_dir(tiny_model_dir, tmp_path):
+    """A copy of the tiny model with custom settings saved by the trainer itself (`save_model`)."""
+    model, tokenizer = load_tiny(tiny_model_dir)
+    args = MemPOConfig(
+        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, report_to="none",
+        per_device_train_batch_size=2, num_generations=2, **CUSTOM,
+    )  # fmt: skip
+    dataset = Dataset.from_list([{"question": "q?", "golden_answers": ["Ulm"]}])
+    trainer = MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
+    out = tmp_path / "agent"
+    trainer.save_model(str(out))
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_doctests():
+    assert doctest.testmod(agent_module, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+def test_trainer_saves_the_protocol_next_to_the_weights(trained_dir):
+    saved = json.loads((trained_dir / AGENT_FILE).read_text())
+    assert saved == CUSTOM
+    assert (trained_dir / "config.json").is_file()
+    assert AgentSettings.from_pretrained(trained_dir) == AgentSettings(**CUSTOM)
+
+
+def test_settings_round_trip_and_errors(tmp_path):
+    assert AgentSettings.from_pretrained(tmp_path) is None  # a model without settings: the defaults apply
+    AgentSettings(max_turns=3).save(tmp_path)
+    assert AgentSettings.from_pretrained(tmp_path).max_turns == 3
+    (tmp_path / AGENT_FILE).write_text('{"context_mode": "sideways"}')
+    with pytest.raises(AgentError, match=f"{AGENT_FILE}.*context_mode"):
+        AgentSettings.from_pretrained(tmp_path)
+    config = MemPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_turns=5, max_completion_length=64)
+    assert (AgentSettings.from_config(config).max_turns, AgentSettings.from_config(config).max_completion_length) == (
+        5,
+        64,
+    )
+
+
+def test_from_pretrained_plays_the_saved_protocol(trained_dir, caplog):
+    retriever = EchoRetriever()
+    with caplog.at_level(logging.WARNING, logger="mempo_trl.agent"):
+        agent = MemPOAgent.from_pretrained(trained_dir, retriever, device="cpu")
+    assert agent.settings == AgentSettings(**CUSTOM) and not [r for r in caplog.records if r.name == "mempo_trl.agent"]
+    result = agent.run("Who founded Orbix?")
+    prompt = agent.tokenizer.decode(result.episode.rounds[0].prompt_ids)
+    assert "You are Orbix-bot." in prompt and "Q: Who founded Orbix?" in prompt
+    assert result.num_turns == 1 and result.turns[0]["completion_tokens"] <= 6
+    assert result.total_tokens == result.turns[0]["prompt_tokens"] + result.turns[0]["completion_tokens"]
+    assert result.peak_context_tokens == result.total_tokens and result.question == "Who founded Orbix?"
+
+    batch = agent.run_batch(["Who founded Orbix?", "Where is Ulm?"])
+    assert [r.question for r in batch] == ["Who founded Orbix?", "Where is Ulm?"]
+    assert batch[0].turns == result.turns  # greedy: the same turn alone or in a batch
+
+
+def test_explicit_arguments_override_and_say_so(trained_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="mempo_trl.agent"):
+        agent = MemPOAgent.from_pretrained(trained_dir, EchoRetriever(), device="cpu", max_turns=2, retrieval_topk=2)
+    assert agent.settings.max_turns == 2 and agent.settings.system_prompt == CUSTOM["system_prompt"]
+    assert [r.getMessage() for r in caplog.records if r.name == "mempo_trl.agent"] == [
+        f"max_turns=2 overrides the saved max_turns=1 ({AGENT_FILE} of {trained_dir})"
+    ]
+
+
+def test_eval_reads_the_saved_settings(trained_dir, tmp_path, caplog):
+    out = tmp_path / "eval"
+    argv = ["eval", "--model_name_or_path", str(trained_dir), "--output_dir", str(out), "--max_eval_samples", "3"]
+    assert main([*argv, "--disable_tqdm", "true"]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["settings"]["agent"] == CUSTOM and report["settings"]["agent_settings_saved"]
+    assert report["settings"]["context_modes"] == ["full_history"]
+    records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert all(r["num_turns"] == 1 and r["rounds"][0]["completion_tokens"] <= 6 for r in records)
+
+    with caplog.at_level(logging.WARNING, logger="mempo_trl.agent"):
+        assert main([*argv, "--overwrite_output_dir", "true", "--max_turns", "2", "--context_mode", "memory"]) == 0
+    assert {r.getMessage().split(" (")[0] for r in caplog.records if r.name == "mempo_trl.agent"} == {
+        "max_turns=2 overrides the saved max_turns=1",
+        "context_mode='memory' overrides the saved context_mode='full_history'",
+    }
+    assert json.loads((out / "results.json").read_text())["settings"]["context_modes"] == ["memory"]
+
+
+def test_ask_prints_turns_and_answer(trained_dir, capsys):
+    assert main(["ask", "Who founded Orbix?", "--model_name_or_path", str(trained_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("turn 1 <mem>") and out[-2].startswith("answer: ")
+    assert out[-1].startswith("1 turns, 0 searches,")
+
+
+def test_ask_without_question_is_one_error_line(trained_dir, capsys):
+    assert main(["ask", "--model_name_or_path", str(trained_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no question")
