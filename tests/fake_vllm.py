@@ -116,6 +116,10 @@ class FakeLLM:
         )
 
     def generate(self, prompts, sampling_params=None, use_tqdm=False):
+        limit = self.kwargs.get("max_model_len")
+        for prompt in prompts:  # as vLLM's input processor (VLLMValidationError)
+            if limit is not None and len(prompt["prompt_token_ids"]) > limit:
+                raise ValueError(f"prompt of {len(prompt['prompt_token_ids'])} tokens > max_model_len={limit}")
         outputs = []
         for prompt, (ids, logps, _) in zip(prompts, self.engine.run([p["prompt_token_ids"] for p in prompts])):
             logprobs = [{token: _Logprob(lp)} for token, lp in zip(ids, logps)]

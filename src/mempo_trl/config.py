@@ -32,6 +32,13 @@ class MemPOConfig(GRPOConfig):
             System message of every context.
         instruction (`str`, *optional*):
             User message template with a `{question}` placeholder; it shows the tags.
+        context_overflow (`str`, *optional*, defaults to `"end_episode"`):
+            What happens when a round's context does not fit the generation backend: longer than
+            `vllm_max_model_length` (with vLLM, when set) or the model's `max_position_embeddings`, minus
+            `max_completion_length` (vLLM rejects such prompts). `"end_episode"`: the episode ends before that round
+            (no answer, so outcome 0), counted in the `episode/context_overflow` metric. `"truncate_information"`:
+            the tail of the `<information>` blocks in the context is cut first (oldest first in `full_history` mode),
+            and the episode ends only if that is not enough. A first-round context that does not fit is an error.
 
         > Parameters that control the memory advantage
 
@@ -81,6 +88,13 @@ class MemPOConfig(GRPOConfig):
     instruction: str = field(
         default=DEFAULT_INSTRUCTION, metadata={"help": "User message template with a `{question}` placeholder."}
     )
+    context_overflow: str = field(
+        default="end_episode",
+        metadata={
+            "help": "A context longer than the generation backend takes: `end_episode` or `truncate_information`.",
+            "choices": ["end_episode", "truncate_information"],
+        },
+    )
     memory_coef: float = field(default=1.0, metadata={"help": "Weight of the memory advantage on `<mem>` tokens."})
     memory_threshold: float | None = field(
         default=math.log(0.5),
@@ -129,6 +143,10 @@ class MemPOConfig(GRPOConfig):
             problems.append(f"retrieval_topk must be >= 1, got {self.retrieval_topk}.")
         if self.context_mode not in CONTEXT_MODES:
             problems.append(f"context_mode must be one of {CONTEXT_MODES}, got {self.context_mode!r}.")
+        if self.context_overflow not in ("end_episode", "truncate_information"):
+            problems.append(
+                f"context_overflow must be 'end_episode' or 'truncate_information', got {self.context_overflow!r}."
+            )
         if "{question}" not in self.instruction:
             problems.append("instruction must contain the `{question}` placeholder.")
         if self.loss_type not in TOKEN_LEVEL_LOSSES:

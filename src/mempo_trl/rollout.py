@@ -57,6 +57,7 @@ class Episode:
     base_messages: list[dict[str, str]]
     rounds: list[RoundRecord] = field(default_factory=list)
     finished: bool = False
+    context_overflow: bool = False
 
     @property
     def format_valid(self) -> bool:
@@ -132,6 +133,11 @@ class RolloutEngine:
         max_turns: rounds per episode at most.
         topk: passages per search.
         context_mode: ``"memory"`` (MemPO) or ``"full_history"`` (Search-R1 baseline).
+        max_prompt_length: the longest context (tokens) the generation backend takes; ``None``: no limit.
+        context_overflow: what happens to a longer context: ``"end_episode"`` ends the episode before the round
+            (``Episode.context_overflow``); ``"truncate_information"`` first cuts the tail of the ``<information>``
+            blocks in the context (oldest first; the shortened text is what the record keeps) and ends the episode
+            only when that is not enough. A round-1 context (no information yet) that does not fit is an error.
     """
 
     def __init__(
@@ -144,6 +150,8 @@ class RolloutEngine:
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         instruction: str = DEFAULT_INSTRUCTION,
         eos_token_ids: Sequence[int] = (),
+        max_prompt_length: int | None = None,
+        context_overflow: str = "end_episode",
     ):
         self.tokenizer = tokenizer
         self.retriever = retriever
@@ -153,6 +161,8 @@ class RolloutEngine:
         self.system_prompt = system_prompt
         self.instruction = instruction
         self.eos_token_ids = list(eos_token_ids)
+        self.max_prompt_length = max_prompt_length
+        self.context_overflow = context_overflow
 
     def new_episode(self, row: dict) -> Episode:
         return Episode(row=row, base_messages=initial_messages(row["question"], self.system_prompt, self.instruction))
@@ -160,6 +170,35 @@ class RolloutEngine:
     def context_messages(self, episode: Episode) -> list[dict[str, str]]:
         """Messages of the episode's next round (spec section 2)."""
         return round_messages(episode.base_messages, episode.history(), self.context_mode)
+
+    def fit_prompt(self, episode: Episode) -> list[int] | None:
+        """Token ids of the episode's next context, within ``max_prompt_length``; None when the episode ends on it.
+
+        See ``context_overflow`` in the class docstring.
+        """
+        ids = render_prompt(self.tokenizer, self.context_messages(episode))
+        limit = self.max_prompt_length
+        if limit is None or len(ids) <= limit:
+            return ids
+        if not episode.rounds:
+            raise ValueError(
+                f"The first context of question {episode.row['question'][:80]!r} is {len(ids)} tokens, more than the "
+                f"{limit} the generation backend takes (vllm_max_model_length or max_position_embeddings, minus "
+                "max_completion_length): raise the limit or lower max_completion_length."
+            )
+        if self.context_overflow == "truncate_information":
+            searched = [r for r in episode.rounds if r.information is not None]
+            for record in searched if self.context_mode == "full_history" else searched[-1:]:
+                body = self.tokenizer(record.information[len("<information>") : -len("</information>")],
+                                      add_special_tokens=False)["input_ids"]  # fmt: skip
+                while len(ids) > limit and body:
+                    body = body[: max(0, len(body) - (len(ids) - limit))]
+                    record.information = f"<information>{self.tokenizer.decode(body)} ...</information>"
+                    ids = render_prompt(self.tokenizer, self.context_messages(episode))
+                if len(ids) <= limit:
+                    return ids
+        episode.finished = episode.context_overflow = True
+        return None
 
     def run(
         self,
@@ -186,13 +225,17 @@ class RolloutEngine:
         timings = RolloutTimings()
         outage: RetrieverOutage | None = None
         for round_index in range(self.max_turns):
-            active = [ep for ep in episodes if not ep.finished]
+            active, prompts = [], []
+            for ep in episodes:
+                prompt_ids = None if ep.finished else self.fit_prompt(ep)
+                if prompt_ids is not None:
+                    active.append(ep)
+                    prompts.append(prompt_ids)
             if global_active is not None:
                 if global_active(len(active)) == 0:
                     break
             elif not active:
                 break
-            prompts = [render_prompt(self.tokenizer, self.context_messages(ep)) for ep in active]
             start = time.perf_counter()
             completions, logprobs = generate(prompts or [render_prompt(self.tokenizer, episodes[0].base_messages)])
             timings.generation += time.perf_counter() - start

@@ -162,9 +162,25 @@ class MemPOTrainer(GRPOTrainer):
             system_prompt=args.system_prompt,
             instruction=args.instruction,
             eos_token_ids=self.eos_token_ids,
+            max_prompt_length=self._max_prompt_length(),
+            context_overflow=args.context_overflow,
         )
 
     # ------------------------------------------------------------------ generation helpers
+
+    def _max_prompt_length(self) -> int | None:
+        """Longest context the generation backend takes: `vllm_max_model_length` (vLLM, when set) or the model's
+        `max_position_embeddings`, minus `max_completion_length`; None when neither is known."""
+        limit = self.args.vllm_max_model_length if self.use_vllm else None
+        limit = limit or getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if limit is None:
+            return None
+        if limit <= self.max_completion_length:
+            raise ValueError(
+                f"max_completion_length={self.max_completion_length} leaves no room for a prompt in the model's "
+                f"{limit}-token context (vllm_max_model_length / max_position_embeddings)."
+            )
+        return limit - self.max_completion_length
 
     def _generate_turns(self, prompt_ids: list[list[int]]):
         """One turn per prompt with TRL's backend (HF generate, vLLM colocate or server).
@@ -456,7 +472,7 @@ class MemPOTrainer(GRPOTrainer):
     def _metric_names(self) -> list[str]:
         names = [
             "episode/em", "episode/f1", "episode/sub_em", "episode/format_valid", "episode/answer_rate",
-            "episode/turns", "episode/searches", "episode/truncated_turns",
+            "episode/turns", "episode/searches", "episode/truncated_turns", "episode/context_overflow",
             "tokens/prompt_per_round", "tokens/mem_length",
             "memory/p_full", "memory/p_mem", "memory/reward", "memory/advantage", "memory/scored_rounds",
         ]  # fmt: skip
@@ -480,6 +496,7 @@ class MemPOTrainer(GRPOTrainer):
             values["episode/answer_rate"].append(float(ep.answer is not None))
             values["episode/turns"].append(float(len(ep.rounds)))
             values["episode/searches"].append(float(ep.num_searches))
+            values["episode/context_overflow"].append(float(ep.context_overflow))
         for i, ((e, t), record) in enumerate(zip(rows, records)):
             values["episode/truncated_turns"].append(float(record.truncated))
             values["tokens/prompt_per_round"].append(float(len(record.prompt_ids)))
