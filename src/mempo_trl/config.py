@@ -176,3 +176,13 @@ class MemPOConfig(GRPOConfig):
             problems.append("MemPOTrainer supports multi_objective_aggregation='sum_then_normalize' only.")
         if problems:
             raise ValueError("Invalid MemPOConfig:\n- " + "\n- ".join(problems))
+
+    def __getstate__(self) -> dict:
+        """Pickled state (what `Trainer` saves as `training_args.bin`, pushed with the model) without `hub_token`.
+
+        Example:
+            >>> import pickle
+            >>> pickle.loads(pickle.dumps(MemPOConfig("out", hub_token="hf_secret"))).hub_token is None
+            True
+        """
+        return {**self.__dict__, "hub_token": None}

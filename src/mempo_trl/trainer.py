@@ -554,11 +554,19 @@ class MemPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ results and model card
 
     def final_metrics(self) -> dict[str, float]:
-        """The last logged value of every numeric metric of the run (train and eval)."""
-        last: dict[str, float] = {}
-        for entry in self.state.log_history:
-            last.update({k: v for k, v in entry.items() if isinstance(v, int | float) and not isinstance(v, bool)})
-        return last
+        """The numeric metrics of the last logged training step, plus those of the last evaluation (`eval_*`).
+
+        Each comes whole from one log entry: a metric missing at that step (no memory round was scored, say) is
+        missing here, never filled in from an earlier step. `step` is the step they were logged at.
+        """
+        history = self.state.log_history
+        evals = [e for e in history if any(k.startswith("eval_") for k in e)]
+        steps = [e for e in history if "train_runtime" not in e and not any(k.startswith("eval_") for k in e)]
+        last = {
+            **(steps[-1] if steps else {}),
+            **{k: v for k, v in (evals[-1:] or [{}])[0].items() if k.startswith("eval_")},
+        }
+        return {k: v for k, v in last.items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """Save as TRL does, plus the agent's turn protocol (`mempo_agent.json`, read by `MemPOAgent`)."""
@@ -605,6 +613,9 @@ class MemPOTrainer(GRPOTrainer):
             *[f"| `{key}` | `{value}` |" for key, value in recipe.items()],
             "",
             "### Final metrics",
+            "",
+            f"Logged at the last training step (step {self.final_metrics().get('step', self.state.global_step)}), "
+            "each over that step's episodes; not means over the run.",
             "",
             "| metric | value |",
             "| --- | --- |",

@@ -1,6 +1,7 @@
 """BM25 retrieval on bm25s, with an on-disk index cache keyed by the corpus content and the BM25 parameters."""
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -70,7 +71,8 @@ class BM25Retriever:
         """Load `corpus` (see `load_corpus`) and index it, reusing `<cache_dir>/<sha256>` when it exists.
 
         `cache_dir` defaults to `$MEMPO_CACHE/bm25` (`~/.cache/mempo_trl/bm25`). The key covers every passage
-        and the parameters, so an edited corpus or new `k1`/`b`/`stemmer` builds a new entry.
+        and the parameters, so an edited corpus or new `k1`/`b`/`stemmer` builds a new entry. An entry is used only
+        if its files match the content hashes recorded when it was written; otherwise it is rebuilt, with a warning.
 
         Example:
             >>> BM25Retriever.from_corpus("corpus.jsonl", cache_dir="/tmp/idx", stemmer=None, k1=1.2).cache_hit
@@ -82,6 +84,7 @@ class BM25Retriever:
         entry = root / fingerprint(passages, params)
         if (entry / META_FILE).is_file():
             try:
+                _verify_index(entry)
                 retriever = cls(bm25s.BM25.load(entry, show_progress=False), passages, params)
             except (OSError, ValueError, KeyError) as e:
                 logger.warning("Rebuilding the unreadable BM25 cache entry %s (%s).", entry, e)
@@ -109,6 +112,8 @@ class BM25Retriever:
                 f"{directory} is not a saved BM25 index (no {META_FILE}). Create one with BM25Retriever.save()."
             )
         params = json.loads(meta_path.read_text())
+        if params.pop("sha256", None) is not None:
+            _verify_index(directory)
         if params.get("format") != INDEX_FORMAT:
             raise ValueError(
                 f"{directory} holds BM25 index format {params.get('format')!r}; this version reads format "
@@ -166,7 +171,29 @@ class BM25Retriever:
 
     def _save_index(self, directory: Path) -> None:
         self.index.save(directory, show_progress=False)
-        (directory / META_FILE).write_text(json.dumps(self.params, indent=2))
+        hashes = {path.name: _sha256(path) for path in sorted(directory.iterdir()) if path.name != META_FILE}
+        (directory / META_FILE).write_text(json.dumps({**self.params, "sha256": hashes}, indent=2))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _verify_index(directory: Path) -> None:
+    """Raise `ValueError` unless the index files are exactly those hashed in `META_FILE` when it was written."""
+    hashes = json.loads((directory / META_FILE).read_text()).get("sha256")
+    if not isinstance(hashes, dict) or not hashes:
+        raise ValueError(f"{directory / META_FILE} records no content hashes (written by an older version)")
+    present = {path.name for path in directory.iterdir() if path.name not in (META_FILE, CORPUS_FILE)}
+    if present != set(hashes) - {CORPUS_FILE}:
+        raise ValueError(f"the files in {directory} are not the ones indexed ({sorted(present ^ set(hashes))})")
+    for name, expected in hashes.items():
+        if _sha256(directory / name) != expected:
+            raise ValueError(f"{directory / name} changed since the index was built (content hash mismatch)")
 
 
 def _params(stemmer: str | None, k1: float, b: float) -> dict[str, Any]:
