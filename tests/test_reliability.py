@@ -86,9 +86,13 @@ def bad_server(tmp_path):
 def test_client_rides_out_a_server_restart(tmp_path, caplog):
     port = free_port()
     server = start_retriever(tmp_path, port)
-    client = HttpRetriever(f"http://127.0.0.1:{port}", max_retries=None, retry_budget=60, backoff=0.1, max_backoff=0.5)
-    assert [p.id for p in client.search(["hamlet"], topk=1)[0]] == ["1"]
-    stop(server)
+    try:
+        client = HttpRetriever(
+            f"http://127.0.0.1:{port}", max_retries=None, retry_budget=60, backoff=0.1, max_backoff=0.5
+        )
+        assert [p.id for p in client.search(["hamlet"], topk=1)[0]] == ["1"]
+    finally:
+        stop(server)
     restarted = []
     restart = threading.Timer(1.0, lambda: restarted.append(start_retriever(tmp_path, port)))
     restart.start()
@@ -383,3 +387,70 @@ def test_yaml_syntax_error_is_one_line(tmp_path, capsys):
 def test_unknown_subcommand_flag_is_one_line(capsys):
     assert main(["serve-retriever", "--corpus", "c.jsonl", "--max-topk-typo", "3"]) == 2
     assert one_error_line(capsys) == "error: unrecognized arguments: --max-topk-typo 3 (see `mempo-trl --help`)"
+
+
+# ------------------------------------------------------------------------------------------ fault injection
+
+
+def launch_training(argv: list[str], cwd: Path) -> tuple[subprocess.Popen, list[str]]:
+    """`torchrun --nproc_per_node 2 -m mempo_trl <argv>` (CPU, gloo); its output lines are collected as they come."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [*torchrun, str(free_port()), "-m", "mempo_trl", *argv],
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+    )  # fmt: skip
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True).start()
+    return process, lines
+
+
+def wait_for(lines: list[str], needle: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(needle in line for line in lines):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"no {needle!r} in the output:\n{''.join(lines)[-6000:]}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_process_training_saves_on_a_retriever_outage_and_resumes(tmp_path, warm_model_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    out = tmp_path / "out"
+    argv = train_settings(
+        tmp_path, warm_model_dir, retriever_url=url, retriever_retry_budget=2.0, max_steps=3, max_turns=2,
+        per_device_train_batch_size=2, num_generations=4, max_completion_length=48, logging_steps=1,
+        save_strategy="no", temperature=1.0,
+    )  # fmt: skip
+    processes = [start_retriever(tmp_path, port)]
+    try:
+        training, lines = launch_training(argv, tmp_path)
+        processes.append(training)
+        wait_for(lines, "step 1/3", training, timeout=600)
+        stop(processes[0])  # the retrieval server dies in the middle of the run
+        training.wait(timeout=120)
+        output = "".join(lines)
+        assert training.returncode != 0, output[-6000:]
+        stopped = [line for line in lines if line.startswith("error: training stopped: POST ")]
+        assert stopped and "refused the connection" in stopped[0], output[-6000:]
+        checkpoint = Path(stopped[0].split("rerun with --resume_from_checkpoint ")[1].rstrip(".\n"))
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        assert checkpoint.parent == out and state["global_step"] in (1, 2)
+        assert {"optimizer.pt", "model.safetensors", "rng_state_0.pth", "rng_state_1.pth"} <= {
+            p.name for p in checkpoint.iterdir()
+        }
+
+        processes.append(start_retriever(tmp_path, port))  # back on the same address: the run continues
+        resumed, lines = launch_training([*argv, "--resume_from_checkpoint", str(checkpoint)], tmp_path)
+        processes.append(resumed)
+        assert resumed.wait(timeout=600) == 0, "".join(lines)[-6000:]
+    finally:
+        for process in processes:
+            stop(process)
+    output = "".join(lines)
+    assert "step 3/3" in output and f"model saved to {out}" in output
+    assert f"step {state['global_step']}/3" not in output  # the finished steps were not trained again
+    assert (out / "mempo_metrics.json").is_file()
