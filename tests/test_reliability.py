@@ -213,12 +213,13 @@ def test_serve_retriever_warns_on_a_public_address_without_a_key(tmp_path, monke
     monkeypatch.setattr(retrieval_cli, "check_port", lambda host, port: None)  # never bind a public address here
     monkeypatch.delenv("MEMPO_RETRIEVER_API_KEY", raising=False)
     corpus = str(write_corpus(tmp_path))
+    monkeypatch.setenv("MEMPO_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="mempo_trl.retrieval.server"):
         assert main(["serve-retriever", "--corpus", corpus, "--host", "0.0.0.0"]) == 0
         assert main(["serve-retriever", "--corpus", corpus, "--host", "0.0.0.0", "--api_key", "k"]) == 0
         assert main(["serve-retriever", "--corpus", corpus, "--host", "127.0.0.1"]) == 0
     assert [c["host"] for c in calls] == ["0.0.0.0", "0.0.0.0", "127.0.0.1"]
-    warnings = [r.getMessage() for r in caplog.records]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mempo_trl.retrieval.server"]
     assert len(warnings) == 1 and "0.0.0.0 without an API key" in warnings[0]
 
 
