@@ -48,14 +48,11 @@ def check_writable(directory: str | os.PathLike, what: str = "output directory")
     path = Path(directory).expanduser()
     if path.exists() and not path.is_dir():
         raise OutputError(f"{what} {path} is a file, not a directory. Choose a directory path.")
-    created = [parent for parent in (path, *path.parents) if not parent.exists()]
     probe = path / f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)  # kept: the processes of a distributed run probe it concurrently
         probe.write_bytes(b"")
         probe.unlink()
-        for parent in created:  # leave no empty directories behind; the command creates them when it writes
-            parent.rmdir()
     except OSError as e:
         reason = e.strerror or type(e).__name__
         raise OutputError(
@@ -81,10 +78,10 @@ def prepare_output_dir(
         Traceback (most recent call last):
         mempo_trl.outputs.OutputError: output directory outputs/run1 already holds results (README.md, ...). ...
     """
-    path = check_writable(directory)
     if isinstance(resume, str) and resume.lower() != "true" and not Path(resume).is_dir():
         raise OutputError(f"checkpoint {resume} to resume from does not exist. Pass a checkpoint-N directory.")
-    existing = sorted(p.name for p in path.iterdir() if not p.name.startswith(PROBE_PREFIX)) if path.is_dir() else []
+    path = check_writable(directory)
+    existing = sorted(p.name for p in path.iterdir() if not p.name.startswith(PROBE_PREFIX))
     if check_existing and existing and not overwrite and not resume:
         shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
         checkpoints = sorted(path.glob("checkpoint-*"))
