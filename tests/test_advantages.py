@@ -7,8 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mempo_trl.advantages as advantages
-from mempo_trl.advantages import combine_advantages, expand_to_rounds, group_outcome_advantages
-from mempo_trl.memory import compute_memory_advantages
+from mempo_trl.advantages import combine_advantages, group_outcome_advantages, mempo_advantages
 
 
 def test_doctests():
@@ -63,16 +62,6 @@ def test_group_advantages_are_finite_and_centred(g, n_groups, scale, data):
         assert out.view(n_groups, g).sum(dim=1).abs().max() < 1e-4
 
 
-def test_expand_to_rounds():
-    values = torch.tensor([0.5, -1.0, 2.0])
-    assert expand_to_rounds(values, [2, 0, 3]).tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
-    assert expand_to_rounds(values, [0, 0, 0]).shape == (0,)
-    with pytest.raises(ValueError, match="2 round counts for 3 trajectories"):
-        expand_to_rounds(values, [1, 1])
-    with pytest.raises(ValueError, match=">= 0"):
-        expand_to_rounds(values, [1, -1, 1])
-
-
 def test_combine_advantages_seed_note_example():
     # Seed note 3.1: outcome +0.75 everywhere, memory +1.20 on the <mem> tokens -> 1.95 there.
     mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
@@ -91,17 +80,89 @@ def test_combine_advantages_seed_note_example():
         combine_advantages(torch.tensor([0.75, 0.1]), memory, mask[:, :3])
 
 
-def test_end_to_end_rows_of_one_question():
+def test_rows_of_one_question():
     # Two trajectories of one question (G = 2): traj 0 has 2 rounds and is right, traj 1 has 1 round and is wrong.
-    outcome = group_outcome_advantages(torch.tensor([1.0, 0.0]), 2)
-    rows = expand_to_rounds(outcome, [2, 1])
-    mask = torch.ones(3, 4)
-    memory = compute_memory_advantages(mask, ["q"] * 3, [[], [0], [0]], [[], [1], [1]], [[], [0.3], [-0.1]])
-    final = combine_advantages(rows, memory, mask)
+    # Only traj 0's round 2 is scored (reward 0.3): a pool of one value uses mean 0, std 1.
+    out = mempo_advantages(
+        torch.tensor([1.0, 0.0]), [0, 0, 1], [0, 1, 0], [None, 0.3, None], [None, (0, 1), None],
+        torch.ones(3, 4), slice(0, 3), num_generations=2,
+    )  # fmt: skip
     a = 0.5 / (math.sqrt(0.5) + 1e-4)
-    m = 0.2 / (math.sqrt(0.08) + 1e-6)
-    assert final.tolist() == [
+    assert out.outcome.tolist() == pytest.approx([a, -a])
+    assert out.advantages.tolist() == [
         pytest.approx([a] * 4),
-        pytest.approx([a + m, a + m, a, a]),
-        pytest.approx([-a - m, -a - m, -a, -a]),
+        pytest.approx([a + 0.3, a + 0.3, a, a], abs=1e-6),
+        pytest.approx([-a] * 4),
     ]
+    assert out.memory.tolist() == [[0.0] * 4, pytest.approx([0.3, 0.3, 0.0, 0.0], abs=1e-6), [0.0] * 4]
+
+
+# Two questions (G = 2): trajectories 0, 1 answer "a", 2, 3 answer "b"; outcome rewards 1, 0, 0, 0.
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0])
+TRAJECTORIES = [0, 0, 1, 1, 2, 3, 3, 3]
+ROUNDS = [0, 1, 0, 1, 0, 0, 1, 2]
+MEMORY = [None, 0.2, None, 0.6, None, None, 0.5, 0.1]
+SPANS = [None, (0, 1), None, (1, 2), None, None, (1, 3), (2, 4)]
+
+
+def _run(**kwargs):
+    defaults = dict(completion_mask=torch.ones(8, 5), local_rows=slice(0, 8), num_generations=2)
+    return mempo_advantages(REWARDS, TRAJECTORIES, ROUNDS, MEMORY, SPANS, **{**defaults, **kwargs})
+
+
+def test_memory_pools_per_question_and_per_question_round():
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)  # outcome advantage of question "a"; question "b" has all rewards 0
+    pooled = _run()
+    m_a = (0.6 - 0.4) / (math.sqrt(0.08) + 1e-6)  # pool a = {0.2, 0.6}
+    m_b = (0.5 - 0.3) / (math.sqrt(0.08) + 1e-6)  # pool b = {0.5, 0.1}
+    expected = [
+        [a] * 5,
+        [a - m_a, a - m_a, a, a, a],
+        [-a] * 5,
+        [-a, -a + m_a, -a + m_a, -a, -a],
+        [0.0] * 5,
+        [0.0] * 5,
+        [0.0, m_b, m_b, m_b, 0.0],
+        [0.0, 0.0, -m_b, -m_b, -m_b],
+    ]
+    assert pooled.advantages.tolist() == [pytest.approx(row, abs=1e-5) for row in expected]
+    # Per (question, round): b's pools hold one value each (mean 0, std 1); a's two round-2 rewards still pool.
+    per_round = _run(memory_pooling="question_round")
+    assert per_round.advantages[1].tolist() == pytest.approx([a - m_a, a - m_a, a, a, a], abs=1e-5)
+    assert per_round.advantages[6].tolist() == pytest.approx([0.0] + [0.5 / (1 + 1e-6)] * 3 + [0.0])
+    assert per_round.advantages[7].tolist() == pytest.approx([0.0, 0.0] + [0.1 / (1 + 1e-6)] * 3)
+    half = _run(memory_coef=0.5)
+    assert half.advantages[6].tolist() == pytest.approx([0.0, m_b / 2, m_b / 2, m_b / 2, 0.0])
+    assert half.memory.tolist() == pooled.memory.tolist()
+
+
+def test_gate_keeps_memory_where_outcome_advantage_is_zero_or_more():
+    gated = _run(memory_gate_on_outcome=True)
+    pooled = _run()
+    # Question "a": trajectory 1 has outcome advantage < 0 -> its memory advantage is dropped (after pooling).
+    assert gated.memory[3].tolist() == [0.0] * 5
+    assert gated.memory[1].tolist() == pooled.memory[1].tolist()
+    # Question "b": every outcome advantage is exactly 0 -> kept (the gate is >= 0).
+    assert gated.memory[6].tolist() == pooled.memory[6].tolist() != [0.0] * 5
+
+
+def test_local_rows_slice_and_placeholders():
+    full = _run()
+    mask = torch.ones(5, 5)
+    mask[1, 3:] = 0  # a shorter completion
+    mask[4] = 0  # placeholder rows past the local slice
+    part = _run(completion_mask=mask, local_rows=slice(4, 8))
+    torch.testing.assert_close(part.advantages[:4], full.advantages[4:] * mask[:4])
+    assert part.advantages[4].tolist() == [0.0] * 5
+    torch.testing.assert_close(part.outcome, full.outcome)
+
+
+def test_mempo_advantages_validation():
+    with pytest.raises(ValueError, match="one entry per row"):
+        mempo_advantages(REWARDS, TRAJECTORIES, ROUNDS[:3], MEMORY, SPANS, torch.ones(8, 5), slice(0, 8), 2)
+    with pytest.raises(ValueError, match="needs at least 8 rows"):
+        _run(completion_mask=torch.ones(7, 5))
+    with pytest.raises(ValueError, match="memory_pooling must be"):
+        _run(memory_pooling="round")
+    with pytest.raises(ValueError, match="needs its <mem> span"):
+        mempo_advantages(REWARDS, [0], [1], [0.5], [None], torch.ones(1, 5), slice(0, 1), 2)

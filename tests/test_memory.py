@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 import mempo_trl.memory as memory
 from mempo_trl.memory import (
     answer_probability,
-    compute_memory_advantages,
     memory_reward,
     normalize_memory_rewards,
     quantile_threshold,
@@ -229,28 +228,3 @@ def test_scatter_span_values():
         scatter_span_values(torch.ones(2, 3), [[0]], [[1]], [[1.0]])
     with pytest.raises(ValueError, match="row 0: 1 starts, 2 ends and 1 values"):
         scatter_span_values(torch.ones(1, 3), [[0]], [[1, 2]], [[1.0]])
-
-
-def test_compute_memory_advantages_interleaved_gated_and_per_round():
-    mask = torch.ones(4, 5)
-    group_ids = ["a", "b", "a", "b"]
-    starts, ends = [[0], [1], [], [2]], [[1], [3], [], [4]]
-    rewards = [[0.2], [0.5], [], [0.1]]
-    adv = compute_memory_advantages(mask, group_ids, starts, ends, rewards)
-    a_single = 0.2 / (1 + 1e-6)  # pool of one
-    b = (0.5 - 0.3) / (math.sqrt(0.08) + 1e-6)
-    expected = [[a_single] * 2 + [0.0] * 3, [0.0, b, b, b, 0.0], [0.0] * 5, [0.0, 0.0, -b, -b, -b]]
-    assert adv.tolist() == [pytest.approx(row) for row in expected]
-
-    gated = compute_memory_advantages(
-        mask, group_ids, starts, ends, rewards, outcome_advantages=torch.tensor([0.0, -0.5, 1.0, 0.7])
-    )
-    assert gated.tolist() == [pytest.approx(row) for row in [expected[0], [0.0] * 5, expected[2], expected[3]]]
-
-    rounds = compute_memory_advantages(mask, group_ids, starts, ends, rewards, round_ids=[[2], [2], [], [3]])
-    b2, b3 = 0.5 / (1 + 1e-6), 0.1 / (1 + 1e-6)  # group b splits into two pools of one
-    assert rounds[1].tolist() == pytest.approx([0.0, b2, b2, b2, 0.0])
-    assert rounds[3].tolist() == pytest.approx([0.0, 0.0, b3, b3, b3])
-
-    with pytest.raises(ValueError, match=r"outcome_advantages must have shape \(4,\)"):
-        compute_memory_advantages(mask, group_ids, starts, ends, rewards, outcome_advantages=torch.zeros(4, 1))

@@ -1,8 +1,15 @@
-"""Outcome advantages (GRPO, per trajectory), their expansion to per-round rows, and the final per-token sum."""
+"""The MemPO advantage of a batch of rounds: GRPO outcome advantage per trajectory plus the memory advantage.
+
+`mempo_advantages` is the one place where the pieces are combined (docs/algorithm.md, "Advantages"); the trainer
+calls it on the rounds of all processes and nothing else re-implements it.
+"""
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
+
+from mempo_trl.memory import normalize_memory_rewards, scatter_span_values
 
 
 def group_outcome_advantages(
@@ -36,20 +43,6 @@ def group_outcome_advantages(
     return advantages
 
 
-def expand_to_rounds(values: torch.Tensor, rounds_per_trajectory: Sequence[int]) -> torch.Tensor:
-    """Repeat each trajectory's value once per round, ``(N,) -> (sum(rounds),)``.
-
-    >>> expand_to_rounds(torch.tensor([0.5, -1.0]), [2, 3])
-    tensor([ 0.5000,  0.5000, -1.0000, -1.0000, -1.0000])
-    """
-    if len(rounds_per_trajectory) != values.shape[0]:
-        raise ValueError(f"{len(rounds_per_trajectory)} round counts for {values.shape[0]} trajectories")
-    if any(n < 0 for n in rounds_per_trajectory):
-        raise ValueError("round counts must be >= 0")
-    repeats = torch.as_tensor(list(rounds_per_trajectory), dtype=torch.long, device=values.device)
-    return values.repeat_interleave(repeats, dim=0)
-
-
 def combine_advantages(
     outcome_row_advantages: torch.Tensor,
     memory_advantages: torch.Tensor,
@@ -70,3 +63,91 @@ def combine_advantages(
         )
     combined = outcome_row_advantages.float().unsqueeze(1) + memory_coef * memory_advantages.float()
     return combined * completion_mask.to(combined.dtype)
+
+
+class MemPOAdvantages(NamedTuple):
+    """What `mempo_advantages` returns: ``advantages`` (B, T) for the loss, ``outcome`` (N,) per trajectory and
+    ``memory`` (B, T), the normalised (and gated) memory advantage on the ``<mem>`` tokens, before ``memory_coef``."""
+
+    advantages: torch.Tensor
+    outcome: torch.Tensor
+    memory: torch.Tensor
+
+
+def mempo_advantages(
+    outcome_rewards: torch.Tensor,
+    row_trajectories: Sequence[int],
+    row_rounds: Sequence[int],
+    memory_rewards: Sequence[float | None],
+    mem_spans: Sequence[tuple[int, int] | None],
+    completion_mask: torch.Tensor,
+    local_rows: slice,
+    num_generations: int,
+    scale_rewards: str | bool = "group",
+    memory_coef: float = 1.0,
+    memory_pooling: str = "question",
+    memory_gate_on_outcome: bool = False,
+) -> MemPOAdvantages:
+    """Per-token advantages of the rounds ``local_rows`` of a batch of N trajectories played as R rounds (rows).
+
+    Args:
+        outcome_rewards: ``(N,)`` trajectory rewards; trajectories ``g * G ... g * G + G - 1`` (G =
+            ``num_generations``) answer the same question, so ``trajectory // G`` is the group key of a row.
+        row_trajectories, row_rounds: ``(R,)`` each row's trajectory (index into ``outcome_rewards``) and 0-based
+            round index.
+        memory_rewards: ``(R,)`` the memory reward of each row, ``None`` where the round is not scored.
+        mem_spans: ``(R,)`` inclusive token span of the row's ``<mem>`` block in its completion, or ``None``.
+        completion_mask: ``(B, T)`` mask of the rows ``local_rows`` (``B >= len(local_rows)``); rows past them are
+            placeholder rows and get 0.
+        local_rows: which of the R rows this call returns (a process's own rows; the pools use all R).
+        scale_rewards: GRPO's outcome scaling (`group_outcome_advantages`).
+        memory_coef: weight of the memory advantage.
+        memory_pooling: ``"question"`` pools the memory rewards of all rounds of a question's G trajectories;
+            ``"question_round"`` pools per (question, round index).
+        memory_gate_on_outcome: keep the memory advantage only on rows whose outcome advantage is ``>= 0``.
+
+    Returns:
+        `MemPOAdvantages`: ``advantages`` ``(B, T)`` = outcome advantage of the row's trajectory on every completion
+        token + ``memory_coef`` x ``memory`` ``(B, T)`` (the pooled-normalised memory reward on the ``<mem>``
+        tokens), masked; ``outcome`` ``(N,)``.
+
+    >>> out = mempo_advantages(torch.tensor([1.0, 0.0]), [0, 0, 1], [0, 1, 0], [None, 0.3, None],
+    ...                        [None, (0, 1), None], torch.ones(3, 3), slice(0, 3), 2, "none")
+    >>> out.advantages
+    tensor([[ 0.5000,  0.5000,  0.5000],
+            [ 0.8000,  0.8000,  0.5000],
+            [-0.5000, -0.5000, -0.5000]])
+    """
+    num_rows = len(row_trajectories)
+    if not len(row_rounds) == len(memory_rewards) == len(mem_spans) == num_rows:
+        raise ValueError(
+            f"row_trajectories, row_rounds, memory_rewards and mem_spans need one entry per row ({num_rows})"
+        )
+    if memory_pooling not in ("question", "question_round"):
+        raise ValueError(f"memory_pooling must be 'question' or 'question_round', got {memory_pooling!r}")
+    rows = range(num_rows)[local_rows]
+    if completion_mask.dim() != 2 or completion_mask.shape[0] < len(rows):
+        raise ValueError(f"completion_mask {tuple(completion_mask.shape)} needs at least {len(rows)} rows")
+    if any(memory_rewards[i] is not None and mem_spans[i] is None for i in rows):
+        raise ValueError("a scored row needs its <mem> span")
+    outcome = group_outcome_advantages(outcome_rewards, num_generations, scale_rewards)
+    scored = [[float(r)] if r is not None else [] for r in memory_rewards]
+    normalized = normalize_memory_rewards(
+        [t // num_generations for t in row_trajectories],
+        scored,
+        [[t] * len(v) for t, v in zip(row_rounds, scored)] if memory_pooling == "question_round" else None,
+    )
+    if memory_gate_on_outcome:
+        normalized = [v if outcome[t] >= 0 else [0.0] * len(v) for t, v in zip(row_trajectories, normalized)]
+    placeholders = [[]] * (completion_mask.shape[0] - len(rows))
+    spans = [[mem_spans[i]] if scored[i] else [] for i in rows] + placeholders
+    memory = scatter_span_values(
+        completion_mask.cpu(),
+        [[start for start, _ in row] for row in spans],
+        [[end for _, end in row] for row in spans],
+        [normalized[i] for i in rows] + placeholders,
+    ).to(completion_mask.device)
+    index = torch.tensor([row_trajectories[i] for i in rows], dtype=torch.long, device=outcome.device)
+    row_outcome = torch.cat([outcome[index], outcome.new_zeros(len(placeholders))]).to(completion_mask.device)
+    advantages = combine_advantages(row_outcome, memory, completion_mask, memory_coef)
+    return MemPOAdvantages(advantages, outcome, memory)

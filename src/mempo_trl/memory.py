@@ -174,29 +174,3 @@ def scatter_span_values(
             if lo <= hi:
                 out[i, lo : hi + 1] = float(value)
     return out * completion_mask.to(out.dtype)
-
-
-def compute_memory_advantages(
-    completion_mask: torch.Tensor,
-    group_ids: Sequence[Hashable],
-    span_starts: Sequence[Sequence[int]],
-    span_ends: Sequence[Sequence[int]],
-    mem_rewards: Sequence[Sequence[float]],
-    round_ids: Sequence[Sequence[Hashable]] | None = None,
-    outcome_advantages: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-token memory advantage ``(B, T)``: :func:`normalize_memory_rewards` then :func:`scatter_span_values`.
-
-    With ``outcome_advantages`` ``(B,)`` (gated variant) rows whose outcome advantage is < 0 get 0.
-
-    >>> compute_memory_advantages(torch.ones(2, 3), ["q", "q"], [[0], [1]], [[1], [2]], [[0.2], [0.4]])
-    tensor([[-0.7071, -0.7071,  0.0000],
-            [ 0.0000,  0.7071,  0.7071]])
-    """
-    normed = normalize_memory_rewards(group_ids, mem_rewards, round_ids)
-    advantages = scatter_span_values(completion_mask, span_starts, span_ends, normed)
-    if outcome_advantages is not None:
-        if outcome_advantages.shape != (advantages.shape[0],):
-            raise ValueError(f"outcome_advantages must have shape ({advantages.shape[0]},)")
-        advantages = advantages * (outcome_advantages >= 0).to(advantages.device, advantages.dtype).unsqueeze(1)
-    return advantages

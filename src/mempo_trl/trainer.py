@@ -15,7 +15,7 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 
-from mempo_trl.advantages import combine_advantages, group_outcome_advantages
+from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
 from mempo_trl.agent import AgentSettings
 from mempo_trl.config import MemPOConfig
 from mempo_trl.data import validate_qa_rows
@@ -23,12 +23,10 @@ from mempo_trl.generation import action_stopping_criteria
 from mempo_trl.memory import (
     answer_probability,
     memory_reward,
-    normalize_memory_rewards,
     quantile_threshold,
-    scatter_span_values,
 )
 from mempo_trl.rewards import mempo_outcome_reward, outcome_score
-from mempo_trl.rollout import ACTION_STOPS, Episode, RolloutEngine
+from mempo_trl.rollout import ACTION_STOPS, Episode, RolloutEngine, RolloutTimings
 from mempo_trl.scoring import (
     SHARED_PREFIX_ATTENTION,
     answer_token_logps,
@@ -242,7 +240,7 @@ class MemPOTrainer(GRPOTrainer):
             return shared_prefix_answer_logps(model, items, group_keys, pad_id, bs, num_forwards)
 
     def _memory_rewards(self, episodes: list[Episode]) -> dict[tuple[int, int], dict[str, float]]:
-        """P_full, P_mem and the memory reward of every scored round, keyed by (episode index, round index)."""
+        """Step 4: P_full, P_mem and the memory reward of every scored round, keyed by (episode, round index)."""
         keys, pairs = [], []
         for e, episode in enumerate(episodes):
             for pair in memory_scoring_items(episode, self._tokenizer):
@@ -289,18 +287,61 @@ class MemPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ the override
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict[str, torch.Tensor]:
-        device = self.accelerator.device
+        """GRPOTrainer's batch preparation for multi-turn search episodes with the MemPO memory advantage.
+
+        Where `GRPOTrainer` samples one completion per prompt and gives it one advantage, this method:
+
+        1. `_play_episodes`: plays each question as a multi-turn search episode (context rebuilt every round);
+        2. `_outcome_rewards`: scores each whole trajectory with the reward functions (gathered over processes);
+        3. `_round_rows`: makes one training row per round (prompt = its context, completion = the turn), padded
+           with fully masked placeholder rows to the same count on every process;
+        4. `_memory_rewards`: scores P_full / P_mem of the gold answer for rounds >= 2 and their memory reward;
+        5. `_advantages`: gathers the rounds of all processes and calls `mempo_advantages` for per-token advantages
+           of shape (rows, completion tokens) instead of one scalar per completion;
+        6. `_loss_log_probs`: the old / sampling / reference log-probs and vLLM IS ratio, as in `GRPOTrainer`;
+        7. `_log_episode_metrics` / `_log_completion_rows`: episode, memory, token and timing metrics.
+        """
         mode = "train" if self.model.training else "eval"
-        args = self.args
-        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        rank, n_local = self.accelerator.process_index, len(inputs)
-        group_ids = [(rank * n_local + i) // num_generations for i in range(n_local)]
+        episodes, timings = self._play_episodes(inputs)
+        rewards_per_func, rewards = self._outcome_rewards(inputs, episodes)
+        rows, output = self._round_rows(episodes, mode)
+        scoring_start = time.perf_counter()
+        score_memory = self.args.context_mode == "memory" and self.args.memory_coef != 0.0
+        scored = self._memory_rewards(episodes) if score_memory else {}
+        adv = self._advantages(episodes, rows, scored, rewards, output["completion_mask"], mode)
+        timings_scoring = time.perf_counter() - scoring_start
+        output["advantages"] = adv.advantages
+        records = [episodes[e].rounds[t] for e, t in rows]
+        output.update(self._loss_log_probs(output, records, mode))
+        self._log_episode_metrics(
+            mode,
+            episodes,
+            rows,
+            records,
+            scored,
+            adv.memory,
+            output["completion_mask"],
+            rewards_per_func,
+            rewards,
+            timings.generation,
+            timings.retrieval,
+            timings_scoring,
+        )
+        prompts = [ep.base_messages for ep in episodes]
+        self._log_completion_rows(prompts, episodes, rewards_per_func, adv.outcome)
+        return output
 
-        # 1. Play the episodes.
+    def _play_episodes(self, inputs: list[dict]) -> tuple[list[Episode], RolloutTimings]:
+        """Step 1: one multi-turn episode per input row, all processes stepping together."""
         global_active = self._global_sum if self.accelerator.num_processes > 1 else None
-        episodes, timings = self.rollout_engine.run(inputs, self._generate_turns, global_active)
+        return self.rollout_engine.run(inputs, self._generate_turns, global_active)
 
-        # 2. Outcome reward and GRPO advantage per trajectory (gathered over processes inside _calculate_rewards).
+    def _outcome_rewards(self, inputs: list[dict], episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 2: per-function ``(N, F)`` and weighted ``(N,)`` rewards of the trajectories of ALL processes.
+
+        The reward functions see the final turn as ``completions`` plus ``trajectory`` (all turn texts) and
+        ``format_valid``; TRL's `_calculate_rewards` gathers them over processes.
+        """
         prompts = [ep.base_messages for ep in episodes]
         completions = [[{"role": "assistant", "content": ep.rounds[-1].text}] for ep in episodes]
         reward_inputs = [
@@ -310,13 +351,18 @@ class MemPOTrainer(GRPOTrainer):
         rewards_per_func = self._calculate_rewards(
             reward_inputs, prompts, completions, [ep.rounds[-1].completion_ids for ep in episodes]
         )
-        rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
-        all_outcome_adv = group_outcome_advantages(rewards, num_generations, self.scale_rewards)
-        outcome_adv = all_outcome_adv[rank * n_local : (rank + 1) * n_local]
+        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        return rewards_per_func, rewards
 
-        # 3. One row per round, padded with masked rows to the same count on every process.
+    def _round_rows(self, episodes: list[Episode], mode: str) -> tuple[list[tuple[int, int]], dict[str, torch.Tensor]]:
+        """Step 3: the ``(episode, round)`` of every row and the padded prompt/completion tensors of the batch.
+
+        Rows are padded with placeholder rows (one pad token, completion fully masked) so that every process has
+        the same number of rows, a multiple of ``steps_per_generation``.
+        """
+        device = self.accelerator.device
         rows = [(e, t) for e, ep in enumerate(episodes) for t in range(len(ep.rounds))]
-        per_step = args.steps_per_generation if mode == "train" else 1
+        per_step = self.args.steps_per_generation if mode == "train" else 1
         num_rows = math.ceil(self._global_max(len(rows)) / per_step) * per_step
         num_dummy = num_rows - len(rows)
         records = [episodes[e].rounds[t] for e, t in rows]
@@ -333,49 +379,57 @@ class MemPOTrainer(GRPOTrainer):
         if self.mask_truncated_completions:
             truncated = torch.tensor([r.truncated for r in records] + [False] * num_dummy, device=device)
             completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
-        num_items_in_batch = self.accelerator.gather(completion_mask.sum()).sum()
-
-        # 4. Memory advantage on the <mem> spans, normalised per question over all processes.
-        scoring_start = time.perf_counter()
-        scored = {}
-        if args.context_mode == "memory" and args.memory_coef != 0.0:
-            scored = self._memory_rewards(episodes)
-        row_rewards = [[scored[(e, t)]["reward"]] if (e, t) in scored else [] for e, t in rows]
-        entries = [(rank, group_ids[e], rr, [t] * len(rr)) for (e, t), rr in zip(rows, row_rewards)]
-        all_entries = gather_object(entries) if self.accelerator.num_processes > 1 else entries
-        normalized = normalize_memory_rewards(
-            [g for _, g, _, _ in all_entries],
-            [rr for _, _, rr, _ in all_entries],
-            [rt for _, _, _, rt in all_entries] if args.memory_pooling == "question_round" else None,
-        )
-        local_values = [v for (r, _, _, _), v in zip(all_entries, normalized) if r == rank]
-        if args.memory_gate_on_outcome:
-            local_values = [v if outcome_adv[e] >= 0 else [0.0] * len(v) for (e, _), v in zip(rows, local_values)]
-        spans = [[records[i].mem_span] if row_rewards[i] else [] for i in range(len(rows))]
-        memory_adv = scatter_span_values(
-            completion_mask.cpu(),
-            [[s for s, _ in sp] for sp in spans] + [[]] * num_dummy,
-            [[e for _, e in sp] for sp in spans] + [[]] * num_dummy,
-            local_values + [[]] * num_dummy,
-        ).to(device)
-        timings_scoring = time.perf_counter() - scoring_start
-        row_episode = torch.tensor([e for e, _ in rows], dtype=torch.long, device=device)
-        row_outcome = torch.cat([outcome_adv[row_episode], torch.zeros(num_dummy, device=device)])
-        advantages = combine_advantages(row_outcome, memory_adv, completion_mask, args.memory_coef)
-
-        # 5. What the inherited loss needs: old / sampling / reference log-probs and the vLLM IS ratio.
-        prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        logits_to_keep = completion_ids.size(1)
-        batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
-        output = {
+        batch = {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
-            "advantages": advantages,
-            "num_items_in_batch": num_items_in_batch,
+            "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
         }
+        return rows, batch
+
+    def _advantages(self, episodes, rows, scored, rewards, completion_mask, mode) -> MemPOAdvantages:
+        """Step 5: `mempo_advantages` on the rounds of all processes, returned for this process's rows.
+
+        A trajectory's global index is ``process_index * len(episodes) + episode`` (the order in which
+        `_calculate_rewards` gathers ``rewards``), so memory pools span processes exactly like GRPO's groups.
+        """
+        rank, n_local = self.accelerator.process_index, len(episodes)
+        local = [
+            (rank * n_local + e, t, scored.get((e, t), {}).get("reward"), episodes[e].rounds[t].mem_span)
+            for e, t in rows
+        ]
+        per_process = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+        start = sum(len(p) for p in per_process[:rank])
+        everything = [row for p in per_process for row in p]
+        args = self.args
+        return mempo_advantages(
+            rewards,
+            row_trajectories=[row[0] for row in everything],
+            row_rounds=[row[1] for row in everything],
+            memory_rewards=[row[2] for row in everything],
+            mem_spans=[row[3] for row in everything],
+            completion_mask=completion_mask,
+            local_rows=slice(start, start + len(local)),
+            num_generations=self.num_generations if mode == "train" else self.num_generations_eval,
+            scale_rewards=self.scale_rewards,
+            memory_coef=args.memory_coef,
+            memory_pooling=args.memory_pooling,
+            memory_gate_on_outcome=args.memory_gate_on_outcome,
+        )
+
+    def _loss_log_probs(self, batch: dict[str, torch.Tensor], records, mode: str) -> dict[str, torch.Tensor]:
+        """Step 6: what the inherited loss needs besides advantages: old / sampling / reference log-probs and the
+        vLLM importance-sampling ratio, computed as in `GRPOTrainer`."""
+        args = self.args
+        device = self.accelerator.device
+        completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+        num_dummy = completion_ids.size(0) - len(records)
+        prompt_completion_ids = torch.cat([batch["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        output = {}
         with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
             generate_every = args.steps_per_generation * self.num_iterations
             use_is = self.use_vllm and self.vllm_importance_sampling_correction
@@ -414,22 +468,6 @@ class MemPOTrainer(GRPOTrainer):
                             self.model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size
                         )
                 output["ref_per_token_logps"] = ref_logps
-
-        self._log_episode_metrics(
-            mode,
-            episodes,
-            rows,
-            records,
-            scored,
-            memory_adv,
-            completion_mask,
-            rewards_per_func,
-            rewards,
-            timings.generation,
-            timings.retrieval,
-            timings_scoring,
-        )
-        self._log_completion_rows(prompts, episodes, rewards_per_func, all_outcome_adv)
         return output
 
     def _importance_sampling_ratio(self, old_logps, sampling_logps, mask):
