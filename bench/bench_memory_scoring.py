@@ -1,6 +1,6 @@
 """Memory-scoring cost vs rounds: naive batched scoring of every round's full history vs the shared-prefix scheme.
 
-MemPO scores ``log p(gold answer | full history before round t)`` for every round t >= 2 (P_full, spec section 3).
+MemPO scores ``log p(gold answer | full history before round t)`` for every round t >= 2 (P_full, docs/algorithm.md).
 The naive scheme (`mempo_trl.scoring.answer_token_logps`, ``memory_scoring="batched"``) forwards each round's full
 history as its own padded sequence, so a trajectory of N rounds costs O(N^2) context tokens. The shared-prefix scheme
 (`shared_prefix_answer_logps`, ``memory_scoring="shared_prefix"``) forwards each trajectory's longest history once with

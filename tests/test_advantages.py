@@ -63,7 +63,7 @@ def test_group_advantages_are_finite_and_centred(g, n_groups, scale, data):
 
 
 def test_combine_advantages_seed_note_example():
-    # Seed note 3.1: outcome +0.75 everywhere, memory +1.20 on the <mem> tokens -> 1.95 there.
+    # Worked example: outcome +0.75 everywhere, memory +1.20 on the <mem> tokens -> 1.95 there.
     mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
     memory = torch.tensor([[1.2, 1.2, 0.0, 0.0, 0.0, 0.0], [0.0, -0.4, -0.4, 0.0, 0.0, 0.0]])
     out = combine_advantages(torch.tensor([0.75, -0.5]), memory, mask)

@@ -94,7 +94,7 @@ def test_quantile_threshold_edge_cases():
 
 
 def test_memory_reward_spec_worked_numbers():
-    # Spec / seed note: round 1 mem 0.12 vs full 0.35 -> -0.23; round 2 mem 0.71 vs full 0.68 -> +0.03.
+    # Worked example: round 1 mem 0.12 vs full 0.35 -> -0.23; round 2 mem 0.71 vs full 0.68 -> +0.03.
     p_mem = answer_probability(torch.tensor([[math.log(0.12)], [math.log(0.71)]]), torch.ones(2, 1), threshold=None)
     p_full = answer_probability(torch.tensor([[math.log(0.35)], [math.log(0.68)]]), torch.ones(2, 1), threshold=None)
     assert memory_reward(p_mem, p_full).tolist() == pytest.approx([-0.23, 0.03], abs=1e-6)
@@ -182,7 +182,7 @@ def test_normalize_small_and_degenerate_pools():
 
 
 def test_normalize_per_round_pools():
-    # Round imbalance (spec 5.1): later rounds have systematically lower rewards.
+    # Round imbalance (docs/algorithm.md, "Variants"): later rounds have systematically lower rewards.
     group_ids = ["q", "q", "q"]
     rewards = [[-0.1, -0.3], [-0.2, -0.4], [-0.15]]
     rounds = [[2, 3], [2, 3], [2]]

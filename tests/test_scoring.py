@@ -1,4 +1,4 @@
-"""Gold-answer scoring under the full-history and memory contexts (spec section 3): items and masks under the tiny
+"""Gold-answer scoring under the full-history and memory contexts (docs/algorithm.md, "Memory reward"): items and masks under the tiny
 and the real Qwen2.5 tokenizer, log-probs on the tiny model."""
 
 import copy

@@ -1,7 +1,7 @@
 """MemPOTrainer on a scripted policy: contexts, rows, masks, <mem> spans and advantages checked by hand.
 
 Generation is replaced by a script keyed on (question, round) and the answer scorer by a table of P values, so every
-number below is computed by hand from the spec (sections 2-4). It runs under the tiny tokenizer (tags are single
+number below is computed by hand from docs/algorithm.md. It runs under the tiny tokenizer (tags are single
 tokens) and Qwen2.5's real one, with a model that stops after its action and one that keeps talking.
 """
 

@@ -47,25 +47,25 @@ class MemPOConfig(GRPOConfig):
         memory_threshold (`float` or `None`, *optional*, defaults to `log(0.5)`):
             Answer tokens with `log p` at or below it are left out of P_mem / P_full. `None` keeps all tokens.
         memory_threshold_quantile (`float` or `None`, *optional*, defaults to `None`):
-            Variant (spec 5.4): the threshold is this quantile of the batch's answer-token log-probs instead.
+            Variant (docs/algorithm.md, "Variants"): the threshold is this quantile of the batch's answer-token log-probs instead.
         memory_reward_type (`str`, *optional*, defaults to `"diff"`):
-            `"diff"`: P_mem - P_full (paper). `"log_ratio"`: log(P_mem + eps) - log(P_full + eps) (spec 5.2).
+            `"diff"`: P_mem - P_full (paper). `"log_ratio"`: log(P_mem + eps) - log(P_full + eps).
         memory_reward_eps (`float`, *optional*, defaults to `1e-6`):
             The eps of `"log_ratio"`.
         memory_length_penalty (`float`, *optional*, defaults to `0.0`):
-            Variant (spec 5.5): subtract `lambda * len(<mem> tokens) / max_completion_length` from the memory reward.
+            Variant: subtract `lambda * len(<mem> tokens) / max_completion_length` from the memory reward.
         memory_pooling (`str`, *optional*, defaults to `"question"`):
             `"question"`: normalise over all rounds of all trajectories of a question (paper). `"question_round"`:
-            normalise per (question, round index) (spec 5.1).
+            normalise per (question, round index).
         memory_gate_on_outcome (`bool`, *optional*, defaults to `False`):
             Variant: add the memory advantage only on rows whose outcome advantage is >= 0.
         memory_full_from_reference (`bool`, *optional*, defaults to `False`):
-            Variant (spec 5.3): score P_full with the reference model (needs `beta > 0` or a PEFT adapter).
+            Variant: score P_full with the reference model (needs `beta > 0` or a PEFT adapter).
         memory_scoring_batch_size (`int`, *optional*, defaults to `8`):
             Sequences per no-grad forward when scoring P_full / P_mem (bounds memory).
         memory_scoring (`str`, *optional*, defaults to `"auto"`):
             How P_full / P_mem are computed; all give the same values. `"batched"`: each (context, answer) pair is
-            its own sequence of one padded batch (the reference scheme). `"shared_prefix"`: the full-history
+            its own sequence of one padded batch. `"shared_prefix"`: the full-history
             contexts of one trajectory are prefixes of each other, so they are scored in ONE sequence (its longest
             context + one answer block per round, with a 4D attention mask): linear instead of quadratic tokens in
             the number of rounds (3.4x faster scoring at 8 rounds in `bench/`). Needs `sdpa` or `eager` attention

@@ -1,4 +1,4 @@
-"""The one context builder of MemPO (spec section 2), shared by training, evaluation and inference.
+"""The one context builder of MemPO (docs/algorithm.md, "Context rebuild"), shared by training, evaluation and inference.
 
 Round t of an episode is generated from:
 
@@ -7,7 +7,7 @@ Round t of an episode is generated from:
   tool(<information> of round t-1)``. Nothing older is kept: what the model still needs must be in its ``<mem>``;
 - t > 1, ``context_mode="full_history"`` (Search-R1 baseline): every earlier round's output and result.
 
-The same builder renders the two scoring contexts of the memory reward (spec section 3): ``full_traj_t`` is the
+The same builder renders the two scoring contexts of the memory reward: ``full_traj_t`` is the
 full-history context of round t and ``mem_traj_t`` is ``system + user(question)`` followed by round t's ``<mem>``
 block at the start of the assistant turn.
 """

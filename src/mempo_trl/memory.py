@@ -1,4 +1,5 @@
-"""Memory reward and memory advantage (spec sections 3 to 5).
+"""Memory reward and memory advantage (docs/algorithm.md, "Memory reward: P_full and P_mem", "Memory advantage:
+pooling and spans").
 
 ``P = exp(mean kept log p(answer token))`` under the full history and under the ``<mem>`` block only;
 ``mem_reward = P_mem - P_full``; rewards are normalised per question (optionally per question and round) and written
@@ -18,7 +19,7 @@ def answer_probability(
     """Geometric-mean probability of the kept answer tokens, ``(N, K) -> (N,)``.
 
     Kept = ``mask & (logps > threshold)`` (just ``mask`` when ``threshold`` is ``None``). A row with no kept token
-    gets P = 0 (the reference's ``count + 1e-8`` would give 1). Values at masked-out positions are never read.
+    gets P = 0, not the 1 that ``count + 1e-8`` would give. Values at masked-out positions are never read.
 
     >>> answer_probability(torch.tensor([[-0.1, -0.3, -2.0], [-2.0, -3.0, 0.0]]), torch.tensor([[1, 1, 1], [1, 1, 0]]))
     tensor([0.8187, 0.0000])
@@ -37,7 +38,7 @@ def answer_probability(
 def quantile_threshold(logps: torch.Tensor, mask: torch.Tensor, q: float) -> float:
     """The ``q``-quantile (linear interpolation, like ``numpy.quantile``) of the masked log-probs of the batch.
 
-    For the adaptive confidence filter (spec 5.4): pass the result as ``threshold`` to :func:`answer_probability`.
+    For the adaptive confidence filter (docs/algorithm.md, "Variants"): pass the result as ``threshold`` to :func:`answer_probability`.
     An empty mask returns ``-inf`` (no filter; nothing is scored anyway). ``-inf`` log-probs sort first.
 
     >>> quantile_threshold(torch.tensor([[-0.1, -0.5], [-1.0, -9.0]]), torch.tensor([[1, 1], [1, 0]]), 0.5)
@@ -70,8 +71,8 @@ def memory_reward(
 ) -> torch.Tensor:
     """Memory reward per round, ``(N,), (N,) -> (N,)``.
 
-    ``"diff"``: ``p_mem - p_full`` (paper); ``"log_ratio"``: ``log(p_mem + eps) - log(p_full + eps)`` (spec 5.2).
-    With ``length_penalty > 0`` subtracts ``length_penalty * mem_lengths / max_mem_tokens`` (spec 5.5).
+    ``"diff"``: ``p_mem - p_full`` (paper); ``"log_ratio"``: ``log(p_mem + eps) - log(p_full + eps)``.
+    With ``length_penalty > 0`` subtracts ``length_penalty * mem_lengths / max_mem_tokens``.
 
     >>> memory_reward(torch.tensor([0.12, 0.71]), torch.tensor([0.35, 0.68]))
     tensor([-0.2300,  0.0300])

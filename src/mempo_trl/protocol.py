@@ -1,7 +1,7 @@
 """The MemPO turn protocol: parse one assistant turn, render environment and gold texts, locate token spans.
 
 One assistant turn is ``<mem>…</mem>``, ``<think>…</think>``, then exactly one of ``<search>…</search>`` or
-``<answer>…</answer>``, with nothing but whitespace outside the tags (spec section 1).
+``<answer>…</answer>``, with nothing but whitespace outside the tags (docs/algorithm.md, "Turn protocol").
 """
 
 import os

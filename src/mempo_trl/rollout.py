@@ -1,4 +1,5 @@
-"""Multi-turn search episodes with the MemPO context rebuild (spec sections 1-2).
+"""Multi-turn search episodes with the MemPO context rebuild (docs/algorithm.md, "Turn protocol",
+"Context rebuild").
 
 `RolloutEngine.run` plays a batch of episodes round by round: it renders each active episode's context with
 `mempo_trl.context`, asks a generation function for one turn per episode, cuts each turn after its action,
@@ -168,7 +169,7 @@ class RolloutEngine:
         return Episode(row=row, base_messages=initial_messages(row["question"], self.system_prompt, self.instruction))
 
     def context_messages(self, episode: Episode) -> list[dict[str, str]]:
-        """Messages of the episode's next round (spec section 2)."""
+        """Messages of the episode's next round (docs/algorithm.md, "Context rebuild")."""
         return round_messages(episode.base_messages, episode.history(), self.context_mode)
 
     def fit_prompt(self, episode: Episode) -> list[int] | None:

@@ -1,4 +1,5 @@
-"""Teacher-forced scoring of the gold answer under the full-history and memory contexts (spec section 3).
+"""Teacher-forced scoring of the gold answer under the full-history and memory contexts
+(docs/algorithm.md, "Memory reward: P_full and P_mem").
 
 For every round t >= 2 whose output holds a well-formed ``<mem>`` block, `memory_scoring_items` builds two
 sequences that end with the same gold-answer continuation ``<answer> GOLD </answer>``:
