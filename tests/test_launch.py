@@ -223,7 +223,16 @@ def test_deepspeed_zero3_two_processes_lora_then_merge(warm_model_dir, tmp_path)
 
     merged_dir = tmp_path / "merged"
     merge = subprocess.run(
-        [sys.executable, "-m", "mempo_trl", "merge-lora", "--adapter", str(out), "--out", str(merged_dir)],
+        [
+            sys.executable,
+            "-m",
+            "mempo_trl",
+            "merge-lora",
+            "--model_name_or_path",
+            str(out),
+            "--output_dir",
+            str(merged_dir),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -263,6 +272,7 @@ def test_merge_lora_with_moved_base_and_dtype(tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from mempo_trl.agent import AgentSettings
     from mempo_trl.kit.tiny import load_tiny
     from mempo_trl.merge import merge_lora
 
@@ -272,6 +282,7 @@ def test_merge_lora_with_moved_base_and_dtype(tiny_model_dir, tmp_path):
     peft_model = get_peft_model(model, config).eval()
     adapter = tmp_path / "adapter"
     peft_model.save_pretrained(adapter)  # no tokenizer here: the base model's is used
+    AgentSettings(max_turns=5).save(adapter)
     adapter_config = json.loads((adapter / "adapter_config.json").read_text())
     adapter_config["base_model_name_or_path"] = str(tmp_path / "moved")
     (adapter / "adapter_config.json").write_text(json.dumps(adapter_config))
@@ -281,6 +292,7 @@ def test_merge_lora_with_moved_base_and_dtype(tiny_model_dir, tmp_path):
     assert merged.dtype == torch.bfloat16
     assert not any("lora" in name for name in merged.state_dict())
     assert (out / "tokenizer.json").is_file()
+    assert AgentSettings.from_pretrained(out).max_turns == 5  # the agent's settings travel with the merged model
     inputs = tokenizer("Where is Gamma?", return_tensors="pt")
     with torch.no_grad():
         expected = peft_model(**inputs).logits

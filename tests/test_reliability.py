@@ -41,7 +41,7 @@ def start_retriever(directory: Path, port: int, *flags: str, env: dict | None = 
     """`mempo-trl serve-retriever` on 127.0.0.1:`port`, up and answering (or the test fails with its log)."""
     corpus = write_corpus(directory)
     command = [sys.executable, "-m", "mempo_trl", "serve-retriever", "--corpus", str(corpus), "--port", str(port)]
-    command += ["--cache-dir", str(directory / "cache"), "--log-level", "warning", *flags]
+    command += ["--retriever_cache_dir", str(directory / "cache"), "--log_level", "warning", *flags]
     log = directory / f"server-{port}-{time.monotonic_ns()}.log"
     with log.open("w") as log_file:
         process = subprocess.Popen(
@@ -206,7 +206,7 @@ def test_serve_retriever_refuses_a_port_in_use(tmp_path, capsys):
 def test_serve_retriever_warns_on_a_public_address_without_a_key(tmp_path, monkeypatch, caplog):
     import uvicorn
 
-    from mempo_trl.retrieval import cli as retrieval_cli
+    from mempo_trl.commands import retrieval as retrieval_cli
 
     calls = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append(kwargs))
@@ -226,7 +226,7 @@ def test_serve_retriever_warns_on_a_public_address_without_a_key(tmp_path, monke
 def test_build_index_fails_when_it_cannot_write_its_cache(tmp_path, capsys):
     blocked = tmp_path / "cache"
     blocked.write_text("a file where the cache directory should be")
-    assert main(["build-index", "--corpus", str(write_corpus(tmp_path)), "--cache-dir", str(blocked)]) == 2
+    assert main(["build-index", "--corpus", str(write_corpus(tmp_path)), "--retriever_cache_dir", str(blocked)]) == 2
     assert (
         capsys.readouterr().err
         == f"error: index cache {blocked} is a file, not a directory. Choose a directory path.\n"
@@ -328,7 +328,7 @@ def test_train_refuses_to_overwrite_earlier_results_unless_told(tmp_path, capsys
         (["kit", "build-tiny-model"], "--output_dir"),
         (["kit", "build-demo"], "--output_dir"),
         (["eval", "--model_name_or_path", "MODEL"], "--output_dir"),
-        (["merge-lora", "--adapter", "MODEL"], "--out"),
+        (["merge-lora", "--model_name_or_path", "MODEL"], "--output_dir"),
     ],
 )
 def test_every_command_checks_its_output_dir_first(tmp_path, capsys, tiny_model_dir, command, flag):
@@ -387,7 +387,10 @@ def test_yaml_syntax_error_is_one_line(tmp_path, capsys):
 
 def test_unknown_subcommand_flag_is_one_line(capsys):
     assert main(["serve-retriever", "--corpus", "c.jsonl", "--max-topk-typo", "3"]) == 2
-    assert one_error_line(capsys) == "error: unrecognized arguments: --max-topk-typo 3 (see `mempo-trl --help`)"
+    assert (
+        one_error_line(capsys)
+        == "error: unrecognized arguments: --max-topk-typo 3 (see `mempo-trl serve-retriever --help`)"
+    )
 
 
 # ------------------------------------------------------------------------------------------ fault injection

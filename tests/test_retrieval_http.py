@@ -44,7 +44,7 @@ def start_server(directory: Path) -> LiveServer:
     corpus.write_text("".join(json.dumps({"id": i, "contents": f'"{t}"\n{x}'}) + "\n" for i, t, x in CORPUS))
     port, cache_dir, log = free_port(), directory / "cache", directory / "server.log"
     command = [sys.executable, "-m", "mempo_trl", "serve-retriever", "--corpus", str(corpus), "--port", str(port)]
-    command += ["--cache-dir", str(cache_dir), "--max-topk", "20", "--log-level", "warning"]
+    command += ["--retriever_cache_dir", str(cache_dir), "--max_topk", "20", "--log_level", "warning"]
     with log.open("w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

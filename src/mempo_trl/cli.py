@@ -22,8 +22,8 @@ COMMAND_MODULES = (
     "mempo_trl.commands.train",
     "mempo_trl.commands.eval",
     "mempo_trl.commands.ask",
-    "mempo_trl.retrieval.cli",
-    "mempo_trl.merge",
+    "mempo_trl.commands.retrieval",
+    "mempo_trl.commands.merge",
     "mempo_trl.commands.kit",
 )
 USAGE_EXIT = 2

@@ -31,13 +31,16 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     """
     from trl import TrlParser
 
-    from mempo_trl.cli import one_line_errors
+    from mempo_trl.cli import CommandError, one_line_errors
     from mempo_trl.outputs import OutputArguments, prepare_output_dir
 
     names = {f.name for t in dataclass_types for f in fields(t)}
     writes = "output_dir" in names and "overwrite_output_dir" not in names
     types = [*dataclass_types, OutputArguments] if writes else list(dataclass_types)
-    parsed = one_line_errors(TrlParser(types, prog=prog), prog).parse_args_and_config(args=argv)
+    parser = one_line_errors(TrlParser(types, prog=prog), prog)
+    *parsed, unknown = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
+    if unknown:
+        raise CommandError(f"unrecognized arguments: {' '.join(unknown)} (see `{prog} --help`)")
     if not writes:
         return tuple(parsed)
     *parsed, output = parsed

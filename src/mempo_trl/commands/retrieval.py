@@ -1,6 +1,20 @@
-"""The retriever settings every command shares (`RetrieverArguments`) and the one function that builds from them."""
+"""The retriever settings every command shares (`RetrieverArguments`), the one function that builds a retriever
+from them, and `mempo-trl build-index` / `mempo-trl serve-retriever`.
 
+    mempo-trl build-index --corpus data/wiki-18.jsonl                  # BM25, cached under $MEMPO_CACHE/bm25
+    mempo-trl serve-retriever --corpus data/wiki-18.jsonl --port 8000  # reuses that cache
+    mempo-trl serve-retriever --corpus data/corpus.jsonl --retriever_type dense --retriever_model models/e5-base-v2
+"""
+
+import argparse
+import time
 from dataclasses import dataclass, field
+
+from mempo_trl.commands import add_command, parse
+from mempo_trl.outputs import OutputError, check_port, check_writable
+
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 @dataclass
@@ -67,3 +81,103 @@ def build_retriever(
     else:
         spec = f"bm25:{corpus}"
     return load_retriever(spec, cache_dir=args.retriever_cache_dir, **index_kwargs)
+
+
+@dataclass
+class IndexArguments:
+    """How an in-process index is built (`build-index`, `serve-retriever`)."""
+
+    bm25_stemmer: str = field(default="english", metadata={"help": "PyStemmer algorithm of BM25, or `none`."})
+    bm25_k1: float = field(default=1.5, metadata={"help": "BM25 k1."})
+    bm25_b: float = field(default=0.75, metadata={"help": "BM25 b."})
+    dense_query_prefix: str = field(default="query: ", metadata={"help": "E5 style; '' for MiniLM-style models."})
+    dense_passage_prefix: str = field(default="passage: ", metadata={"help": "Prefix of every encoded passage."})
+    dense_batch_size: int = field(default=64, metadata={"help": "Passages per encoder batch."})
+    dense_device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: the encoder's)."})
+
+    def kwargs(self, retriever_type: str) -> dict:
+        """The keyword arguments of `BM25Retriever.from_corpus` or `DenseRetriever.from_corpus`."""
+        if retriever_type == "dense":
+            return {
+                "query_prefix": self.dense_query_prefix,
+                "passage_prefix": self.dense_passage_prefix,
+                "batch_size": self.dense_batch_size,
+                "device": self.dense_device,
+            }
+        stemmer = None if self.bm25_stemmer.lower() == "none" else self.bm25_stemmer
+        return {"stemmer": stemmer, "k1": self.bm25_k1, "b": self.bm25_b}
+
+
+@dataclass
+class ServeArguments:
+    """Where and with which limits `serve-retriever` listens."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "Interface to bind (0.0.0.0 for other machines)."})
+    port: int = field(default=8000, metadata={"help": "Port to listen on."})
+    max_queries: int = field(default=4096, metadata={"help": "Most queries per request."})
+    max_topk: int = field(default=100, metadata={"help": "Largest topk accepted."})
+    max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "Largest request body accepted."})
+    max_response_bytes: int = field(default=64 * 2**20, metadata={"help": "Largest answer sent."})
+    api_key: str | None = field(
+        default=None, metadata={"help": "Require 'Authorization: Bearer KEY' (default: $MEMPO_RETRIEVER_API_KEY)."}
+    )
+    log_level: str = field(default="info", metadata={"help": "Server log level.", "choices": LOG_LEVELS})
+
+
+def _parse_index(prog: str, argv: list[str] | None, *extra_types: type) -> tuple:
+    retriever_args, index_args, *rest = parse(prog, [RetrieverArguments, IndexArguments, *extra_types], argv)
+    if not retriever_args.corpus or retriever_args.retriever_url:
+        raise ValueError(f"{prog} indexes a corpus: pass --corpus CORPUS.jsonl (and no --retriever_url).")
+    return retriever_args, index_args, *rest
+
+
+def _build_reporting(retriever_args: RetrieverArguments, index_args: IndexArguments):
+    start = time.perf_counter()
+    retriever = build_retriever(retriever_args, **index_args.kwargs(retriever_args.retriever_type))
+    action = "loaded from cache" if retriever.cache_hit else "built"
+    print(
+        f"{retriever_args.retriever_type} index of {retriever.num_passages} passages {action} in "
+        f"{time.perf_counter() - start:.2f}s; cache: {retriever.cache_path or 'not written'}",
+        flush=True,
+    )
+    return retriever
+
+
+def build_index(argv: list[str] | None = None) -> int:
+    """`mempo-trl build-index`: index a corpus into the cache that `serve-retriever`, `train` and `eval` reuse."""
+    from mempo_trl.retrieval.cache import cache_root
+
+    retriever_args, index_args = _parse_index("mempo-trl build-index", argv)
+    kind = retriever_args.retriever_type
+    cache = check_writable(retriever_args.retriever_cache_dir or cache_root() / kind, what="index cache")
+    if _build_reporting(retriever_args, index_args).cache_path is None:
+        raise OutputError(f"the index was built but could not be written to the cache {cache} (see the warning).")
+    return 0
+
+
+def serve_retriever(argv: list[str] | None = None) -> int:
+    """`mempo-trl serve-retriever`: serve a corpus over Search-R1's `POST /retrieve` API."""
+    from mempo_trl.retrieval.server import check_limits, serve
+
+    retriever_args, index_args, args = _parse_index("mempo-trl serve-retriever", argv, ServeArguments)
+    check_limits(args.max_queries, args.max_topk, args.max_body_bytes, args.max_response_bytes)
+    check_port(args.host, args.port)
+    retriever = _build_reporting(retriever_args, index_args)
+    print(f"serving on http://{args.host}:{args.port} (POST /retrieve, GET /health)", flush=True)
+    serve(
+        retriever,
+        args.host,
+        args.port,
+        args.max_queries,
+        args.max_topk,
+        args.log_level,
+        max_body_bytes=args.max_body_bytes,
+        max_response_bytes=args.max_response_bytes,
+        api_key=args.api_key,
+    )
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    add_command(subparsers, "build-index", "build (and cache) a retrieval index ahead of time", build_index)
+    add_command(subparsers, "serve-retriever", "serve a corpus over Search-R1's POST /retrieve API", serve_retriever)
