@@ -258,13 +258,15 @@ class MemPOTrainer(GRPOTrainer):
                 logps, mask = self._score_items([p.full for p in pairs] + [p.mem for p in pairs], False)
                 full_logps, mem_logps = logps[: len(pairs)], logps[len(pairs) :]
                 full_mask, mem_mask = mask[: len(pairs)], mask[len(pairs) :]
+        threshold = args.memory_threshold
+        if args.memory_threshold_quantile is not None:  # one threshold for the answer tokens of all processes
+            local = torch.cat([full_logps[full_mask.bool()], mem_logps[mem_mask.bool()]]).tolist()
+            values = torch.tensor(gather_object(local) if self.accelerator.num_processes > 1 else local)
+            threshold = quantile_threshold(
+                values, torch.ones_like(values, dtype=torch.bool), args.memory_threshold_quantile
+            )
         if not pairs:
             return {}
-        threshold = args.memory_threshold
-        if args.memory_threshold_quantile is not None:
-            threshold = quantile_threshold(
-                torch.cat([full_logps, mem_logps]), torch.cat([full_mask, mem_mask]), args.memory_threshold_quantile
-            )
         p_full = answer_probability(full_logps, full_mask, threshold)
         p_mem = answer_probability(mem_logps, mem_mask, threshold)
         mem_lengths = torch.tensor(

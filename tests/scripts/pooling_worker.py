@@ -58,6 +58,7 @@ def main(model_dir: str, out_path: str) -> None:
         max_completion_length=32,
         max_turns=3,
         memory_threshold=None,
+        memory_threshold_quantile=0.0,  # the smallest answer-token log-prob of ALL processes is filtered out
         use_cpu=True,
         bf16=False,
         gradient_checkpointing=False,
