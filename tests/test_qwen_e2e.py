@@ -21,7 +21,7 @@ def test_train_two_steps_then_eval_on_a_qwen2_5_shaped_model(qwen_model_dir, tmp
         "model_name_or_path": str(base), "output_dir": str(trained), "use_cpu": True, "bf16": False,
         "report_to": "none", "save_strategy": "no", "max_steps": 2, "logging_steps": 1,
         "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 8, "max_turns": 2,
-        "rewards": ["outcome", "format"],
+        "reward_funcs": ["mempo_outcome_reward", "mempo_format_reward"],
     }  # fmt: skip
     (tmp_path / "recipe.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in recipe.items()))
     assert main(["train", "--config", str(tmp_path / "recipe.yaml")]) == 0
@@ -32,8 +32,8 @@ def test_train_two_steps_then_eval_on_a_qwen2_5_shaped_model(qwen_model_dir, tmp
     assert tokenizer("Hello world, how are you?").input_ids == [9707, 1879, 11, 1246, 525, 498, 30]
     assert json.loads((trained / "config.json").read_text())["vocab_size"] == 151936
 
-    argv = ["eval", "--model", str(trained), "--out", str(evaluated), "--limit", "3", "--max-turns", "2"]
-    assert main([*argv, "--max-new-tokens", "8", "--no-progress"]) == 0
+    argv = ["eval", "--model_name_or_path", str(trained), "--output_dir", str(evaluated), "--max_eval_samples", "3"]
+    assert main([*argv, "--max_turns", "2", "--max_completion_length", "8", "--disable_tqdm", "true"]) == 0
     report = json.loads((evaluated / "results.json").read_text())
     assert report["settings"]["num_questions"] == 3
     rows = [json.loads(line) for line in (evaluated / "trajectories.jsonl").read_text().splitlines()]
