@@ -1,7 +1,10 @@
 """Helpers shared by the tests (fixtures live in conftest.py)."""
 
+import math
 import socket
 from pathlib import Path
+
+import torch
 
 from mempo_trl.retrieval import Passage
 
@@ -28,3 +31,22 @@ class EchoRetriever:
     def search(self, queries, topk):
         self.queries += queries
         return [[Passage(id=q, title=f"T {q}", text=f"About {q}.")] for q in queries]
+
+
+def scripted_scorers(tokenizer, probability):
+    """Stand-ins for `answer_token_logps` and `shared_prefix_answer_logps` (patch them into `mempo_trl.trainer`):
+    every gold token of an item gets ``log probability(model, decoded context)``, so that P = that probability."""
+
+    def answer_token_logps(model, items, pad_token_id, batch_size=8, num_forwards=None):
+        width = max((len(it.answer_ids) for it in items), default=0)
+        logps, mask = torch.zeros(len(items), width), torch.zeros(len(items), width, dtype=torch.bool)
+        for i, it in enumerate(items):
+            n = sum(it.answer_mask)
+            logps[i, :n] = math.log(probability(model, tokenizer.decode(it.context_ids, skip_special_tokens=False)))
+            mask[i, :n] = True
+        return logps, mask
+
+    def shared_prefix_answer_logps(model, items, group_keys, pad_token_id, batch_size=8, num_forwards=None):
+        return answer_token_logps(model, items, pad_token_id, batch_size, num_forwards)
+
+    return answer_token_logps, shared_prefix_answer_logps

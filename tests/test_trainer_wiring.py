@@ -12,16 +12,11 @@ import statistics
 import pytest
 import torch
 from datasets import Dataset
+from helpers import EchoRetriever, scripted_scorers
 
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.retrieval import Passage
 from mempo_trl.scoring import memory_scoring_items
-
-
-class EchoRetriever:
-    def search(self, queries, topk):
-        return [[Passage(id=q, title=f"T {q}", text=f"about {q}")] for q in queries]
 
 
 def turn(mem, action, content):
@@ -96,29 +91,18 @@ def make_trainer(model_dir, output_dir, monkeypatch, scripted_scores=True, **con
             outs.append(tokenizer(turns[k][j + 1], add_special_tokens=False)["input_ids"])
         return outs, None
 
-    def scripted_logps(model, items, pad_token_id, batch_size=8, num_forwards=None):
-        width = max((len(it.answer_ids) for it in items), default=0)
-        logps, mask = torch.zeros(len(items), width), torch.zeros(len(items), width, dtype=torch.bool)
-        for i, it in enumerate(items):
-            text = tokenizer.decode(it.context_ids, skip_special_tokens=False)
-            trajectory, r = re.findall(r"<mem>(\w+) r(\d)</mem>", text)[-1]
-            if text.endswith("</mem>"):  # <mem> context: system + question + this round's <mem>
-                p = P_MEM[f"{trajectory} r{r}"]
-            else:  # full context: ends with the previous round's result
-                p = (P_REF if model is trainer.ref_model else P_FULL)[f"{trajectory} r{int(r) + 1}"]
-            n = sum(it.answer_mask)
-            logps[i, :n], mask[i, :n] = math.log(p), True
-        return logps, mask
+    def probability(model, context):
+        trajectory, r = re.findall(r"<mem>(\w+) r(\d)</mem>", context)[-1]
+        if context.endswith("</mem>"):  # <mem> context: system + question + this round's <mem>
+            return P_MEM[f"{trajectory} r{r}"]
+        # full context: ends with the previous round's result
+        return (P_REF if model is trainer.ref_model else P_FULL)[f"{trajectory} r{int(r) + 1}"]
 
     monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
     if scripted_scores:
-        monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", scripted_logps)
-        monkeypatch.setattr(
-            "mempo_trl.trainer.shared_prefix_answer_logps",
-            lambda model, items, keys, pad_token_id, batch_size=8, num_forwards=None: scripted_logps(
-                model, items, pad_token_id, batch_size, num_forwards
-            ),
-        )
+        answer_token_logps, shared_prefix_answer_logps = scripted_scorers(tokenizer, probability)
+        monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", answer_token_logps)
+        monkeypatch.setattr("mempo_trl.trainer.shared_prefix_answer_logps", shared_prefix_answer_logps)
     trainer.model.train()
     return trainer, tokenizer
 
@@ -197,15 +181,15 @@ def expected_advantages(out, tokenizer, args):
 VARIANTS = {
     "defaults": {},
     "filter-off": {"memory_threshold": None},
-    "quantile-per-round-gated-half": {
+    "per-round-gated-half": {
         "memory_threshold": None,
-        "memory_threshold_quantile": 0.0,
         "memory_pooling": "question_round",
         "memory_gate_on_outcome": True,
         "memory_coef": 0.5,
     },
-    "log-ratio-length-reference": {
+    "quantile-log-ratio-length-reference": {
         "memory_threshold": None,
+        "memory_threshold_quantile": 0.0,  # drops a1 r2's P_mem (the smallest probability of the batch)
         "memory_reward_type": "log_ratio",
         "memory_length_penalty": 0.5,
         "memory_full_from_reference": True,

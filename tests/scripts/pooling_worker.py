@@ -7,17 +7,20 @@ memory pool spans both processes. The policy and the answer scorer are scripted:
 """
 
 import json
-import math
 import os
 import re
 import sys
+from pathlib import Path
 
-import torch
 from datasets import Dataset
 
-from mempo_trl import MemPOConfig, MemPOTrainer
-from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.retrieval import Passage
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers import EchoRetriever, scripted_scorers  # noqa: E402
+
+from mempo_trl import MemPOConfig, MemPOTrainer  # noqa: E402
+from mempo_trl.kit.tiny import load_tiny  # noqa: E402
 
 
 QUESTION = "Where is Gamma?"
@@ -42,11 +45,6 @@ TRAJECTORIES = [
 ]
 P_MEM = {"g0 two": 0.9, "g1 two": 0.1, "g2 two": 0.4, "g2 three": 0.7, "g3 two": 0.3}
 P_FULL = 0.5
-
-
-class EchoRetriever:
-    def search(self, queries, topk):
-        return [[Passage(id=q, title=q, text=f"about {q}")] for q in queries]
 
 
 def main(model_dir: str, out_path: str) -> None:
@@ -84,22 +82,14 @@ def main(model_dir: str, out_path: str) -> None:
             outs.append(tokenizer(TRAJECTORIES[k][j + 1], add_special_tokens=False)["input_ids"])
         return outs, None
 
-    def scripted_logps(model, items, pad_token_id, batch_size=8, num_forwards=None):
-        width = max((len(it.answer_ids) for it in items), default=0)
-        logps, mask = torch.zeros(len(items), width), torch.zeros(len(items), width, dtype=torch.bool)
-        for i, it in enumerate(items):
-            text = tokenizer.decode(it.context_ids, skip_special_tokens=False)
-            p = P_MEM[re.findall(r"<mem>(.*?)</mem>", text)[-1]] if text.endswith("</mem>") else P_FULL
-            n = sum(it.answer_mask)
-            logps[i, :n], mask[i, :n] = math.log(p), True
-        return logps, mask
+    def probability(model, context):
+        return P_MEM[re.findall(r"<mem>(.*?)</mem>", context)[-1]] if context.endswith("</mem>") else P_FULL
 
     trainer._generate_single_turn = scripted_generate
     import mempo_trl.trainer as trainer_module
 
-    trainer_module.answer_token_logps = scripted_logps
-    trainer_module.shared_prefix_answer_logps = lambda model, items, keys, pad, bs=8, nf=None: scripted_logps(
-        model, items, pad, bs, nf
+    trainer_module.answer_token_logps, trainer_module.shared_prefix_answer_logps = scripted_scorers(
+        tokenizer, probability
     )
     trainer.model.train()
     out = trainer._generate_and_score_completions([{"question": QUESTION, "golden_answers": ["Oslo"]}] * n_local)
