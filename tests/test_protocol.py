@@ -316,11 +316,15 @@ def turn_like_texts(draw):
     return draw(stream_texts) + f"<mem>{inner}</mem>" + draw(stream_texts)
 
 
-@pytest.mark.parametrize("variant", sorted(TOKENIZERS))
+# Qwen2.5's real tokenizer (session fixture) next to the two toy ones: tags split and merged with their neighbours.
+VARIANTS = [*sorted(TOKENIZERS), "qwen2.5"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @settings(max_examples=120, deadline=None)
 @given(text=st.one_of(stream_texts, turn_like_texts()))
-def test_offsets_and_mem_span_agree_with_brute_force(variant, text):
-    tokenizer = TOKENIZERS[variant]
+def test_offsets_and_mem_span_agree_with_brute_force(variant, text, qwen_tokenizer):
+    tokenizer = qwen_tokenizer if variant == "qwen2.5" else TOKENIZERS[variant]
     ids = tokenizer.encode(text, add_special_tokens=False)
     decoded, offsets = token_char_offsets(ids, tokenizer)
     assert decoded == text
@@ -333,9 +337,9 @@ def test_offsets_and_mem_span_agree_with_brute_force(variant, text):
         assert block in tokenizer.decode(ids[first : last + 1])
 
 
-@pytest.mark.parametrize("variant", sorted(TOKENIZERS))
-def test_mem_span_with_non_ascii_memory(variant):
-    tokenizer = TOKENIZERS[variant]
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mem_span_with_non_ascii_memory(variant, qwen_tokenizer):
+    tokenizer = qwen_tokenizer if variant == "qwen2.5" else TOKENIZERS[variant]
     block = "<mem>Ulm é 中文 🙂 naïve</mem>"
     ids = tokenizer.encode(f" {block}\n<think>t</think><search>中文</search><|endoftext|>", add_special_tokens=False)
     first, last = locate_mem_span(ids, tokenizer)
@@ -395,3 +399,10 @@ def test_fallback_when_stream_pieces_do_not_add_up(monkeypatch):
     expected = token_char_offsets(ids, tokenizer)
     monkeypatch.setattr(protocol, "DecodeStream", _WrongStream)
     assert token_char_offsets(ids, tokenizer) == expected == _brute_force_offsets(ids, tokenizer)
+
+
+def test_held_back_stream_text_goes_to_the_tokens_that_complete_it(qwen_tokenizer):
+    # " ﬁ" is two Qwen2.5 tokens, " \xef" and "\xac\x81": the space is complete after the first one.
+    ids = qwen_tokenizer.encode(" ﬁ<mem>ﬁ</mem>", add_special_tokens=False)
+    assert token_char_offsets(ids, qwen_tokenizer) == _brute_force_offsets(ids, qwen_tokenizer)
+    assert token_char_offsets(ids[:2], qwen_tokenizer) == (" ﬁ", [(0, 1), (1, 2)])

@@ -210,10 +210,29 @@ def locate_char_span(offsets: Sequence[tuple[int, int]], char_start: int, char_e
 
 
 def _stream_pieces(backend: Tokenizer, ids: list[int], text: str) -> list[str] | None:
-    """Per-token text pieces from streaming decoding, or ``None`` if they do not concatenate to ``text``."""
+    """Per-token text pieces from streaming decoding, or ``None`` if they do not concatenate to ``text``.
+
+    The stream holds text back while a token ends inside a multi-byte char (``" \\xef"`` of ``" ﬁ"``) and releases
+    it with a later token; the released text is split back over those tokens, each keeping the chars it completes.
+    """
     stream = DecodeStream(skip_special_tokens=False)
+    pieces: list[str] = []
+    held = 0  # tokens at the end of `pieces` whose text the stream holds back
     try:
-        pieces = [stream.step(backend, token_id) or "" for token_id in ids]
+        for i, token_id in enumerate(ids):
+            piece = stream.step(backend, token_id)
+            if piece is None:
+                pieces.append("")
+                held += 1
+                continue
+            if held:
+                start, done = i - held, 0
+                for k in range(start, i):
+                    window = backend.decode(ids[start : k + 1], skip_special_tokens=False)
+                    end = max(done, len(os.path.commonprefix([window, piece])))
+                    pieces[k], done = piece[done:end], end
+                piece, held = piece[done:], 0
+            pieces.append(piece)
     except Exception:  # decoders that rewrite across tokens make the stream raise "Invalid prefix"
         return None
     return pieces if "".join(pieces) == text else None
