@@ -95,3 +95,11 @@ def test_wiki_length_corpus_pads_every_passage_and_keeps_its_text():
     assert title == '"Sedo"' and text.startswith("Sedo is a city. ") and 100 <= len(text.split()) < 120
     assert "Sedo" in text[16:]  # the filler is about the passage's subject
     assert padded[1] == passages[1] and bench.wiki_length_corpus(passages, words=100) == padded
+
+
+def test_turn_boundaries_bench(qwen_model_dir):
+    result = _load("bench_turn_boundaries").run(
+        str(qwen_model_dir), questions=2, chatter="glued", max_completion_length=96
+    )
+    assert result["valid_turn_rate"] == 1.0 and result["episodes_valid"] == 1.0
+    assert result["generated_tokens_per_turn"] == result["kept_tokens_per_turn"]
