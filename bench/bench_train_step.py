@@ -203,7 +203,7 @@ def _common_args(output_dir: str, trajectories: int, num_generations: int, steps
         "learning_rate": 1e-5,
         "use_cpu": True,
         "bf16": False,
-        "gradient_checkpointing": False,
+        "activation_checkpointing": False,
         "report_to": "none",
         "save_strategy": "no",
         "logging_steps": 1,

@@ -99,7 +99,7 @@ def run_arm(arm: str, seed: int, run_dir: Path, warm_dir: Path, rows: dict, retr
         seed=seed,
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         report_to="none",
         save_strategy="no",
         logging_steps=1,

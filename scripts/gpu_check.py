@@ -51,7 +51,7 @@ def main(out_dir: str) -> int:
         learning_rate=5e-3,
         max_steps=2,
         bf16=True,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         report_to="none",
         save_strategy="no",
         logging_steps=1,

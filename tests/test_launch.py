@@ -52,7 +52,7 @@ def test_gpu_recipes_have_the_paper_settings(recipe):
     assert (training_args.num_generations, training_args.max_turns, training_args.retrieval_topk) == (16, 8, 3)
     assert training_args.memory_threshold == pytest.approx(math.log(0.5))
     assert training_args.memory_coef == 1.0
-    assert training_args.gradient_checkpointing
+    assert training_args.activation_checkpointing
     assert script_args.dataset_name and (retriever_args.retriever_url or retriever_args.corpus)
     # Trajectories per generation on 8 GPUs form whole groups of G.
     per_generation_on_8 = training_args.per_device_train_batch_size * 8 * training_args.steps_per_generation

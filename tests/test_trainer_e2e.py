@@ -29,7 +29,7 @@ def _train(model_dir, demo_paths, retriever, tmp_path, peft_config=None, reward_
         max_steps=2,
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -118,7 +118,7 @@ def test_evaluate_logs_episode_and_memory_metrics(warm_model_dir, demo_paths, de
     args = MemPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, per_device_eval_batch_size=4,
         num_generations_eval=2, max_completion_length=40, max_turns=3, use_cpu=True, bf16=False,
-        gradient_checkpointing=False, report_to="none",
+        activation_checkpointing=False, report_to="none",
     )  # fmt: skip
     trainer = MemPOTrainer(
         model, demo_retriever, args=args, train_dataset=load_qa(str(demo_paths.train)).select(range(4)),

@@ -82,7 +82,7 @@ def scripted_trainer(request, tiny_model_dir, tmp_path, monkeypatch):
         memory_threshold=None,
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         report_to="none",
         save_strategy="no",
         logging_steps=1,

@@ -5,7 +5,8 @@ processes training two independent copies, a DeepSpeed config that ended up as p
 
     mempo-trl: world_size=2 distributed_type=DEEPSPEED model=DeepSpeedEngine(PeftModel) zero_stage=2 device=cpu ...
 
-The step summary adds one short line to TRL's own log dict (which the progress bar keeps printing as it is)::
+`use_step_summary(trainer)` prints one short line per training log in place of the raw log dict (which still goes
+to the `report_to` backends as TRL logs it; evaluation and final logs are printed as TRL prints them)::
 
     step 3/200 | reward 0.312 | em 0.297 | format 0.953 | mem_reward 0.021 | prompt/round 412.5 | 14.20 s/step
 """
@@ -14,7 +15,7 @@ import os
 from collections.abc import Mapping
 
 from tqdm.auto import tqdm
-from transformers import TrainerCallback
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 
 SUMMARY_FIELDS = (
@@ -124,3 +125,36 @@ class StepSummaryCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs and "reward" in logs:
             tqdm.write(format_step_summary(state.global_step, state.max_steps, logs))
+
+
+def _is_training_log(logs) -> bool:
+    return bool(logs) and "reward" in logs
+
+
+class SummaryProgressCallback(ProgressCallback):
+    """TRL's progress bar without the raw dict of training logs (`StepSummaryCallback` prints those)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not _is_training_log(logs):
+            super().on_log(args, state, control, logs=logs, **kwargs)
+
+
+class SummaryPrinterCallback(PrinterCallback):
+    """`PrinterCallback` (used with `disable_tqdm`) without the raw dict of training logs."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not _is_training_log(logs):
+            super().on_log(args, state, control, logs=logs, **kwargs)
+
+
+def use_step_summary(trainer) -> None:
+    """Print one `format_step_summary` line per training log instead of the raw log dict.
+
+    Example:
+        >>> use_step_summary(trainer)  # doctest: +SKIP
+    """
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(SummaryProgressCallback)
+    if trainer.pop_callback(PrinterCallback) is not None:
+        trainer.add_callback(SummaryPrinterCallback)
+    trainer.add_callback(StepSummaryCallback())

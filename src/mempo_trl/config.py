@@ -134,7 +134,18 @@ class MemPOConfig(GRPOConfig):
         },
     )
 
+    # TRL's GRPOConfig turns checkpointing on through `gradient_checkpointing`, a name transformers 5 deprecates (a
+    # FutureWarning on every run); the same default under the current name, and an explicit old name still wins.
+    activation_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Recompute activations in the backward pass to save memory (default: on)."}
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Deprecated alias of `activation_checkpointing`."}
+    )
+
     def __post_init__(self):
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True
         super().__post_init__()
         problems = []
         if self.max_turns < 1:

@@ -59,7 +59,7 @@ def main(model_dir: str, out_path: str) -> None:
         memory_threshold_quantile=0.0,  # the smallest answer-token log-prob of ALL processes is filtered out
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         report_to="none",
         save_strategy="no",
     )

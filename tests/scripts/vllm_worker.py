@@ -49,7 +49,7 @@ def main(mode: str, model_dir: str, out_dir: str) -> None:
         vllm_tensor_parallel_size=world if mode == "colocate_tp" else 1,
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         report_to="none",
         save_strategy="no",
         logging_steps=1,

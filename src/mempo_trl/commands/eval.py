@@ -8,6 +8,7 @@ and mode) and ``context_tokens.png`` (mean prompt tokens per round) into `output
 """
 
 import argparse
+import importlib.util
 import json
 import logging
 import platform
@@ -137,6 +138,8 @@ def _print_summary(results: Sequence[EvalResult], comparison: dict | None) -> No
 
 def main(argv: list[str] | None = None) -> int:
     """`mempo-trl eval`: load, evaluate every requested context mode, write the outputs."""
+    if importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
+        raise ImportError("mempo-trl eval draws context_tokens.png with matplotlib: pip install 'mempo_trl[eval]'.")
     agent_args, eval_args, retriever_args = parse(
         "mempo-trl eval", [AgentArguments, EvalArguments, RetrieverArguments], argv
     )

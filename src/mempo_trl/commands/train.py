@@ -123,7 +123,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     """Load and validate the data, the retriever and the model; return a ready `MemPOTrainer`."""
     from trl import get_peft_config
 
-    from mempo_trl.callbacks import LaunchBannerCallback, StepSummaryCallback
+    from mempo_trl.callbacks import LaunchBannerCallback, use_step_summary
     from mempo_trl.data import load_qa
     from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.trainer import MemPOTrainer
@@ -157,7 +157,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
         "retriever": retriever_args.retriever_url or retriever_args.corpus or "BM25 over the demo corpus",
     }
     trainer.add_callback(LaunchBannerCallback(trainer))
-    trainer.add_callback(StepSummaryCallback())
+    use_step_summary(trainer)
     if script_args.heldout_questions > 0:
         from mempo_trl.kit.learner import HeldOutEvalCallback
 
