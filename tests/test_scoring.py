@@ -77,7 +77,7 @@ def test_gold_mask_covers_only_the_gold_text(any_tokenizer):
     assert "answer" not in tokenizer.decode(gold)
 
 
-def test_scoring_items_follow_the_spec(any_tokenizer):
+def test_scoring_items_follow_the_algorithm_doc(any_tokenizer):
     tokenizer = any_tokenizer
     episodes = scripted_episodes(tokenizer, SCRIPTS, GOLDS)
     pairs = memory_scoring_items(episodes[0], tokenizer)
