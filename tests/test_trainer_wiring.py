@@ -32,11 +32,11 @@ SCRIPT = {
             [turn("a2 r1", "search", "alpha"), turn("a2 r2", "search", "alpha 2"), turn("a2 r3", "answer", "Lyon")],
         ],
     ),
-    "Where is Gamma?": (  # both right: outcome advantage exactly 0
+    "Where is Gamma?": (  # both right: outcome advantage exactly 0; one scored round: a pool of one value
         ["Oslo"],
         [
             [turn("g1 r1", "search", "gamma"), turn("g1 r2", "answer", "Oslo")],
-            [turn("g2 r1", "search", "gamma"), turn("g2 r2", "answer", "Oslo")],
+            [turn("g2 r1", "answer", "Oslo")],
         ],
     ),
     "Where is Delta?": (  # the second answer is right by sub-EM only
@@ -49,9 +49,9 @@ SCRIPT = {
 }
 EM = {"a1": 1.0, "a2": 0.0, "g1": 1.0, "g2": 1.0, "d1": 1.0, "d2": 0.0}
 # probability of every gold token for each scored round, under the full context, the <mem> context and the reference
-P_FULL = {"a1 r2": 0.35, "a2 r2": 0.68, "a2 r3": 0.55, "g1 r2": 0.8, "g2 r2": 0.3, "d1 r2": 0.6, "d2 r2": 0.45}
-P_MEM = {"a1 r2": 0.12, "a2 r2": 0.71, "a2 r3": 0.9, "g1 r2": 0.7, "g2 r2": 0.65, "d1 r2": 0.52, "d2 r2": 0.75}
-P_REF = {"a1 r2": 0.62, "a2 r2": 0.25, "a2 r3": 0.33, "g1 r2": 0.58, "g2 r2": 0.85, "d1 r2": 0.4, "d2 r2": 0.95}
+P_FULL = {"a1 r2": 0.35, "a2 r2": 0.68, "a2 r3": 0.55, "g1 r2": 0.8, "d1 r2": 0.6, "d2 r2": 0.45}
+P_MEM = {"a1 r2": 0.12, "a2 r2": 0.71, "a2 r3": 0.9, "g1 r2": 0.7, "d1 r2": 0.52, "d2 r2": 0.75}
+P_REF = {"a1 r2": 0.62, "a2 r2": 0.25, "a2 r3": 0.33, "g1 r2": 0.58, "d1 r2": 0.4, "d2 r2": 0.95}
 
 
 def make_trainer(model_dir, output_dir, monkeypatch, scripted_scores=True, **config):
@@ -223,7 +223,7 @@ def test_memory_scoring_uses_untempered_log_probs(scoring, tiny_model_dir, tmp_p
 
     monkeypatch.setattr(trainer, "_memory_rewards", spy)
     play(trainer)
-    assert len(seen["scored"]) == 7
+    assert len(seen["scored"]) == 6
     model = trainer.model
     for e, episode in enumerate(seen["episodes"]):
         for pair in memory_scoring_items(episode, trainer.processing_class):
