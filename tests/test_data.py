@@ -164,3 +164,54 @@ def test_validate_dataset_fills_defaults_and_casts_ids():
     assert out.features["sub_questions"] == datasets.List(datasets.Value("string"))
     with pytest.raises(DataError, match=r"^in-memory, line 2: field 'question' is missing"):
         validate_qa_rows([GOOD, {"golden_answers": ["b"]}], "in-memory")
+
+
+# ------------------------------------------------------------------------ verl-style rows (Search-R1's parquet)
+
+SEARCH_R1_PROMPT = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
+    "new information. ... Question: who wrote the opera carmen?\n"
+)
+
+
+def verl_row(target, **extra) -> dict:
+    """A row as Search-R1's `data_process/nq_search.py` writes it, without the original columns."""
+    return {
+        "data_source": "nq",
+        "prompt": [{"role": "user", "content": SEARCH_R1_PROMPT}],
+        "ability": "fact-reasoning",
+        "reward_model": {"style": "rule", "ground_truth": {"target": target}},
+        "extra_info": {"split": "train", "index": 0},
+        **extra,
+    }
+
+
+def test_verl_parquet_answers_from_reward_model(tmp_path):
+    path = tmp_path / "train.parquet"
+    datasets.Dataset.from_list([verl_row(["Georges Bizet", "Bizet"]), verl_row(["Paris"])]).to_parquet(str(path))
+    ds = load_qa(path)
+    assert ds[0]["question"] == "who wrote the opera carmen?"
+    assert ds[0]["golden_answers"] == ["Georges Bizet", "Bizet"] and ds[1]["golden_answers"] == ["Paris"]
+    assert ds[0]["data_source"] == "nq" and ds[0]["id"] == "0" and "reward_model" in ds.column_names
+    assert load_qa(tmp_path, split="train")["golden_answers"] == ds["golden_answers"]  # a directory of splits
+
+
+def test_verl_rows_keep_their_own_question_and_answers(tmp_path):
+    rows = [
+        verl_row(["ignored"], question="Who composed Carmen?", golden_answers=["Bizet"]),
+        verl_row(["Ulm"], extra_info={"split": "train", "index": 1, "question": "Where was Einstein born?"}),
+    ]
+    ds = validate_qa_rows(rows, "inline")
+    assert (ds[0]["question"], ds[0]["golden_answers"]) == ("Who composed Carmen?", ["Bizet"])
+    assert (ds[1]["question"], ds[1]["golden_answers"]) == ("Where was Einstein born?", ["Ulm"])
+    assert data.verl_fields(verl_row("Ulm"))["golden_answers"] == ["Ulm"]  # a single target string
+
+
+def test_verl_row_without_answers_names_the_field(tmp_path):
+    path = write_lines(tmp_path / "verl.jsonl", [json.dumps(verl_row(["x"])), json.dumps(verl_row(None))])
+    with pytest.raises(DataError, match=r"verl\.jsonl, line 2: field 'golden_answers' is missing.*ground_truth"):
+        load_qa(path)
+    parquet = tmp_path / "verl.parquet"
+    datasets.Dataset.from_list([verl_row(["x"]), verl_row(None)]).to_parquet(str(parquet))
+    with pytest.raises(DataError, match=r"line 2: field 'golden_answers' is missing"):
+        load_qa(parquet)

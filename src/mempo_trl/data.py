@@ -5,6 +5,10 @@ Optional columns get defaults when missing: `id` (the row index), `data_source` 
 `sub_questions` and `sub_answers` (empty lists; filled for multi-objective rows, one alias list per
 sub-question). Other columns are kept. Problems raise `DataError` naming the file, the line and the field,
 before any training starts.
+
+verl-style rows (Search-R1's processed parquet: `prompt`, `reward_model`, `extra_info`) are read too: a missing
+`golden_answers` comes from `reward_model.ground_truth.target`, a missing `question` from `extra_info.question` or
+from the last user message of `prompt` (the text after its last `Question:`).
 """
 
 import json
@@ -115,7 +119,7 @@ def _check_row(row: dict, source_name: str, line: int) -> None:
             "golden_answers",
             "is missing",
             'Add the accepted answers as a list of strings, e.g. "golden_answers": ["1874"] (rename an '
-            "'answer' or 'answers' column).",
+            "'answer' or 'answers' column; verl-style rows may give them in reward_model.ground_truth.target).",
         )
     _check_strings(row["golden_answers"], source_name, line, "golden_answers", "accepted answer strings")
     sub_questions, sub_answers = row.get("sub_questions") or [], row.get("sub_answers") or []
@@ -149,6 +153,49 @@ def _check_row(row: dict, source_name: str, line: int) -> None:
         )
 
 
+def _prompt_question(prompt) -> str | None:
+    """The question in a chat `prompt` (the text after the last `Question:` of its last user message)."""
+    if not isinstance(prompt, list):
+        return None
+    users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    if not users or not isinstance(users[-1], str):
+        return None
+    return users[-1].rsplit("Question:", 1)[-1].strip() or None
+
+
+def verl_fields(row: dict) -> dict:
+    """`question` and `golden_answers` of a verl-style row that lacks them (empty dict when it has them).
+
+    Example:
+        >>> verl_fields({"prompt": [{"role": "user", "content": "Answer it. Question: who wrote hamlet?"}],
+        ...              "reward_model": {"ground_truth": {"target": ["Shakespeare"]}, "style": "rule"}})
+        {'golden_answers': ['Shakespeare'], 'question': 'who wrote hamlet?'}
+    """
+    filled = {}
+    if row.get("golden_answers") is None:
+        ground_truth = (row.get("reward_model") or {}).get("ground_truth")
+        target = ground_truth.get("target") if isinstance(ground_truth, dict) else None
+        if target is not None:
+            filled["golden_answers"] = [target] if isinstance(target, str) else list(target)
+    if row.get("question") is None:
+        extra = row.get("extra_info")
+        question = (extra.get("question") if isinstance(extra, dict) else None) or _prompt_question(row.get("prompt"))
+        if question:
+            filled["question"] = question
+    return filled
+
+
+def _with_verl_fields(rows: datasets.Dataset | list[dict]) -> datasets.Dataset | list[dict]:
+    """Rows with `verl_fields` filled in, when they are verl-style (have `reward_model`)."""
+    if isinstance(rows, datasets.Dataset):
+        names = rows.column_names
+        if "reward_model" in names and not {"question", "golden_answers"} <= set(names):
+            keys = ("question", "golden_answers")  # the same columns on every row, None where nothing was found
+            return rows.map(lambda row: {**{key: row.get(key) for key in keys}, **verl_fields(row)})
+        return rows
+    return [{**row, **verl_fields(row)} if "reward_model" in row else row for row in rows]
+
+
 def _iter_rows(rows: datasets.Dataset | list[dict]):
     """Rows as dicts; a `Dataset` is read in batches (much faster than row by row)."""
     if not isinstance(rows, datasets.Dataset):
@@ -180,7 +227,7 @@ def validate_qa_rows(
         >>> ds[0]["id"], ds[0]["data_source"], ds[0]["sub_answers"]
         ('0', 'unknown', [])
     """
-    rows = dataset_or_rows
+    rows = _with_verl_fields(dataset_or_rows)
     if not len(rows):
         raise DataError(f"{source_name}: no rows. Give at least one question.")
     lines = line_numbers or range(1, len(rows) + 1)
