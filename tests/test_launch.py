@@ -71,6 +71,7 @@ def test_3b_recipe_is_lora_and_7b_recipe_is_full_with_vllm_colocate():
     assert vllm_args.use_vllm and vllm_args.vllm_mode == "colocate"
     assert 0 < vllm_args.vllm_gpu_memory_utilization < 0.5
     assert vllm_args.vllm_max_model_length >= 2048
+    assert lora_args.disable_dropout and vllm_args.disable_dropout  # LoRA dropout 0.05 would make P_mem noisy
 
 
 # ---------------------------------------------------------------------------------------------- accelerate configs

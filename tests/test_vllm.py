@@ -14,11 +14,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from datasets import Dataset
+
+from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl.kit.tiny import load_tiny
+from mempo_trl.retrieval import Passage
 
 
 WORKER = Path(__file__).parent / "scripts" / "vllm_worker.py"
 sys.path.insert(0, str(Path(__file__).parent))
 
+import fake_vllm  # noqa: E402
 from fake_vllm import end_round  # noqa: E402
 
 
@@ -72,3 +78,49 @@ def test_vllm_hands_every_process_its_own_completions(tiny_model_dir, tmp_path, 
     assert engines and all(e["syncs"] == 2 for e in engines)  # one weight sync per step, before round 1
     # Every generate call got the same number of prompts from both processes (padded), 2 + 2 at most.
     assert all(n == 4 for e in engines for n in e["prompts"])
+
+
+def test_sleep_mode_keeps_vllm_awake_across_the_rounds_of_a_step(tiny_model_dir, tmp_path, monkeypatch):
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)  # TRL's colocate init writes these; monkeypatch restores them
+    monkeypatch.setenv("MASTER_PORT", "29592")
+    fake_vllm.install(tiny_model_dir)
+    model, tokenizer = load_tiny(tiny_model_dir)
+    args = MemPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=32,
+        max_turns=4,
+        max_steps=2,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=True,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    dataset = Dataset.from_list([{"question": "Q3 where?", "golden_answers": ["A3"]}])  # 4 rounds per episode
+
+    class Retriever:
+        def search(self, queries, topk):
+            return [[Passage(id=q, title=q, text="x")] for q in queries]
+
+    trainer = MemPOTrainer(model, Retriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
+    chunks = []  # (rows, rows per forward) of the old log-prob forwards
+    logps = trainer._get_per_token_logps_and_entropies
+
+    def recording_logps(model, input_ids, *args, batch_size=None, **kwargs):
+        chunks.append((input_ids.size(0), batch_size))
+        return logps(model, input_ids, *args, batch_size=batch_size, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = recording_logps
+    trainer.train()
+    assert chunks[0] == (8, 8)  # one forward for the step's 2 x 4 rows (steps_per_generation = 1)
+    counters = fake_vllm.engine_of(trainer).counters
+    assert counters.generate_calls == 2 * 4
+    assert counters.syncs == 2  # one per step (TRL alone: one per round)
+    assert counters.sleeps == 1 + 2  # at start-up, then after each step's rollout
+    assert trainer.vllm_generation.enable_sleep_mode and trainer.vllm_generation._llm_weights_sleeping

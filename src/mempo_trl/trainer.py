@@ -6,13 +6,13 @@ import re
 import textwrap
 import time
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object, is_peft_model
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
+from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 
 from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
@@ -204,6 +204,41 @@ class MemPOTrainer(GRPOTrainer):
                 del model.generate
         return completions[:n], None if logprobs is None else logprobs[:n]
 
+    @contextmanager
+    def _rollout_context(self):
+        """Hold the generation backend ready for all the rounds of a rollout, instead of once per round.
+
+        - HF generation under DeepSpeed ZeRO-3 (`ds3_gather_for_generation`): the parameters are gathered once for the
+          whole rollout (TRL's `unwrap_model_for_generation`), not around every round's `generate`.
+        - vLLM colocate with `vllm_enable_sleep_mode`: TRL puts vLLM to sleep (level 2, weights dropped) after every
+          `generate` and re-syncs all weights before the next; here it is woken and synced once, kept awake through
+          the rounds and put back to sleep after the last one.
+        """
+        args, generation = self.args, getattr(self, "vllm_generation", None)
+        if not self.use_vllm and self.is_deepspeed_enabled and args.ds3_gather_for_generation:
+            with unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+            ):
+                args.ds3_gather_for_generation = False  # the rounds' own generate calls must not gather again
+                try:
+                    yield
+                finally:
+                    args.ds3_gather_for_generation = True
+        elif self.use_vllm and self.vllm_mode == "colocate" and generation.enable_sleep_mode:
+            if self.state.global_step != self._last_loaded_step or generation._llm_weights_sleeping:
+                generation.sync_weights()  # wakes the weights up first
+                self._last_loaded_step = self.state.global_step
+            generation.llm.wake_up(tags=["kv_cache"])
+            generation.enable_sleep_mode = False
+            try:
+                yield
+            finally:
+                generation.enable_sleep_mode = True
+                generation.llm.sleep(level=2)
+                generation._llm_weights_sleeping = True
+        else:
+            yield
+
     def _global_sum(self, value: int) -> int:
         if self.accelerator.num_processes == 1:
             return value
@@ -336,7 +371,8 @@ class MemPOTrainer(GRPOTrainer):
     def _play_episodes(self, inputs: list[dict]) -> tuple[list[Episode], RolloutTimings]:
         """Step 1: one multi-turn episode per input row, all processes stepping together."""
         global_active = self._global_sum if self.accelerator.num_processes > 1 else None
-        return self.rollout_engine.run(inputs, self._generate_turns, global_active)
+        with self._rollout_context():
+            return self.rollout_engine.run(inputs, self._generate_turns, global_active)
 
     def _outcome_rewards(self, inputs: list[dict], episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 2: per-function ``(N, F)`` and weighted ``(N,)`` rewards of the trajectories of ALL processes.
@@ -430,7 +466,10 @@ class MemPOTrainer(GRPOTrainer):
         prompt_completion_ids = torch.cat([batch["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)
-        batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        # As many rows per forward as a loss micro-batch holds (not per_device_train_batch_size trajectories), so
+        # that a ZeRO-3 step gathers the parameters `steps_per_generation` times, not once per trajectory pair.
+        per_step = args.steps_per_generation if mode == "train" else 1
+        batch_size = completion_ids.size(0) // per_step
         output = {}
         with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
             generate_every = args.steps_per_generation * self.num_iterations
