@@ -263,6 +263,134 @@ def print_table(results: list[dict]) -> None:
         )
 
 
+BEFORE_REV = "5fc6f81"
+"""The last revision before scoring ran without a KV cache, in eval mode, with each row's own LM-head positions and
+the 4D mask built on the model's device (the "before" of `compare_revisions`)."""
+QWEN_DIMS = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def probe(spec: dict) -> dict:
+    """One side of `compare_revisions`, in a fresh process: score as the trainer does with ``memory_scoring="auto"``
+    (full-history contexts with `shared_prefix_answer_logps`, mem contexts with `answer_token_logps`) using the
+    scoring module at ``spec["scoring_path"]``; median seconds and peak RSS above the RSS before scoring."""
+    import importlib.util
+    import resource
+
+    from transformers import AutoModelForCausalLM
+
+    from mempo_trl.loading import load_tokenizer
+
+    torch.set_num_threads(spec["threads"])
+    module_spec = importlib.util.spec_from_file_location("scoring_under_test", spec["scoring_path"])
+    scoring = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(scoring)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = load_tokenizer(spec["model_dir"])
+    retriever = BM25Retriever.from_corpus(demo_paths().corpus)
+    rows = demo_rows(spec["trajectories"])
+    episodes = play_episodes(tokenizer, retriever, rows, spec["rounds"], spec["turn_tokens"], spec["mem_tokens"])
+    keys, full, mem = [], [], []
+    for e, ep in enumerate(episodes):
+        for pair in scoring.memory_scoring_items(ep, tokenizer):
+            keys.append(e)
+            full.append(pair.full)
+            mem.append(pair.mem)
+    pad_id, bs = tokenizer.pad_token_id, spec["batch_size"]
+
+    def score():
+        with torch.no_grad():
+            f, fm = scoring.shared_prefix_answer_logps(model, full, keys, pad_id, bs)
+            m, mm = scoring.answer_token_logps(model, mem, pad_id, bs)
+        return f, fm, m, mm
+
+    model.eval()
+    rss_before, peak_before = _rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    seconds, cpu_seconds, (f, fm, m, mm) = [], [], (None,) * 4
+    for _ in range(spec["repeats"]):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        f, fm, m, mm = score()
+        seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - start_cpu)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "seconds": statistics.median(seconds),
+        "cpu_seconds": statistics.median(cpu_seconds),
+        "peak_extra_mib": (peak - rss_before) / 2**20,
+        "new_peak": peak > peak_before,
+        "items": len(full),
+        "full_context_last_round": statistics.mean(len(it.context_ids) for it in full[-1:]),
+        "max_context": max(len(it.context_ids) for it in full),
+        "p_full": answer_probability(f, fm, None).tolist(),
+        "p_mem": answer_probability(m, mm, None).tolist(),
+    }
+
+
+def compare_revisions(
+    before_rev: str = BEFORE_REV,
+    rounds: int = 8,
+    trajectories: int = 8,
+    turn_tokens: int = 128,
+    mem_tokens: int = 64,
+    batch_size: int = 8,
+    repeats: int = 3,
+    threads: int = 1,
+) -> dict:
+    """Scoring memory and time, ``before_rev``'s `mempo_trl/scoring.py` vs the current one, each in its own process
+    (peak RSS is per process), on a random Qwen2.5-shaped model (Qwen2.5's 151,936-token vocabulary, so the LM head
+    costs what it costs on the real model)."""
+    import json
+    import subprocess
+
+    from mempo_trl.kit.qwen import build_qwen2_5_model
+
+    root = Path(__file__).resolve().parents[1]
+    work = Path(tempfile.mkdtemp(prefix="bench_scoring_revs_"))
+    before_path = work / "scoring_before.py"
+    before_path.write_text(
+        subprocess.run(
+            ["git", "show", f"{before_rev}:src/mempo_trl/scoring.py"], cwd=root, check=True, capture_output=True,
+            text=True,
+        ).stdout
+    )  # fmt: skip
+    model_dir = build_qwen2_5_model(work / "model", seed=0, max_position_embeddings=32768, **QWEN_DIMS)
+    results = {}
+    for name, path in (("before", before_path), ("after", root / "src" / "mempo_trl" / "scoring.py")):
+        spec = {
+            "scoring_path": str(path), "model_dir": str(model_dir), "rounds": rounds, "trajectories": trajectories,
+            "turn_tokens": turn_tokens, "mem_tokens": mem_tokens, "batch_size": batch_size, "repeats": repeats,
+            "threads": threads,
+        }  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--probe", json.dumps(spec)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        results[name] = json.loads(out.strip().splitlines()[-1])
+    return results
+
+
+def print_revisions(results: dict, before_rev: str) -> None:
+    before, after = results["before"], results["after"]
+    p_diff = max(abs(a - b) for key in ("p_full", "p_mem") for a, b in zip(before[key], after[key]))
+    print(
+        f"scoring at {before['items']} scored rounds (full-history context of the last round: "
+        f"{before['full_context_last_round']:.0f} tokens, longest {before['max_context']}); before = {before_rev}"
+    )
+    print("| | before | after | after / before |")
+    print("|---|---:|---:|---:|")
+    for key, label in (("peak_extra_mib", "peak RSS above the pre-scoring RSS (MiB)"), ("seconds", "wall s (median)"),
+                       ("cpu_seconds", "CPU s (median)")):  # fmt: skip
+        print(f"| {label} | {before[key]:.1f} | {after[key]:.1f} | {after[key] / before[key]:.2f} |")
+    print(f"max abs P difference before/after: {p_diff:.2e}; new peak reached while scoring: "
+          f"{before['new_peak']} / {after['new_peak']}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, nargs="+", default=[2, 4, 8])
@@ -274,8 +402,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (see bench/README.md)")
     parser.add_argument("--hidden-size", type=int, default=MODEL_DIMS["hidden_size"])
     parser.add_argument("--layers", type=int, default=MODEL_DIMS["num_layers"])
+    parser.add_argument(
+        "--compare-rev", nargs="?", const=BEFORE_REV, default=None, metavar="REV",
+        help="instead: scoring memory/time of REV's scoring.py vs the current one at 8 trajectories x 8 rounds x "
+        f"~2k tokens on a Qwen2.5-shaped model (REV defaults to {BEFORE_REV})",
+    )  # fmt: skip
+    parser.add_argument("--probe", help=argparse.SUPPRESS)  # internal: one side of --compare-rev
     args = parser.parse_args(argv)
 
+    if args.probe:
+        import json
+
+        print(json.dumps(probe(json.loads(args.probe))))
+        return
+    if args.compare_rev:
+        results = compare_revisions(args.compare_rev, repeats=args.repeats, threads=args.threads)
+        print_revisions(results, args.compare_rev)
+        print(f"load average {os.getloadavg()[0]:.1f}")
+        return
     torch.set_num_threads(args.threads)
     dims = {**MODEL_DIMS, "hidden_size": args.hidden_size, "num_layers": args.layers}
     start = time.perf_counter()

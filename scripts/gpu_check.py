@@ -1,11 +1,16 @@
-"""GPU check: one LoRA + vLLM-colocate MemPO step, and proof that the adapter reaches vLLM.
+"""GPU check: LoRA + vLLM-colocate MemPO steps, proof that the adapter reaches vLLM, and the vLLM bookkeeping.
 
-    bash scripts/gpu_check.sh            # on a CUDA machine with `pip install -e ".[vllm]"`
+    bash scripts/gpu_check.sh            # on a CUDA machine with vllm installed (`pip install -e ".[vllm]"`)
 
-Builds the offline tiny model (wider than the test one: vLLM's kernels want head_dim >= 32) and warm-starts it on
-the MemPO format, then trains MemPO with LoRA and `use_vllm=True, vllm_mode="colocate"`. Before and after the
-update it asks the colocated vLLM engine for the prompt log-probs of a fixed sequence; the check passes when they
-move after the LoRA update has been synced (TRL syncs weights at the first generation of a new step).
+Builds the offline tiny model with head_dim 32 (hidden 128, 4 heads: vLLM's Triton attention wants head_dim >= 32)
+and warm-starts it on the MemPO format, then trains MemPO for 2 steps with LoRA and `use_vllm=True,
+vllm_mode="colocate"`. Checks, reported as one JSON line with "result": "PASS" or "FAIL":
+
+- the prompt log-probs of a fixed sequence, asked from the colocated engine before and after training, moved (the
+  LoRA update reached vLLM);
+- exactly one weight sync per step inside the training loop (TRL syncs at the first generation of a step, before
+  round 1; MemPO's later rounds reuse it);
+- TRL's importance-sampling metrics are logged and close to 1 (vLLM and the trainer score the same rows).
 """
 
 import json
@@ -21,8 +26,8 @@ from vllm.inputs import TokensPrompt
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.data import load_qa
 from mempo_trl.kit.demo_world import demo_paths
-from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.kit.warmstart import build_warm_tiny_model
+from mempo_trl.kit.tiny import build_tiny_model, load_tiny
+from mempo_trl.kit.warmstart import warm_start
 from mempo_trl.retrieval import BM25Retriever
 
 
@@ -36,8 +41,11 @@ def prompt_logprobs(trainer, ids: list[int]) -> list[float]:
 
 def main(out_dir: str) -> int:
     assert torch.cuda.is_available(), "this check needs a CUDA GPU"
-    model_dir = build_warm_tiny_model(Path(out_dir) / "tiny", seed=0)
+    model_dir = Path(out_dir) / "tiny"
+    build_tiny_model(model_dir, seed=0, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+    warm_start(model_dir, seed=0)
     model, tokenizer = load_tiny(model_dir)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
     args = MemPOConfig(
         output_dir=str(Path(out_dir) / "run"),
         use_vllm=True,
@@ -67,18 +75,34 @@ def main(out_dir: str) -> int:
     probe = tokenizer("<mem>Tisdin Purbro</mem><think>search</think><search>Tisdin Purbro born</search>")["input_ids"]
     trainer.vllm_generation.sync_weights()
     before = prompt_logprobs(trainer, probe)
+    syncs = []
+    sync_weights = trainer.vllm_generation.sync_weights
+    trainer.vllm_generation.sync_weights = lambda: (syncs.append(trainer.state.global_step), sync_weights())[1]
     trainer.train()
-    trainer.vllm_generation.sync_weights()
+    trainer.vllm_generation.sync_weights = sync_weights
+    sync_weights()
     after = prompt_logprobs(trainer, probe)
     moved = max(abs(a - b) for a, b in zip(before, after))
-    metrics = trainer.final_metrics()
-    report = {"max_logprob_change": moved, "steps": trainer.state.global_step, **metrics}
-    print(json.dumps(report, indent=2))
-    if moved <= 1e-4:
-        print("FAIL: vLLM's log-probs did not move: the LoRA update did not reach the sampler", file=sys.stderr)
-        return 1
-    print("PASS: the LoRA update reached vLLM")
-    return 0
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry]
+    ratios = [entry.get("sampling/importance_sampling_ratio/mean", float("nan")) for entry in steps]
+    checks = {
+        "head_dim_at_least_32": head_dim >= 32,
+        "lora_update_reached_vllm": moved > 1e-4,
+        "one_weight_sync_per_step": syncs == list(range(args.max_steps)),
+        "is_ratio_near_1": len(ratios) == args.max_steps and all(0.8 < r < 1.25 for r in ratios),
+    }
+    report = {
+        "result": "PASS" if all(checks.values()) else "FAIL",
+        "checks": checks,
+        "head_dim": head_dim,
+        "max_logprob_change": moved,
+        "weight_syncs_at_steps": syncs,
+        "is_ratio_mean": ratios,
+        "logp_difference_mean": [entry.get("sampling/sampling_logp_difference/mean") for entry in steps],
+        "steps": trainer.state.global_step,
+    }
+    print(json.dumps(report))
+    return 0 if report["result"] == "PASS" else 1
 
 
 if __name__ == "__main__":

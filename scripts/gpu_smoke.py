@@ -1,0 +1,195 @@
+"""vLLM-free GPU smoke test, one stage per call (driven by scripts/gpu_smoke.sh, which adds a timeout per stage).
+
+    python scripts/gpu_smoke.py STAGE WORK_DIR [--cpu]
+
+Stages (each prints one JSON line ``{"stage", "ok", ...}`` and exits 0 when ``ok``):
+
+- ``model``: build the offline tiny model with head_dim 32 (hidden 128, 4 heads) into ``WORK_DIR/model``.
+- ``scoring``: memory scoring of scripted 4-round episodes in bf16 on CUDA, shared-prefix vs batched: the two schemes
+  must agree (answer log-probs within ``0.1``, the bf16 rounding of two different kernels).
+- ``lora``: 3 MemPO steps with LoRA and gradient checkpointing (HF generation, bf16): finite loss, 3 steps.
+- ``vllm_emulation``: 2 MemPO steps through TRL's `VLLMGeneration` (colocate) on the fake engine of
+  ``tests/fake_vllm.py``, whose log-probs come from a synced fp32 copy of the model: TRL's importance-sampling ratio
+  must be ~1 (rows and tokens aligned over rounds >= 2), one weight sync per step.
+- ``zero3``: 2 steps of ``mempo-trl train`` under DeepSpeed ZeRO-3 with one process (accelerate launch).
+
+``--cpu`` runs the same stages on the CPU in fp32 (a dry run of the script, minutes on a laptop).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
+
+
+def _setup(cpu: bool):
+    if not cpu and not torch.cuda.is_available():
+        raise SystemExit(json.dumps({"ok": False, "error": "no CUDA device (use --cpu for a dry run)"}))
+    return ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)
+
+
+def _load(work: Path, device: str, dtype):
+    from mempo_trl.kit.tiny import load_tiny
+
+    model, tokenizer = load_tiny(work / "model")
+    return model.to(device=device, dtype=dtype), tokenizer
+
+
+def _common_args(work: Path, cpu: bool, steps: int) -> dict:
+    return {
+        "output_dir": str(work / "run"),
+        "per_device_train_batch_size": 4,
+        "num_generations": 2,
+        "max_completion_length": 32,
+        "max_turns": 4,
+        "max_steps": steps,
+        "learning_rate": 1e-4,
+        "use_cpu": cpu,
+        "bf16": not cpu,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "disable_tqdm": True,
+    }
+
+
+def stage_model(work: Path, cpu: bool) -> dict:
+    from mempo_trl.kit.tiny import build_tiny_model
+
+    build_tiny_model(work / "model", seed=0, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+    config = json.loads((work / "model" / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    return {"ok": head_dim >= 32, "head_dim": head_dim}
+
+
+def stage_scoring(work: Path, cpu: bool) -> dict:
+    from bench_memory_scoring import demo_rows, play_episodes
+
+    from mempo_trl.kit.demo_world import demo_paths
+    from mempo_trl.memory import answer_probability
+    from mempo_trl.retrieval import BM25Retriever
+    from mempo_trl.scoring import answer_token_logps, memory_scoring_items, shared_prefix_answer_logps
+
+    device, dtype = _setup(cpu)
+    model, tokenizer = _load(work, device, dtype)
+    episodes = play_episodes(tokenizer, BM25Retriever.from_corpus(demo_paths().corpus), demo_rows(8), 4, 64, 32)
+    keys, items = [], []
+    for e, ep in enumerate(episodes):
+        for pair in memory_scoring_items(ep, tokenizer):
+            keys.append(e)
+            items.append(pair.full)
+    batched, mask = answer_token_logps(model, items, tokenizer.pad_token_id)
+    shared, shared_mask = shared_prefix_answer_logps(model, items, keys, tokenizer.pad_token_id)
+    diff = float((batched - shared).abs().max())
+    p_diff = float(
+        (answer_probability(batched, mask, None) - answer_probability(shared, shared_mask, None)).abs().max()
+    )
+    ok = torch.equal(mask, shared_mask) and diff < 0.1 and bool(torch.isfinite(shared).all())
+    return {"ok": ok, "items": len(items), "max_abs_logp_diff": diff, "max_abs_p_diff": p_diff, "dtype": str(dtype)}
+
+
+def stage_lora(work: Path, cpu: bool) -> dict:
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from mempo_trl import MemPOConfig, MemPOTrainer, mempo_format_reward, mempo_outcome_reward
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.kit.demo_world import demo_paths
+    from mempo_trl.retrieval import BM25Retriever
+
+    device, dtype = _setup(cpu)
+    model, tokenizer = _load(work, device, dtype)
+    args = MemPOConfig(**_common_args(work, cpu, steps=3), gradient_checkpointing=True)
+    trainer = MemPOTrainer(
+        model,
+        BM25Retriever.from_corpus(demo_paths().corpus),
+        reward_funcs=[mempo_outcome_reward, mempo_format_reward],
+        args=args,
+        train_dataset=Dataset.from_list(read_jsonl(demo_paths().train)[:8]),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    ok = trainer.state.global_step == 3 and all(math.isfinite(x) for x in losses)
+    return {"ok": ok, "steps": trainer.state.global_step, "losses": losses}
+
+
+def stage_vllm_emulation(work: Path, cpu: bool) -> dict:
+    import fake_vllm
+    from datasets import Dataset
+
+    from mempo_trl import MemPOConfig, MemPOTrainer
+    from mempo_trl.retrieval import Passage
+
+    class Retriever:
+        def search(self, queries, topk):
+            return [[Passage(id=q, title=q, text=f"about {q}")] for q in queries]
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("MASTER_PORT", "29593")
+    device, dtype = _setup(cpu)
+    fake_vllm.install(work / "model")
+    model, tokenizer = _load(work, device, dtype)
+    args = MemPOConfig(**_common_args(work, cpu, steps=2), use_vllm=True, vllm_mode="colocate")
+    dataset = Dataset.from_list([{"question": f"Q{k} where?", "golden_answers": [f"A{k}"]} for k in (2, 3, 1, 3)])
+    trainer = MemPOTrainer(model, Retriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry]
+    ratios = [entry["sampling/importance_sampling_ratio/mean"] for entry in steps]
+    deltas = [entry["sampling/sampling_logp_difference/mean"] for entry in steps]
+    syncs = fake_vllm.engine_of(trainer).counters.syncs
+    tolerance = 1e-4 if cpu else 5e-2  # fp32 vs fp32, or bf16 trainer vs fp32 engine
+    ok = (
+        len(steps) == 2 and syncs == 2 and all(abs(r - 1) < tolerance for r in ratios) and max(deltas) < 10 * tolerance
+    )
+    return {"ok": ok, "is_ratio_mean": ratios, "logp_difference_mean": deltas, "weight_syncs": syncs}
+
+
+def stage_zero3(work: Path, cpu: bool) -> dict:
+    config = "cpu_zero3.yaml" if cpu else "zero3.yaml"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
+        "--num_processes", "1", str(ROOT / "examples" / "train_mempo.py"),
+        "--config", str(ROOT / "examples" / "configs" / "quickstart_cpu.yaml"),
+        "--model_name_or_path", str(work / "model"), "--output_dir", str(work / "zero3"),
+        "--use_cpu", str(cpu).lower(), "--bf16", str(not cpu).lower(), "--max_steps", "2",
+        "--per_device_train_batch_size", "4", "--heldout_questions", "0",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    tail = (result.stdout + result.stderr)[-1500:]
+    ok = result.returncode == 0 and "DEEPSPEED" in result.stdout + result.stderr
+    return {"ok": ok, "returncode": result.returncode, **({} if ok else {"tail": tail})}
+
+
+STAGES = {
+    "model": stage_model,
+    "scoring": stage_scoring,
+    "lora": stage_lora,
+    "vllm_emulation": stage_vllm_emulation,
+    "zero3": stage_zero3,
+}
+
+
+def main(argv: list[str]) -> int:
+    cpu = "--cpu" in argv
+    stage, work = [a for a in argv if a != "--cpu"][:2]
+    try:
+        report = STAGES[stage](Path(work), cpu)
+    except Exception as error:  # noqa: BLE001 - the smoke reports every failure as one JSON line
+        report = {"ok": False, "error": f"{type(error).__name__}: {error}"[-1500:]}
+    print(json.dumps({"stage": stage, **report}))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
