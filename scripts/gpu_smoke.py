@@ -107,7 +107,7 @@ def stage_lora(work: Path, cpu: bool) -> dict:
 
     device, dtype = _setup(cpu)
     model, tokenizer = _load(work, device, dtype)
-    args = MemPOConfig(**_common_args(work, cpu, steps=3), gradient_checkpointing=True)
+    args = MemPOConfig(**_common_args(work, cpu, steps=3), activation_checkpointing=True)
     trainer = MemPOTrainer(
         model,
         BM25Retriever.from_corpus(demo_paths().corpus),
