@@ -134,9 +134,7 @@ def stage_vllm_emulation(work: Path, cpu: bool) -> dict:
         def search(self, queries, topk):
             return [[Passage(id=q, title=q, text=f"about {q}")] for q in queries]
 
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(name, value)
-    os.environ.setdefault("MASTER_PORT", "29593")
+    os.environ.update(fake_vllm.colocate_env())
     device, dtype = _setup(cpu)
     fake_vllm.install(work / "model")
     model, tokenizer = _load(work, device, dtype)

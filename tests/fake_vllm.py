@@ -166,6 +166,16 @@ class FakeVLLMClient:
         pass
 
 
+def colocate_env() -> dict[str, str]:
+    """The environment TRL's colocate init writes (RANK, ..., a free MASTER_PORT), to set before it in one process."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+
+
 def install(model_dir: str) -> None:
     """Make TRL's `VLLMGeneration` use the fakes (``model_dir``: the model the fake server serves)."""
     import trl.generation.vllm_generation as vllm_generation

@@ -102,9 +102,8 @@ def test_first_context_too_long_is_an_error_naming_the_question(tokenizer):
 
 @pytest.mark.parametrize("mode", ["end_episode", "truncate_information"])
 def test_trainer_on_vllm_never_sends_a_prompt_over_the_limit(tiny_model_dir, tmp_path, monkeypatch, mode):
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+    for name, value in fake_vllm.colocate_env().items():
         monkeypatch.setenv(name, value)  # TRL's colocate init writes these; monkeypatch restores them
-    monkeypatch.setenv("MASTER_PORT", "29591")
     monkeypatch.setattr(fake_vllm, "SERVER_MODEL_DIR", [])
     fake_vllm.install(tiny_model_dir)
     model, tokenizer = load_tiny(tiny_model_dir)

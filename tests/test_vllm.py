@@ -81,9 +81,8 @@ def test_vllm_hands_every_process_its_own_completions(tiny_model_dir, tmp_path, 
 
 
 def test_sleep_mode_keeps_vllm_awake_across_the_rounds_of_a_step(tiny_model_dir, tmp_path, monkeypatch):
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+    for name, value in fake_vllm.colocate_env().items():
         monkeypatch.setenv(name, value)  # TRL's colocate init writes these; monkeypatch restores them
-    monkeypatch.setenv("MASTER_PORT", "29592")
     fake_vllm.install(tiny_model_dir)
     model, tokenizer = load_tiny(tiny_model_dir)
     args = MemPOConfig(
