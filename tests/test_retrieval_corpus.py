@@ -55,7 +55,7 @@ def test_load_dataset_contents_and_title_text_columns():
 @pytest.mark.parametrize(
     ("lines", "expected"),
     [
-        (['{"id": "1", "contents": "ok"}', '{"id": "2", "contents": '], ["line 2", "not valid JSON", "JSON object"]),
+        (['{"id": "1", "contents": "ok"}', '{"id": "2", "contents": '], ["line 2", "invalid JSON", "JSON object"]),
         (['["1", "text"]'], ["line 1", "expected a JSON object", "got list"]),
         (['{"contents": "x"}'], ["line 1", "missing field 'id'"]),
         (['{"id": null, "contents": "x"}'], ["line 1", "field 'id'", "None"]),

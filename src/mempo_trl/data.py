@@ -12,6 +12,7 @@ from the last user message of `prompt` (the text after its last `Question:`).
 """
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -31,44 +32,56 @@ _FEATURES = {
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+_QA_ROW = '{"question": ..., "golden_answers": [...]}'
+
+
 class DataError(ValueError):
     """A QA or corpus file that cannot be used; the message names the file, the line, the field and a fix."""
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Read a JSON Lines file of objects; blank lines are skipped.
-
-    A line that is not valid JSON, or not a JSON object, raises `DataError` with the file and line number.
+    """Read a JSON Lines file of objects (`iter_jsonl`); blank lines are skipped.
 
     Example:
         >>> from mempo_trl.kit.demo_world import demo_paths
         >>> read_jsonl(demo_paths().corpus)[0].keys()
         dict_keys(['id', 'contents'])
     """
-    return [row for _, row in _read_jsonl_lines(Path(path))]
+    return [row for _, row in iter_jsonl(path)]
 
 
-def _read_jsonl_lines(path: Path) -> list[tuple[int, dict]]:
-    """(line number, object) for every non-blank line of `path`."""
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+def iter_jsonl(
+    path: str | Path, expected: str = _QA_ROW, error: type[DataError] = DataError
+) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a JSON Lines file, read lazily.
+
+    A line that is not UTF-8, not JSON or not a JSON object raises `error` naming the file and the line;
+    `expected` is the example row the message shows (QA rows and corpus passages share this reader).
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{path}, line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise error(
+                    f"{where}: not UTF-8 ({err.reason} at byte {err.start}). Re-encode the file as UTF-8."
+                ) from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(
-                    f"{path}, line {number}: invalid JSON ({err.msg} at column {err.colno}). Every line must be "
-                    "one complete JSON object; fix or delete this line."
+                raise error(
+                    f"{where}: invalid JSON ({err.msg} at column {err.colno}). Every line must be one JSON object "
+                    f"like {expected}; fix or delete this line."
                 ) from None
             if not isinstance(row, dict):
-                raise DataError(
-                    f"{path}, line {number}: expected a JSON object, got {type(row).__name__}. Write one "
-                    '{"question": ..., "golden_answers": [...]} object per line.'
+                raise error(
+                    f"{where}: expected a JSON object, got {type(row).__name__}. Write one {expected} per line."
                 )
-            rows.append((number, row))
-    return rows
+            yield number, row
 
 
 def _fail(source_name: str, line: int, field: str, problem: str, fix: str) -> DataError:
@@ -264,7 +277,7 @@ def _read_file(path: Path) -> tuple[datasets.Dataset | list[dict], list[int] | N
             if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
                 raise DataError(f"{path}: a .json file must hold a list of row objects (or one object per line).")
             return data, None
-    numbered = _read_jsonl_lines(path)
+    numbered = list(iter_jsonl(path))
     return [row for _, row in numbered], [line for line, _ in numbered]
 
 

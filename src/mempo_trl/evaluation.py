@@ -21,7 +21,6 @@ from typing import Any
 
 from mempo_trl.agent import AgentResult, MemPOAgent
 from mempo_trl.context import ContextMode
-from mempo_trl.rewards import outcome_score
 from mempo_trl.rollout import Episode, GenerateFn
 
 
@@ -51,9 +50,7 @@ def episode_record(episode: Episode) -> dict:
     """
     row = episode.row
     result = AgentResult.from_episode(episode)
-    score = outcome_score(
-        episode.answer, row["golden_answers"], row.get("sub_answers") or None, format_valid=episode.format_valid
-    )
+    metrics = episode.metrics()
     rounds = [
         {
             "prompt_tokens": len(r.prompt_ids),
@@ -76,9 +73,9 @@ def episode_record(episode: Episode) -> dict:
         "golden_answers": list(row["golden_answers"]),
         "sub_answers": list(row.get("sub_answers") or []),
         "answer": episode.answer,
-        "em": score.em,
-        "f1": score.f1,
-        "sub_em": score.sub_em,
+        "em": metrics["em"],
+        "f1": metrics["f1"],
+        "sub_em": metrics["sub_em"],
         "format_valid": episode.format_valid,
         "turns_valid": all(r.turn.valid for r in episode.rounds),
         "num_turns": result.num_turns,

@@ -25,6 +25,7 @@ from mempo_trl.context import (
 )
 from mempo_trl.protocol import Turn, locate_mem_span, parse_turn, render_information, token_char_offsets
 from mempo_trl.retrieval.base import RetrieverOutage
+from mempo_trl.rewards import outcome_score
 
 
 ACTION_STOPS = ("</search>", "</answer>")
@@ -75,6 +76,27 @@ class Episode:
     def num_searches(self) -> int:
         """Searches the retriever answered (a search written in the last allowed round is never run)."""
         return sum(1 for r in self.rounds if r.information is not None)
+
+    def metrics(self) -> dict[str, float]:
+        """The numbers training logs (as ``episode/<name>``) and evaluation reports for one finished episode.
+
+        ``em``/``f1``/``sub_em`` score the answer against the row's golds (0 unless format-valid,
+        `mempo_trl.rewards.outcome_score`); ``format_valid``, ``answer_rate``, ``context_overflow`` are 0/1;
+        ``turns`` counts rounds and ``searches`` the searches the retriever answered.
+        """
+        score = outcome_score(
+            self.answer, self.row["golden_answers"], self.row.get("sub_answers") or None, self.format_valid
+        )
+        return {
+            "em": score.em,
+            "f1": score.f1,
+            "sub_em": score.sub_em,
+            "format_valid": float(self.format_valid),
+            "answer_rate": float(self.answer is not None),
+            "turns": float(len(self.rounds)),
+            "searches": float(self.num_searches),
+            "context_overflow": float(self.context_overflow),
+        }
 
     def history(self) -> list[tuple[str, str]]:
         """``(output, information)`` of every round that searched, oldest first."""

@@ -25,7 +25,7 @@ from mempo_trl.memory import (
     memory_reward,
     quantile_threshold,
 )
-from mempo_trl.rewards import mempo_outcome_reward, outcome_score
+from mempo_trl.rewards import mempo_outcome_reward
 from mempo_trl.rollout import ACTION_STOPS, Episode, RolloutEngine, RolloutTimings
 from mempo_trl.scoring import (
     SHARED_PREFIX_ATTENTION,
@@ -567,15 +567,8 @@ class MemPOTrainer(GRPOTrainer):
         device = self.accelerator.device
         values: dict[str, list[float]] = defaultdict(list)
         for ep in episodes:
-            score = outcome_score(ep.answer, ep.row["golden_answers"], ep.row.get("sub_answers"), ep.format_valid)
-            values["episode/em"].append(score.em)
-            values["episode/f1"].append(score.f1)
-            values["episode/sub_em"].append(score.sub_em)
-            values["episode/format_valid"].append(float(ep.format_valid))
-            values["episode/answer_rate"].append(float(ep.answer is not None))
-            values["episode/turns"].append(float(len(ep.rounds)))
-            values["episode/searches"].append(float(ep.num_searches))
-            values["episode/context_overflow"].append(float(ep.context_overflow))
+            for name, value in ep.metrics().items():
+                values[f"episode/{name}"].append(value)
         for i, ((e, t), record) in enumerate(zip(rows, records)):
             values["episode/truncated_turns"].append(float(record.truncated))
             values["tokens/prompt_per_round"].append(float(len(record.prompt_ids)))

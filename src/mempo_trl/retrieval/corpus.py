@@ -11,13 +11,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from mempo_trl.data import DataError, iter_jsonl
 from mempo_trl.retrieval.base import Passage
 
 
 EXPECTED_ROW = '{"id": "1", "contents": "\\"Title\\"\\nPassage text."}'
 
 
-class CorpusError(ValueError):
+class CorpusError(DataError):
     """A corpus file or dataset is malformed; the message names the place and the fix."""
 
 
@@ -80,27 +81,11 @@ def _load_jsonl(path: Path) -> list[Passage]:
         )
     passages: list[Passage] = []
     first_line: dict[str, int] = {}
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}, line {lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise CorpusError(
-                    f"{where}: not UTF-8 ({e.reason} at byte {e.start}). Re-encode the file as UTF-8."
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CorpusError(
-                    f"{where}: not valid JSON ({e.msg} at column {e.colno}). Each line must be one JSON object like "
-                    f"{EXPECTED_ROW}."
-                ) from None
-            passage = _passage_from_row(row, where)
-            _check_unique(passage.id, lineno, first_line, where, "line")
-            passages.append(passage)
+    for lineno, row in iter_jsonl(path, EXPECTED_ROW, CorpusError):
+        where = f"{path}, line {lineno}"
+        passage = _passage_from_row(row, where)
+        _check_unique(passage.id, lineno, first_line, where, "line")
+        passages.append(passage)
     if not passages:
         raise CorpusError(f"{path}: no passages (the file is empty or blank). Add one {EXPECTED_ROW} per line.")
     return passages
