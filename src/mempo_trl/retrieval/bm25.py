@@ -3,9 +3,7 @@
 import dataclasses
 import hashlib
 import json
-import logging
 import os
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,11 +13,9 @@ import numpy as np
 import Stemmer
 
 from mempo_trl.retrieval.base import Passage, check_search_args
-from mempo_trl.retrieval.cache import cache_root, write_entry
+from mempo_trl.retrieval.cache import cache_root, load_or_build
 from mempo_trl.retrieval.corpus import fingerprint, load_corpus
 
-
-logger = logging.getLogger(__name__)
 
 INDEX_FORMAT = 1
 META_FILE = "mempo_bm25.json"
@@ -81,21 +77,20 @@ class BM25Retriever:
         params = _params(stemmer, k1, b)
         passages = load_corpus(corpus)
         root = Path(cache_dir) if cache_dir is not None else cache_root() / "bm25"
-        entry = root / fingerprint(passages, params)
-        if (entry / META_FILE).is_file():
-            try:
-                _verify_index(entry)
-                retriever = cls(bm25s.BM25.load(entry, show_progress=False), passages, params)
-            except (OSError, ValueError, KeyError) as e:
-                logger.warning("Rebuilding the unreadable BM25 cache entry %s (%s).", entry, e)
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                retriever.cache_path, retriever.cache_hit = entry, True
-                return retriever
-        retriever = cls(_build_index(passages, params), passages, params)
-        if write_entry(entry, retriever._save_index):
-            retriever.cache_path = entry
-        return retriever
+
+        def load(entry: Path) -> "BM25Retriever | None":
+            if not (entry / META_FILE).is_file():
+                return None
+            _verify_index(entry)
+            return cls(bm25s.BM25.load(entry, show_progress=False), passages, params)
+
+        return load_or_build(
+            root / fingerprint(passages, params),
+            load,
+            lambda: cls(_build_index(passages, params), passages, params),
+            lambda retriever, directory: retriever._save_index(directory),
+            "BM25",
+        )
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "BM25Retriever":

@@ -6,6 +6,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 logger = logging.getLogger(__name__)
@@ -47,3 +48,31 @@ def write_entry(entry: Path, write: Callable[[Path], None]) -> bool:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_or_build(
+    entry: Path, load: Callable[[Path], Any], build: Callable[[], Any], save: Callable[[Any, Path], None], what: str
+) -> Any:
+    """The retriever cached in `entry`, or a new one built and written there (the sequence every index shares).
+
+    `load(entry)` returns the cached retriever, or None when there is no entry; an entry it cannot read (OSError,
+    ValueError, KeyError) is deleted and rebuilt, with a warning naming `what`. `build()` makes a new retriever and
+    `save(retriever, tmp_dir)` writes it, atomically (`write_entry`). The result gets `cache_path` (None when the
+    disk refused the entry) and `cache_hit`.
+
+    Example:
+        >>> retriever = load_or_build(entry, load, build, save, "BM25")  # doctest: +SKIP
+    """
+    try:
+        cached = load(entry)
+    except (OSError, ValueError, KeyError) as e:
+        logger.warning("Rebuilding the unreadable %s cache entry %s (%s).", what, entry, e)
+        shutil.rmtree(entry, ignore_errors=True)
+        cached = None
+    if cached is not None:
+        cached.cache_path, cached.cache_hit = entry, True
+        return cached
+    built = build()
+    built.cache_path = entry if write_entry(entry, lambda tmp: save(built, tmp)) else None
+    built.cache_hit = False
+    return built

@@ -5,7 +5,6 @@ built. Passage embeddings are cached under `$MEMPO_CACHE/dense/<sha256 of corpus
 """
 
 import hashlib
-import logging
 import os
 import threading
 from pathlib import Path
@@ -14,11 +13,9 @@ from typing import Any
 import numpy as np
 
 from mempo_trl.retrieval.base import Passage, check_search_args
-from mempo_trl.retrieval.cache import cache_root, write_entry
+from mempo_trl.retrieval.cache import cache_root, load_or_build
 from mempo_trl.retrieval.corpus import fingerprint, load_corpus
 
-
-logger = logging.getLogger(__name__)
 
 EMBEDDINGS_FILE = "embeddings.npy"
 
@@ -81,21 +78,24 @@ class DenseRetriever:
         model = sentence_transformer(str(model_name_or_path), device=device)
         params = {"format": 1, "model": _model_fingerprint(model_name_or_path), "passage_prefix": passage_prefix}
         root = Path(cache_dir) if cache_dir is not None else cache_root() / "dense"
-        entry = root / fingerprint(passages, params)
-        cached = entry / EMBEDDINGS_FILE
-        if cached.is_file():
-            try:
-                retriever = cls(model, np.load(cached), passages, query_prefix, batch_size)
-            except (OSError, ValueError) as e:
-                logger.warning("Re-encoding: the cached embeddings %s are unreadable (%s).", cached, e)
-            else:
-                retriever.cache_path, retriever.cache_hit = entry, True
-                return retriever
-        embeddings = _encode(model, [passage_prefix + p.contents for p in passages], batch_size)
-        retriever = cls(model, embeddings, passages, query_prefix, batch_size)
-        if write_entry(entry, lambda tmp: np.save(tmp / EMBEDDINGS_FILE, embeddings)):
-            retriever.cache_path = entry
-        return retriever
+
+        def load(entry: Path) -> "DenseRetriever | None":
+            cached = entry / EMBEDDINGS_FILE
+            return cls(model, np.load(cached), passages, query_prefix, batch_size) if cached.is_file() else None
+
+        def build() -> "DenseRetriever":
+            embeddings = _encode(model, [passage_prefix + p.contents for p in passages], batch_size)
+            return cls(model, embeddings, passages, query_prefix, batch_size)
+
+        return load_or_build(
+            root / fingerprint(passages, params),
+            load,
+            build,
+            lambda retriever, directory: np.save(
+                directory / EMBEDDINGS_FILE, retriever.index.reconstruct_n(0, len(passages))
+            ),
+            "dense",
+        )
 
     def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
         """Up to `topk` passages per query, best first, scored by cosine similarity.
