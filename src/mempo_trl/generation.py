@@ -9,6 +9,7 @@ exactly the same prompts, and `mempo_trl.rollout.cut_after_action` cuts what the
 from collections.abc import Sequence
 from pathlib import Path
 
+from mempo_trl.padding import pad_ids
 from mempo_trl.rollout import ACTION_STOPS
 
 
@@ -118,13 +119,8 @@ class HFGenerator:
             with torch.inference_mode():
                 for start in range(0, len(order), self.batch_size):
                     batch = order[start : start + self.batch_size]
-                    width = max(len(prompts[i]) for i in batch)
-                    input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
-                    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-                    for row, i in enumerate(batch):
-                        n = len(prompts[i])
-                        input_ids[row, width - n :] = torch.tensor(prompts[i], dtype=torch.long)
-                        attention_mask[row, width - n :] = 1
+                    input_ids, attention_mask = pad_ids([prompts[i] for i in batch], self.pad_token_id)
+                    width = input_ids.size(1)
                     output = self.model.generate(
                         input_ids=input_ids.to(self.model.device),
                         attention_mask=attention_mask.to(self.model.device),

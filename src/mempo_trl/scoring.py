@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from mempo_trl.context import render_prompt, round_messages
+from mempo_trl.padding import pad_ids
 from mempo_trl.protocol import render_gold_answer
 from mempo_trl.rollout import Episode
 
@@ -83,21 +84,13 @@ def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]
 
 
 def _pad_batch(items: Sequence[ScoringItem], pad_token_id: int) -> tuple[torch.Tensor, ...]:
-    ctx_len = max(len(it.context_ids) for it in items)
-    ans_len = max(len(it.answer_ids) for it in items)
-    n = len(items)
-    input_ids = torch.full((n, ctx_len + ans_len), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((n, ctx_len + ans_len), dtype=torch.long)
-    answer_ids = torch.full((n, ans_len), pad_token_id, dtype=torch.long)
-    answer_mask = torch.zeros((n, ans_len), dtype=torch.bool)
-    for i, it in enumerate(items):
-        c, a = len(it.context_ids), len(it.answer_ids)
-        input_ids[i, ctx_len - c : ctx_len] = torch.tensor(it.context_ids)
-        input_ids[i, ctx_len : ctx_len + a] = torch.tensor(it.answer_ids)
-        attention[i, ctx_len - c : ctx_len + a] = 1
-        answer_ids[i, :a] = torch.tensor(it.answer_ids)
-        answer_mask[i, :a] = torch.tensor(it.answer_mask, dtype=torch.bool)
-    return input_ids, attention, answer_ids, answer_mask
+    """Contexts left-padded, answers right-padded after them: (N, C + K) ids and mask, (N, K) answer ids and mask."""
+    context_ids, context_mask = pad_ids([it.context_ids for it in items], pad_token_id, side="left")
+    answer_ids, answer_attention = pad_ids([it.answer_ids for it in items], pad_token_id, side="right")
+    gold, _ = pad_ids([it.answer_mask for it in items], 0, side="right")
+    input_ids = torch.cat([context_ids, answer_ids], dim=1)
+    attention = torch.cat([context_mask, answer_attention], dim=1)
+    return input_ids, attention, answer_ids, gold.bool()
 
 
 @contextmanager

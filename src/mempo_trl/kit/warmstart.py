@@ -195,17 +195,10 @@ def sft_examples(
 
 def _collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int):
     """Left-padded ``prompt + completion`` batch; labels only on the completion; positions as `generate` makes them."""
-    import torch
+    from mempo_trl.padding import pad_ids
 
-    width = max(len(p) + len(c) for p, c in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, (prompt, completion) in enumerate(examples):
-        ids = prompt + completion
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        labels[row, width - len(completion) :] = torch.tensor(completion)
-        attention_mask[row, width - len(ids) :] = 1
+    input_ids, attention_mask = pad_ids([p + c for p, c in examples], pad_id)
+    labels, _ = pad_ids([[-100] * len(p) + c for p, c in examples], -100)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids, labels
 
