@@ -171,31 +171,10 @@ def build_qwen2_5_model(
         >>> Qwen2ForCausalLM.from_pretrained(out).config.vocab_size  # doctest: +SKIP
         151936
     """
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from mempo_trl.kit.tiny import save_random_qwen2
 
-    out = Path(output_dir)
     tokenizer = build_qwen2_5_tokenizer()
-    config = Qwen2Config(
-        vocab_size=QWEN2_5_VOCAB_SIZE,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+    dims = (hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, max_position_embeddings)
     # As Qwen2.5-Instruct: a turn ends on <|im_end|> or <|endoftext|>.
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id], pad_token_id=tokenizer.pad_token_id
-    )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    eos = [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    return save_random_qwen2(output_dir, tokenizer, QWEN2_5_VOCAB_SIZE, seed, eos, *dims)

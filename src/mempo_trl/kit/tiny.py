@@ -88,9 +88,8 @@ def build_tiny_model(
         >>> [tokenizer.decode([i]) for i in tokenizer("<mem> x </mem>").input_ids]
         ['<mem>', ' ', 'x', ' ', '</mem>']
     """
-    import torch
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     out = Path(output_dir)
@@ -123,8 +122,32 @@ def build_tiny_model(
     tokenizer.add_tokens([*MEMPO_TAGS, *_QWEN_TOOL_TAGS], special_tokens=False)
     tokenizer.chat_template = qwen2_5_chat_template()
 
+    dims = (hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, max_position_embeddings)
+    return save_random_qwen2(out, tokenizer, len(tokenizer), seed, [tokenizer.eos_token_id], *dims)
+
+
+def save_random_qwen2(
+    output_dir: str | Path,
+    tokenizer,
+    vocab_size: int,
+    seed: int,
+    eos_token_ids: list[int],
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_position_embeddings: int,
+) -> Path:
+    """Save a random `Qwen2ForCausalLM` (tied embeddings) and `tokenizer` into `output_dir`; return it.
+
+    `seed` fixes the weights (the global torch RNG is left untouched); generation ends on `eos_token_ids`.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -140,8 +163,9 @@ def build_tiny_model(
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+        eos_token_id=list(eos_token_ids), pad_token_id=tokenizer.pad_token_id, bos_token_id=None
     )
+    out = Path(output_dir)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
