@@ -13,7 +13,7 @@ import numpy as np
 import Stemmer
 
 from mempo_trl.retrieval.base import Passage, check_search_args
-from mempo_trl.retrieval.cache import cache_root, load_or_build
+from mempo_trl.retrieval.cache import CachedIndex, cache_root, load_or_build
 from mempo_trl.retrieval.corpus import fingerprint, load_corpus
 
 
@@ -23,7 +23,7 @@ CORPUS_FILE = "corpus.jsonl"
 STOPWORDS = "english"
 
 
-class BM25Retriever:
+class BM25Retriever(CachedIndex):
     """Okapi BM25 (Lucene variant) over title + text, with English stopwords removed and optional stemming.
 
     `search` is safe to call from several threads at once (each thread gets its own stemmer; scoring only
@@ -47,13 +47,7 @@ class BM25Retriever:
         self.index = index
         self.passages = passages
         self.params = params
-        self.cache_path: Path | None = None
-        self.cache_hit = False
         self._local = threading.local()
-
-    @property
-    def num_passages(self) -> int:
-        return len(self.passages)
 
     @classmethod
     def from_corpus(

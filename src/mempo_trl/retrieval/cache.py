@@ -12,6 +12,18 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+class CachedIndex:
+    """What the in-process indexes share: their passages and where their cache entry is (`load_or_build`)."""
+
+    passages: list
+    cache_path: Path | None = None  # the entry read or written; None when not cached
+    cache_hit: bool = False  # True when the index was read from the cache
+
+    @property
+    def num_passages(self) -> int:
+        return len(self.passages)
+
+
 def cache_root() -> Path:
     """Root of the index caches: `$MEMPO_CACHE`, else `~/.cache/mempo_trl` (BM25 uses `<root>/bm25`).
 

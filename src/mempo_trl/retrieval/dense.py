@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 
 from mempo_trl.retrieval.base import Passage, check_search_args
-from mempo_trl.retrieval.cache import cache_root, load_or_build
+from mempo_trl.retrieval.cache import CachedIndex, cache_root, load_or_build
 from mempo_trl.retrieval.corpus import fingerprint, load_corpus
 
 
 EMBEDDINGS_FILE = "embeddings.npy"
 
 
-class DenseRetriever:
+class DenseRetriever(CachedIndex):
     """Cosine-similarity search: normalised embeddings in a faiss `IndexFlatIP` (exact, no training).
 
     E5 models expect the default `"query: "` / `"passage: "` prefixes; for MiniLM-style models pass `""` for both.
@@ -46,13 +46,7 @@ class DenseRetriever:
         self.batch_size = batch_size
         self.index = faiss.IndexFlatIP(embeddings.shape[1])
         self.index.add(np.ascontiguousarray(embeddings, dtype=np.float32))
-        self.cache_path: Path | None = None
-        self.cache_hit = False
         self._lock = threading.Lock()
-
-    @property
-    def num_passages(self) -> int:
-        return len(self.passages)
 
     @classmethod
     def from_corpus(
