@@ -405,7 +405,14 @@ def launch_training(argv: list[str], cwd: Path) -> tuple[subprocess.Popen, list[
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
     )  # fmt: skip
     lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True).start()
+
+    def collect() -> None:
+        with (cwd / "training.log").open("a") as log:  # kept for a failed test's post-mortem
+            for line in iter(process.stdout.readline, ""):
+                lines.append(line)
+                log.write(line)
+
+    threading.Thread(target=collect, daemon=True).start()
     return process, lines
 
 

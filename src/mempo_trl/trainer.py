@@ -643,7 +643,8 @@ class MemPOTrainer(GRPOTrainer):
     def _save(self, output_dir: str | None = None, state_dict=None):
         """Save as TRL does, plus the agent's turn protocol (`mempo_agent.json`, read by `MemPOAgent`)."""
         super()._save(output_dir, state_dict=state_dict)
-        AgentSettings.from_config(self.args).save(output_dir or self.args.output_dir)
+        if self.args.should_save:  # every process comes here; only the writer has created `output_dir`
+            AgentSettings.from_config(self.args).save(output_dir or self.args.output_dir)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card plus a MemPO section: base model, data, retriever, recipe and final metrics."""

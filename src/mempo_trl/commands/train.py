@@ -189,6 +189,7 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except RetrieverOutage as err:
         trainer._save_checkpoint(trainer.model, trial=None)
+        trainer.accelerator.wait_for_everyone()  # no process exits (and gets the others killed) before all saved
         checkpoint = Path(training_args.output_dir, f"checkpoint-{trainer.state.global_step}")
         raise RetrieverOutage(
             f"training stopped: {err} Saved {checkpoint}; once the server answers again, rerun with "
