@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import gather_object, is_peft_model
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
+from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 
 from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
@@ -206,25 +206,14 @@ class MemPOTrainer(GRPOTrainer):
 
     @contextmanager
     def _rollout_context(self):
-        """Hold the generation backend ready for all the rounds of a rollout, instead of once per round.
+        """Hold vLLM ready for all the rounds of a rollout (colocate with `vllm_enable_sleep_mode`).
 
-        - HF generation under DeepSpeed ZeRO-3 (`ds3_gather_for_generation`): the parameters are gathered once for the
-          whole rollout (TRL's `unwrap_model_for_generation`), not around every round's `generate`.
-        - vLLM colocate with `vllm_enable_sleep_mode`: TRL puts vLLM to sleep (level 2, weights dropped) after every
-          `generate` and re-syncs all weights before the next; here it is woken and synced once, kept awake through
-          the rounds and put back to sleep after the last one.
+        TRL puts vLLM to sleep (level 2, weights dropped) after every `generate` and re-syncs all weights before the
+        next; here it is woken and synced once, kept awake through the rounds and put back to sleep after the last
+        one. (HF generation under ZeRO-3 still gathers the parameters around every round's `generate`, as TRL does.)
         """
-        args, generation = self.args, getattr(self, "vllm_generation", None)
-        if not self.use_vllm and self.is_deepspeed_enabled and args.ds3_gather_for_generation:
-            with unwrap_model_for_generation(
-                self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
-            ):
-                args.ds3_gather_for_generation = False  # the rounds' own generate calls must not gather again
-                try:
-                    yield
-                finally:
-                    args.ds3_gather_for_generation = True
-        elif self.use_vllm and self.vllm_mode == "colocate" and generation.enable_sleep_mode:
+        generation = getattr(self, "vllm_generation", None)
+        if self.use_vllm and self.vllm_mode == "colocate" and generation.enable_sleep_mode:
             if self.state.global_step != self._last_loaded_step or generation._llm_weights_sleeping:
                 generation.sync_weights()  # wakes the weights up first
                 self._last_loaded_step = self.state.global_step
