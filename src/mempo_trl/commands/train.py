@@ -51,7 +51,7 @@ class ScriptArguments:
     heldout_questions: int = field(
         default=0,
         metadata={"help": "Evaluate greedily on this many held-out questions (`eval_dataset_name`, default the demo "
-                  "test set) before and after training, and print both (`mempo_trl.kit.learner`). 0: off."},
+                  "test set) before and after training, and print both (`mempo_trl.kit.learner`); single-process runs only. 0: off."},
     )  # fmt: skip
 
 
@@ -158,7 +158,13 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     }
     trainer.add_callback(LaunchBannerCallback(trainer))
     use_step_summary(trainer)
-    if script_args.heldout_questions > 0:
+    if script_args.heldout_questions > 0 and training_args.world_size > 1:
+        # The held-out evaluation generates on the main process alone: under ZeRO-3 that forward is a collective the
+        # other processes never join. Multi-process runs evaluate afterwards with `mempo-trl eval`.
+        if training_args.process_index == 0:
+            print(f"heldout_questions={script_args.heldout_questions} is skipped on {training_args.world_size} "
+                  "processes: evaluate the saved model with `mempo-trl eval` instead.")  # fmt: skip
+    elif script_args.heldout_questions > 0:
         from mempo_trl.kit.learner import HeldOutEvalCallback
 
         heldout = eval_dataset if eval_dataset is not None else load_qa(str(demo_paths().test), split="test")
