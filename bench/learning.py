@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mempo_trl.data import read_jsonl
     from mempo_trl.kit.learner import LEARNER_WORLD, SPLIT_SIZES, WarmSettings, build_learner, write_learner_world
+    from mempo_trl.outputs import OutputError, check_writable
     from mempo_trl.retrieval import BM25Retriever
 
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and the machine is shared
@@ -257,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     results = Path(args.results or (out / "learning.json" if args.quick else "bench/results/learning.json"))
     figure = Path(args.figure or results.with_suffix(".png"))
     settings = _settings(args, budget, warm, world, sizes)
+    try:  # every output is checked before the (long) warm start and runs
+        for directory in {out, results.parent, figure.parent}:
+            check_writable(directory)
+    except OutputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
     paths = write_learner_world(out / "world", world, sizes)
     print(f"world: {paths.corpus.parent} (warm / rl / test rows in separate files)", flush=True)

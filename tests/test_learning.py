@@ -61,3 +61,17 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
     capsys.readouterr()
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("done already") == len(module.ARMS)
+
+
+def test_unwritable_output_fails_before_any_work(tmp_path, capsys):
+    """A file where the output directory should be: one `error:` line, exit 2, no world or model built."""
+    spec = importlib.util.spec_from_file_location("learning_bench_out", BENCH / "learning.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["learning_bench_out"] = module
+    spec.loader.exec_module(module)
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a directory")
+    assert module.main(["--quick", "--out", str(blocker / "learning")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "taken" in err and err.count("\n") == 1
+    assert not (tmp_path / "learning").exists()

@@ -70,14 +70,19 @@ def build_demo(argv: list[str]) -> int:
     return 0
 
 
+def _report_model(out, seed: int) -> int:
+    """Print one line about a saved random model: where, its vocabulary and hidden size."""
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    print(f"wrote {out}: vocab {config['vocab_size']}, hidden {config['hidden_size']}, seed {seed}")
+    return 0
+
+
 def build_tiny_model(argv: list[str]) -> int:
     from mempo_trl.kit.tiny import build_tiny_model
 
     (args,) = parse("mempo-trl kit build-tiny-model", [BuildTinyModelArguments], argv)
     out = build_tiny_model(args.output_dir, seed=args.seed, vocab_size=args.vocab_size)
-    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    print(f"wrote {out}: vocab {config['vocab_size']}, hidden {config['hidden_size']}, seed {args.seed}")
-    return 0
+    return _report_model(out, args.seed)
 
 
 def build_qwen_model(argv: list[str]) -> int:
@@ -85,9 +90,7 @@ def build_qwen_model(argv: list[str]) -> int:
 
     (args,) = parse("mempo-trl kit build-qwen-model", [BuildQwenModelArguments], argv)
     out = build_qwen2_5_model(args.output_dir, seed=args.seed, hidden_size=args.hidden_size)
-    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    print(f"wrote {out}: vocab {config['vocab_size']}, hidden {config['hidden_size']}, seed {args.seed}")
-    return 0
+    return _report_model(out, args.seed)
 
 
 def warm_start(argv: list[str]) -> int:
