@@ -28,6 +28,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from mempo_trl.kit.learner import LEARNER_INSTRUCTION
+
 
 ARMS = {
     "mempo": {},
@@ -47,6 +49,7 @@ BUDGET = {
     "temperature": 1.0,
     "beta": 0.0,
     "loss_type": "dapo",
+    "instruction": LEARNER_INSTRUCTION,
 }
 """What every arm gets: steps, G, batch (episodes per step), lr, and the episode limits."""
 
@@ -118,6 +121,7 @@ def run_arm(arm: str, seed: int, run_dir: Path, warm_dir: Path, rows: dict, retr
         max_turns=settings["budget"]["max_turns"],
         topk=settings["budget"]["retrieval_topk"],
         context_mode=context_mode,
+        instruction=settings["budget"]["instruction"],
     )
     # The warm start's evaluation is the same for every arm and seed of a context mode: computed once.
     warm_eval = run_dir.parent / f"warm_eval_{context_mode}.json"

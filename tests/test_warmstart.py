@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-from mempo_trl.context import render_prompt
+from mempo_trl.context import DEFAULT_INSTRUCTION, render_prompt
 from mempo_trl.data import read_jsonl
 from mempo_trl.kit import warmstart
+from mempo_trl.kit.learner import LEARNER_INSTRUCTION
 from mempo_trl.kit.warmstart import (
     WARM_START_FILE,
     build_warm_tiny_model,
@@ -79,17 +80,27 @@ def test_oracle_rejects_rows_longer_than_max_turns(all_rows, retriever):
         oracle_episode_turns(row, retriever, max_turns=2)
 
 
-@pytest.mark.parametrize("context_mode", ["memory", "full_history"])
-def test_sft_examples_equal_the_rollout_contexts(tiny_model_dir, one_row_per_kind, retriever, context_mode):
+@pytest.mark.parametrize(
+    ("context_mode", "instruction"),
+    [("memory", DEFAULT_INSTRUCTION), ("full_history", DEFAULT_INSTRUCTION), ("memory", LEARNER_INSTRUCTION)],
+)
+def test_sft_examples_equal_the_rollout_contexts(
+    tiny_model_dir, one_row_per_kind, retriever, context_mode, instruction
+):
     from mempo_trl.generation import stop_token_ids
     from mempo_trl.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
     engine = RolloutEngine(
-        tokenizer, retriever, max_turns=8, context_mode=context_mode, eos_token_ids=stop_token_ids(tokenizer)
+        tokenizer,
+        retriever,
+        max_turns=8,
+        context_mode=context_mode,
+        eos_token_ids=stop_token_ids(tokenizer),
+        instruction=instruction,
     )
     for row in one_row_per_kind:
-        examples = sft_examples([row], retriever, tokenizer, context_mode=context_mode)
+        examples = sft_examples([row], retriever, tokenizer, context_mode=context_mode, instruction=instruction)
         completions = iter(completion for _, completion in examples)
         episodes, _ = engine.run([row], lambda prompts, scripted=completions: ([next(scripted)], None))
         rounds = episodes[0].rounds

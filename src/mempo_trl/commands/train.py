@@ -178,6 +178,8 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
                 topk=training_args.retrieval_topk,
                 max_new_tokens=training_args.max_completion_length,
                 context_mode=training_args.context_mode,
+                instruction=training_args.instruction,
+                system_prompt=training_args.system_prompt,
             )
         )
     return trainer

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 
 from transformers import TrainerCallback
 
+from mempo_trl.context import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
+
 
 LEARNER_WORLD = {"seed": 1, "num_entities": 400, "num_questions": 3000}
 """The world of the learning experiment: ~820 passages, 3000 questions (30% 1-hop, 30% 2-hop, 20% comparison,
@@ -32,6 +34,10 @@ SPLIT_SIZES = {"test": 300, "rl": 800}
 LEARNER_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}
 """About 1.1 M parameters: a training step on 16 rounds takes ~1 s on one busy CPU core."""
 
+LEARNER_INSTRUCTION = "Question: {question}"
+"""The learner's user message: the question alone. The protocol is learned from the warm start, and a context about
+half as long (the default instruction is ~80 tokens) makes every SFT and RL step cheaper on CPU."""
+
 MEM_DROP = 0.3
 """Probability that the oracle's ``<mem>`` leaves out a fact (`oracle_episode_turns`): the warm-started model
 forgets facts that comparison and multi-objective answers need, which the memory advantage can repair."""
@@ -39,7 +45,8 @@ forgets facts that comparison and multi-objective answers need, which the memory
 
 @dataclass
 class WarmSettings:
-    """The SFT warm start of `build_learner`: `SFTTrainer` steps, batch size, learning rate, seed, ``mem_drop``."""
+    """The SFT warm start of `build_learner`: `SFTTrainer` steps, batch size, learning rate, seed, ``mem_drop``,
+    the number of warm rows used (all by default) and the instruction (RL and evaluation must use the same)."""
 
     steps: int = 300
     batch_size: int = 12
@@ -47,6 +54,7 @@ class WarmSettings:
     seed: int = 0
     mem_drop: float = MEM_DROP
     max_warm_rows: int | None = None
+    instruction: str = LEARNER_INSTRUCTION
 
 
 class LearnerPaths(NamedTuple):
@@ -119,7 +127,10 @@ def sft_warm_start(
     examples, skipped = [], 0
     for n, row in enumerate(rows):
         try:
-            examples += sft_examples([row], retriever, tokenizer, mem_drop=settings.mem_drop, seed=settings.seed + n)
+            examples += sft_examples(
+                [row], retriever, tokenizer, mem_drop=settings.mem_drop, seed=settings.seed + n,
+                instruction=settings.instruction,
+            )  # fmt: skip
         except ValueError:
             skipped += 1
     dataset = Dataset.from_dict(
@@ -233,6 +244,8 @@ def heldout_eval(
     topk: int = 3,
     max_new_tokens: int = 96,
     context_mode: str = "memory",
+    instruction: str = DEFAULT_INSTRUCTION,
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
 ) -> dict[str, Any]:
     """Greedy evaluation of ``rows`` (`mempo_trl.evaluation.evaluate`), with ``memory_recall`` overall and per type.
 
@@ -247,7 +260,12 @@ def heldout_eval(
     from mempo_trl.generation import HFGenerator
 
     settings = AgentSettings(
-        max_turns=max_turns, retrieval_topk=topk, context_mode=context_mode, max_completion_length=max_new_tokens
+        system_prompt=system_prompt,
+        instruction=instruction,
+        max_turns=max_turns,
+        retrieval_topk=topk,
+        context_mode=context_mode,
+        max_completion_length=max_new_tokens,
     )
     agent = MemPOAgent(tokenizer, retriever, HFGenerator(model, tokenizer, max_new_tokens, batch_size=32), settings)
     result = evaluate(agent, rows, progress=False)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mempo_trl.context import ContextMode, initial_messages, render_prompt, round_messages
+from mempo_trl.context import DEFAULT_INSTRUCTION, ContextMode, initial_messages, render_prompt, round_messages
 from mempo_trl.protocol import render_gold_answer, render_information
 
 
@@ -161,11 +161,13 @@ def sft_examples(
     topk: int = 3,
     mem_drop: float = 0.0,
     seed: int = 0,
+    instruction: str = DEFAULT_INSTRUCTION,
 ) -> list[tuple[list[int], list[int]]]:
     """One ``(prompt_ids, completion_ids)`` pair per round of every row's oracle episode.
 
     ``mem_drop`` (see `oracle_episode_turns`) draws its drops from ``random.Random(seed)``, so the same seed
-    gives the same examples.
+    gives the same examples. ``instruction`` is the user message around the question (train and evaluate with the
+    same one).
 
     The prompt is the round's context rebuilt with `initial_messages` + `round_messages` + `render_prompt`, as
     `mempo_trl.rollout.RolloutEngine` rebuilds it in training and evaluation. The completion is the turn's tokens
@@ -182,7 +184,7 @@ def sft_examples(
     examples = []
     rng = random.Random(seed)
     for row in rows:
-        base = initial_messages(row["question"])
+        base = initial_messages(row["question"], instruction=instruction)
         history: list[tuple[str, str]] = []
         for text, information in oracle_episode_turns(row, retriever, topk, mem_drop=mem_drop, rng=rng):
             prompt = render_prompt(tokenizer, round_messages(base, history, context_mode))
