@@ -9,7 +9,9 @@ on the same RL questions, and are evaluated greedily on held-out questions (neve
 - `full_history`: full-history GRPO, the Search-R1 baseline (`context_mode: full_history`; evaluated in that mode).
 
 Resumable: every (arm, seed) run writes `runs/<arm>_s<seed>/curve.json` after each evaluation and `run.json` when
-it ends; a rerun skips finished runs (same settings), so later sessions add seeds. After every run it rewrites
+it ends; a rerun skips finished runs (same settings), so later sessions add seeds. The default `--out`,
+`bench/results/learning_runs`, is committed except for what is rebuilt in seconds (the world, the BM25 index): the
+warm model and every finished run survive a fresh clone. After every run it rewrites
 `curves.json` (all curves), the summary (`--results`, default `bench/results/learning.json`) and the figure.
 
     python bench/learning.py                          # all arms x seeds 0 1 2 (see BUDGET; resumable)
@@ -231,7 +233,9 @@ def plot(records: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="outputs/learning", help="world, warm model and runs (resumable)")
+    parser.add_argument(
+        "--out", default="bench/results/learning_runs", help="world, warm model and runs (resumable; committed)"
+    )
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=None, help=f"MemPO steps per run (default {BUDGET['max_steps']})")
