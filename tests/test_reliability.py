@@ -393,6 +393,22 @@ def test_unknown_subcommand_flag_is_one_line(capsys):
     )
 
 
+def test_an_error_line_is_one_write_so_ranks_cannot_interleave(monkeypatch):
+    """Two ranks share stderr under `accelerate launch`: text and newline written apart let their lines mix."""
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    assert main(["serve-retriever", "--corpus", "c.jsonl", "--max-topk-typo", "3"]) == 2
+    assert len(writes) == 1 and writes[0].startswith("error: unrecognized arguments") and writes[0].endswith(")\n")
+
+
 # ------------------------------------------------------------------------------------------ fault injection
 
 

@@ -86,7 +86,10 @@ def run(func: Callable[..., int | None], *args: Any) -> int:
         message = error_message(err)
         if message is None or os.environ.get("MEMPO_DEBUG"):
             raise
-        print(message, file=sys.stderr, flush=True)
+        # One write of the whole line: under `accelerate launch` every rank shares the pipe, and `print` writes the
+        # text and the newline separately, so two ranks' lines could interleave.
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
         return USAGE_EXIT
 
 
