@@ -3,8 +3,8 @@
 MemPO scores ``log p(gold answer | full history before round t)`` for every round t >= 2 (P_full, docs/algorithm.md).
 The naive scheme (`mempo_trl.scoring.answer_token_logps`, ``memory_scoring="batched"``) forwards each round's full
 history as its own padded sequence, so a trajectory of N rounds costs O(N^2) context tokens. The shared-prefix scheme
-(`shared_prefix_answer_logps`, ``memory_scoring="shared_prefix"``) forwards each trajectory's longest history once with
-one answer block per round behind a 4D attention mask: O(N) tokens, the same log-probs.
+(`shared_prefix_answer_logps`, ``memory_scoring="shared_prefix"``) forwards each trajectory's longest history once
+into a KV cache, then one answer block per round over it behind a 4D attention mask: O(N) tokens, the same log-probs.
 
 Scripted episodes of exactly N rounds are played on the demo world through the real `RolloutEngine` (memory context)
 and BM25 retriever (top-3): every turn is ``<mem> [k] notes </mem>\\n<think> ... </think>\\n<search> hop query </search>``
@@ -276,9 +276,9 @@ def _rss_bytes() -> int:
 
 def probe(spec: dict) -> dict:
     """One side of `compare_revisions`, in a fresh process: score as the trainer does with ``memory_scoring="auto"``
-    (full-history contexts with `shared_prefix_answer_logps`, mem contexts with `answer_token_logps`) using the
-    scoring module at ``spec["scoring_path"]``; median seconds and peak RSS above the RSS before scoring."""
+    using the scoring module at ``spec["scoring_path"]``; median seconds and peak RSS above the RSS before scoring."""
     import importlib.util
+    import inspect
     import resource
 
     from transformers import AutoModelForCausalLM
@@ -302,8 +302,15 @@ def probe(spec: dict) -> dict:
             mem.append(pair.mem)
     pad_id, bs = tokenizer.pad_token_id, spec["batch_size"]
 
+    # Each side scores as its revision's trainer did: before the two-pass scheme (`pack_shared_prefix` takes
+    # `max_block_tokens`), mem contexts batched apart; since, a trajectory's full and mem contexts in one call.
+    two_pass = "max_block_tokens" in inspect.signature(scoring.pack_shared_prefix).parameters
+
     def score():
         with torch.no_grad():
+            if two_pass:
+                logps, mask = scoring.shared_prefix_answer_logps(model, full + mem, keys + keys, pad_id, bs)
+                return logps[: len(full)], mask[: len(full)], logps[len(full) :], mask[len(full) :]
             f, fm = scoring.shared_prefix_answer_logps(model, full, keys, pad_id, bs)
             m, mm = scoring.answer_token_logps(model, mem, pad_id, bs)
         return f, fm, m, mm

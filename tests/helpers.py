@@ -37,7 +37,7 @@ def scripted_scorers(tokenizer, probability):
     """Stand-ins for `answer_token_logps` and `shared_prefix_answer_logps` (patch them into `mempo_trl.trainer`):
     every gold token of an item gets ``log probability(model, decoded context)``, so that P = that probability."""
 
-    def answer_token_logps(model, items, pad_token_id, batch_size=8, num_forwards=None):
+    def answer_token_logps(model, items, pad_token_id, batch_size=8, num_chunks=None):
         width = max((len(it.answer_ids) for it in items), default=0)
         logps, mask = torch.zeros(len(items), width), torch.zeros(len(items), width, dtype=torch.bool)
         for i, it in enumerate(items):
@@ -46,7 +46,7 @@ def scripted_scorers(tokenizer, probability):
             mask[i, :n] = True
         return logps, mask
 
-    def shared_prefix_answer_logps(model, items, group_keys, pad_token_id, batch_size=8, num_forwards=None):
-        return answer_token_logps(model, items, pad_token_id, batch_size, num_forwards)
+    def shared_prefix_answer_logps(model, items, group_keys, pad_token_id, batch_size=8, num_chunks=None):
+        return answer_token_logps(model, items, pad_token_id, batch_size, num_chunks)
 
     return answer_token_logps, shared_prefix_answer_logps

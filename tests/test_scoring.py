@@ -12,6 +12,7 @@ from mempo_trl.memory import answer_probability
 from mempo_trl.retrieval import Passage
 from mempo_trl.rollout import RolloutEngine
 from mempo_trl.scoring import (
+    ScoringItem,
     answer_token_logps,
     gold_answer_tokens,
     memory_scoring_items,
@@ -133,13 +134,30 @@ def test_shared_prefix_scoring_is_exact_and_cheaper(tiny):
     assert shared_tokens < naive_tokens
 
 
-def test_non_prefix_contexts_get_their_own_row(tiny):
-    _, tokenizer = tiny
+def test_contexts_that_only_share_a_head_join_a_row_and_score_exactly(tiny):
+    """The memory contexts of a question share the system and user messages, not each other: each becomes a block
+    holding its own tail (the `<mem>`) and its answer, still exact."""
+    model, tokenizer = tiny
     episodes = scripted_episodes(tokenizer, SCRIPTS, GOLDS)
-    pairs = memory_scoring_items(episodes[0], tokenizer)
-    items = [pairs[0].full, pairs[1].full, pairs[0].mem]  # the mem context is no prefix of the full ones
-    rows = pack_shared_prefix(items, [0, 0, 0])
-    assert sorted(sorted(idx) for _, idx in rows) == [[0, 1], [2]]
+    pairs = [p for ep in episodes for p in memory_scoring_items(ep, tokenizer)]
+    items = [pairs[0].full, pairs[1].full, pairs[0].mem, pairs[1].mem] + [p.mem for p in pairs[2:]]
+    keys = [0, 0, 0, 0] + [1] * (len(pairs) - 2)
+    rows = pack_shared_prefix(items, keys)
+    assert sorted(sorted(idx) for _, idx in rows) == [[0, 1, 2, 3], list(range(4, len(items)))]
+    shared, shared_mask = shared_prefix_answer_logps(model, items, keys, tokenizer.pad_token_id)
+    naive, naive_mask = answer_token_logps(model, items, tokenizer.pad_token_id)
+    torch.testing.assert_close(shared, naive, atol=1e-4, rtol=1e-4)
+    assert torch.equal(shared_mask, naive_mask)
+
+
+def test_rows_are_capped_and_unrelated_contexts_get_their_own_row():
+    item = ScoringItem(list(range(1, 11)), [7, 8], [1, 1])  # a 10-token context
+    tails = [ScoringItem([1, 2, 3, 90 + j], [7, 8], [1, 1]) for j in range(8)]  # blocks of 7 + 2 tokens
+    stranger = ScoringItem([5, 6], [7, 8], [1, 1])  # shares no token with the prefix
+    rows = pack_shared_prefix([item, *tails, stranger], [0] * 10, max_block_tokens=20)
+    # Budget max(10, 20) = 20 block tokens: the prefix's own block (2) + 6 tails (3 each: 1 token + answer).
+    assert [idx for _, idx in rows] == [[0, 1, 2, 3, 4, 5, 6], [7, 8], [9]]
+    assert rows[1][0] == tails[6].context_ids and rows[2][0] == stranger.context_ids
 
 
 def test_placeholder_forwards_keep_processes_in_step(tiny):
@@ -149,14 +167,14 @@ def test_placeholder_forwards_keep_processes_in_step(tiny):
     calls = []
     handle = model.register_forward_hook(lambda *_: calls.append(1))
     try:
-        logps, _ = answer_token_logps(model, items, tokenizer.pad_token_id, batch_size=8, num_forwards=3)
-        shared_prefix_answer_logps(model, [], [], tokenizer.pad_token_id, batch_size=8, num_forwards=2)
+        logps, _ = answer_token_logps(model, items, tokenizer.pad_token_id, batch_size=8, num_chunks=3)
+        shared_prefix_answer_logps(model, [], [], tokenizer.pad_token_id, batch_size=8, num_chunks=2)
     finally:
         handle.remove()
-    assert len(calls) == 5
+    assert len(calls) == 3 + 2 * 2  # a shared-prefix chunk is two forwards (prefix, then blocks)
     assert logps.shape[0] == 1
-    with pytest.raises(ValueError, match="num_forwards"):
-        answer_token_logps(model, items * 9, tokenizer.pad_token_id, batch_size=8, num_forwards=1)
+    with pytest.raises(ValueError, match="num_chunks"):
+        answer_token_logps(model, items * 9, tokenizer.pad_token_id, batch_size=8, num_chunks=1)
 
 
 def _full_items(tokenizer):
@@ -169,12 +187,12 @@ def _full_items(tokenizer):
     return items, keys
 
 
-def test_scoring_forwards_skip_the_cache_and_feed_the_head_each_rows_own_positions(tiny):
+def test_scoring_forwards_keep_no_cache_and_feed_the_head_each_rows_own_positions(tiny):
     model, tokenizer = tiny
     items, keys = _full_items(tokenizer)
     calls, head_outputs = [], []
     hooks = [
-        model.register_forward_pre_hook(lambda _m, _a, kwargs: calls.append(kwargs), with_kwargs=True),
+        model.register_forward_pre_hook(lambda _m, _a, kwargs: calls.append(dict(kwargs)), with_kwargs=True),
         model.get_output_embeddings().register_forward_hook(lambda _m, _a, out: head_outputs.append(out.shape)),
     ]
     try:
@@ -183,10 +201,18 @@ def test_scoring_forwards_skip_the_cache_and_feed_the_head_each_rows_own_positio
     finally:
         for hook in hooks:
             hook.remove()
-    assert [kwargs["use_cache"] for kwargs in calls] == [False, False]
-    # Shared prefix: one sequence per trajectory, and the head sees exactly one position per answer token.
-    assert calls[1]["input_ids"].shape[0] == 2
-    assert head_outputs[1] == (sum(len(it.answer_ids) for it in items), model.config.vocab_size)
+    assert calls[0]["use_cache"] is False
+    # Shared prefix: pass 1 forwards one prefix per trajectory into a cache (head on its last position only) ...
+    prefix_pass, block_pass = calls[1:]
+    assert prefix_pass["input_ids"].shape[0] == 2 and prefix_pass["logits_to_keep"] == 1
+    assert "attention_mask" not in prefix_pass  # plain causal attention
+    assert block_pass["cache"] is prefix_pass["cache"]
+    assert head_outputs[1] == (2, 1, model.config.vocab_size)
+    # ... pass 2 the answer blocks over it, the head seeing exactly one position per answer token.
+    answer_tokens = sum(len(it.answer_ids) for it in items)
+    per_row = [sum(len(it.answer_ids) for it, key in zip(items, keys) if key == k) for k in (0, 1)]
+    assert block_pass["input_ids"].shape == (2, max(per_row))  # a full-history block is just its answer
+    assert head_outputs[2] == (answer_tokens, model.config.vocab_size)
 
 
 def test_shared_prefix_mask_is_built_in_the_models_dtype(tiny):
@@ -194,12 +220,15 @@ def test_shared_prefix_mask_is_built_in_the_models_dtype(tiny):
     items, keys = _full_items(tokenizer)
     double = copy.deepcopy(model).double()
     masks = []
-    hook = double.register_forward_pre_hook(lambda _m, _a, kw: masks.append(kw["attention_mask"]), with_kwargs=True)
+    hook = double.register_forward_pre_hook(
+        lambda _m, _a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True
+    )
     try:
         logps64, mask64 = shared_prefix_answer_logps(double, items, keys, tokenizer.pad_token_id)
     finally:
         hook.remove()
-    assert masks[0].dtype == torch.float64 and masks[0].device == next(double.parameters()).device
+    assert masks[0] is None  # the prefixes: plain causal attention
+    assert masks[1].dtype == torch.float64 and masks[1].device == next(double.parameters()).device
     logps32, mask32 = shared_prefix_answer_logps(model, items, keys, tokenizer.pad_token_id)
     assert torch.equal(mask64, mask32)
     torch.testing.assert_close(logps64.float(), logps32, atol=1e-4, rtol=1e-4)

@@ -8,6 +8,7 @@ tokens) and Qwen2.5's real one, with a model that stops after its action and one
 import math
 import re
 import statistics
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -109,7 +110,7 @@ def scripted_trainer(request, tiny_model_dir, tmp_path, monkeypatch):
                 outs.append(tokenizer(text + chatter, add_special_tokens=False)["input_ids"])
         return outs, None
 
-    def scripted_logps(model, items, pad_token_id, batch_size=8, num_forwards=None):
+    def scripted_logps(model, items, pad_token_id, batch_size=8, num_chunks=None):
         k = max((len(it.answer_ids) for it in items), default=0)
         logps = torch.zeros(len(items), k)
         mask = torch.zeros(len(items), k, dtype=torch.bool)
@@ -129,8 +130,8 @@ def scripted_trainer(request, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", scripted_logps)
     monkeypatch.setattr(
         "mempo_trl.trainer.shared_prefix_answer_logps",
-        lambda model, items, group_keys, pad_token_id, batch_size=8, num_forwards=None: scripted_logps(
-            model, items, pad_token_id, batch_size, num_forwards
+        lambda model, items, group_keys, pad_token_id, batch_size=8, num_chunks=None: scripted_logps(
+            model, items, pad_token_id, batch_size, num_chunks
         ),
     )
     return trainer, tokenizer, retriever, chatter
@@ -211,3 +212,49 @@ def test_invalid_first_turn_ends_episode_with_zero_outcome(scripted_trainer):
     out = trainer._generate_and_score_completions(inputs)
     assert out["completion_ids"].shape[0] == 3  # B1: 1 round, B2: 2 rounds
     assert trainer._metrics["train"]["episode/format_valid"][-1] == pytest.approx(0.5)
+
+
+def test_zero3_gathers_the_parameters_once_per_rollout(scripted_trainer, monkeypatch):
+    """Under ZeRO-3, TRL gathers all parameters around every `generate` (every round here): the rollout gathers once
+    (`unwrap_model_for_generation`) and turns the rounds' own gather off until it ends."""
+    trainer, *_ = scripted_trainer
+    entered, round_flags = [], []
+
+    @contextmanager
+    def counting_unwrap(model, accelerator, **kwargs):
+        entered.append(trainer.args.ds3_gather_for_generation)
+        yield accelerator.unwrap_model(model)
+
+    generate = trainer._generate_single_turn
+
+    def recording_generate(*args, **kwargs):
+        round_flags.append(trainer.args.ds3_gather_for_generation)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr("mempo_trl.trainer.unwrap_model_for_generation", counting_unwrap)
+    monkeypatch.setattr(trainer, "_generate_single_turn", recording_generate)
+    monkeypatch.setattr(trainer, "is_deepspeed_enabled", True)  # as under accelerate's DeepSpeed plugin
+    inputs = [{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT for _ in range(2)]
+    episodes, _ = trainer._play_episodes(inputs)
+    assert max(len(ep.rounds) for ep in episodes) == len(round_flags) == 3
+    assert entered == [True]  # one gather for the three rounds
+    assert round_flags == [False, False, False]  # TRL's per-round gather skipped
+    assert trainer.args.ds3_gather_for_generation is True  # restored
+
+
+def test_a_process_with_nothing_to_score_still_issues_the_shared_prefix_forwards(scripted_trainer, monkeypatch):
+    """Under ZeRO-3 every forward is collective: a process whose episodes have no scored round must run the same
+    scorer (and number of chunks) as the others, not fall back to the batched one."""
+    trainer, *_ = scripted_trainer
+    calls = []
+    monkeypatch.setattr(trainer, "shared_prefix_scoring", True)
+    monkeypatch.setattr(trainer, "_global_max", lambda value: max(value, 2))  # another process needs 2 chunks
+    monkeypatch.setattr(
+        "mempo_trl.trainer.shared_prefix_answer_logps",
+        lambda model, items, keys, pad, bs, num_chunks: (
+            calls.append((len(items), keys, num_chunks)) or (torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.bool))
+        ),
+    )
+    monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", lambda *a, **k: pytest.fail("batched scorer used"))
+    assert trainer._memory_rewards([]) == {}
+    assert calls == [(0, [], 2)]

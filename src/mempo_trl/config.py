@@ -66,10 +66,11 @@ class MemPOConfig(GRPOConfig):
         memory_scoring (`str`, *optional*, defaults to `"auto"`):
             How P_full / P_mem are computed; all give the same values. `"batched"`: each (context, answer) pair is
             its own sequence of one padded batch. `"shared_prefix"`: the full-history
-            contexts of one trajectory are prefixes of each other, so they are scored in ONE sequence (its longest
-            context + one answer block per round, with a 4D attention mask): linear instead of quadratic tokens in
-            the number of rounds (3.4x faster scoring at 8 rounds in `bench/`). Needs `sdpa` or `eager` attention
-            (not flash-attention); the T x T mask costs O(T^2) memory per sequence. `"auto"`: `shared_prefix` when
+            contexts of one trajectory are prefixes of each other (and the mem contexts of one question share their
+            first messages), so the longest is forwarded once into a KV cache, then every context adds only its own
+            tail and the answer under a block mask: linear instead of quadratic tokens in the number of rounds.
+            Needs `sdpa` or `eager` attention (not flash-attention); the mask is (tail tokens) x (context + tail
+            tokens) per sequence. `"auto"`: `shared_prefix` when
             the model's attention allows it, else `batched`.
 
     Why a token-level `loss_type`: each turn is its own row and episodes have different numbers of turns, so rows
@@ -127,8 +128,8 @@ class MemPOConfig(GRPOConfig):
     memory_scoring: str = field(
         default="auto",
         metadata={
-            "help": "`batched`: every context scored as its own sequence. `shared_prefix`: the full-history contexts "
-            "of a trajectory share one sequence (same values, fewer tokens; needs sdpa/eager attention). `auto`: "
+            "help": "`batched`: every context scored as its own sequence. `shared_prefix`: the contexts of a "
+            "trajectory share one forward of their common part (same values, fewer tokens; needs sdpa/eager). `auto`: "
             "shared_prefix with sdpa/eager attention, else batched.",
             "choices": ["auto", "batched", "shared_prefix"],
         },

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import gather_object, is_peft_model
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
+from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 
 from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
@@ -206,14 +206,26 @@ class MemPOTrainer(GRPOTrainer):
 
     @contextmanager
     def _rollout_context(self):
-        """Hold vLLM ready for all the rounds of a rollout (colocate with `vllm_enable_sleep_mode`).
+        """Hold the generation backend ready for all the rounds of a rollout, instead of once per round.
 
-        TRL puts vLLM to sleep (level 2, weights dropped) after every `generate` and re-syncs all weights before the
-        next; here it is woken and synced once, kept awake through the rounds and put back to sleep after the last
-        one. (HF generation under ZeRO-3 still gathers the parameters around every round's `generate`, as TRL does.)
+        - HF generation under DeepSpeed ZeRO-3 (``ds3_gather_for_generation``): TRL gathers all parameters around
+          every `generate`, i.e. every round here; they are gathered once for the whole rollout (TRL's
+          `unwrap_model_for_generation`), and the rounds' own `generate` calls skip their gather.
+        - vLLM colocate with `vllm_enable_sleep_mode`: TRL puts vLLM to sleep (level 2, weights dropped) after every
+          `generate` and re-syncs all weights before the next; here it is woken and synced once, kept awake through
+          the rounds and put back to sleep after the last one.
         """
-        generation = getattr(self, "vllm_generation", None)
-        if self.use_vllm and self.vllm_mode == "colocate" and generation.enable_sleep_mode:
+        args, generation = self.args, getattr(self, "vllm_generation", None)
+        if not self.use_vllm and self.is_deepspeed_enabled and args.ds3_gather_for_generation:
+            with unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator, gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+            ):
+                args.ds3_gather_for_generation = False  # gathered already: the rounds must not gather again
+                try:
+                    yield
+                finally:
+                    args.ds3_gather_for_generation = True
+        elif self.use_vllm and self.vllm_mode == "colocate" and generation.enable_sleep_mode:
             if self.state.global_step != self._last_loaded_step or generation._llm_weights_sleeping:
                 generation.sync_weights()  # wakes the weights up first
                 self._last_loaded_step = self.state.global_step
@@ -243,12 +255,12 @@ class MemPOTrainer(GRPOTrainer):
     def _score_items(self, items, use_reference: bool, group_keys=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Answer-token log-probs of scoring items, with the same number of forwards on every process.
 
-        With ``group_keys`` (one per item), items of the same key that share a context prefix are scored in one
-        sequence (`shared_prefix_answer_logps`).
+        With ``group_keys`` (one per item), items of the same key that share a context prefix are scored with one
+        forward of that prefix (`shared_prefix_answer_logps`).
         """
         bs = self.args.memory_scoring_batch_size
         num_rows = len(items) if group_keys is None else len(pack_shared_prefix(items, group_keys))
-        num_forwards = self._global_max(math.ceil(num_rows / bs))
+        num_chunks = self._global_max(math.ceil(num_rows / bs))
         unwrapped = self.accelerator.unwrap_model(self.model)
         if use_reference and self.ref_model is not None:
             model, adapter_ctx = self.ref_model, nullcontext()
@@ -260,8 +272,8 @@ class MemPOTrainer(GRPOTrainer):
         pad_id = self._tokenizer.pad_token_id
         with adapter_ctx, self.accelerator.autocast():
             if group_keys is None:
-                return answer_token_logps(model, items, pad_id, bs, num_forwards)
-            return shared_prefix_answer_logps(model, items, group_keys, pad_id, bs, num_forwards)
+                return answer_token_logps(model, items, pad_id, bs, num_chunks)
+            return shared_prefix_answer_logps(model, items, group_keys, pad_id, bs, num_chunks)
 
     def _memory_rewards(self, episodes: list[Episode]) -> dict[tuple[int, int], dict[str, float]]:
         """Step 4: P_full, P_mem and the memory reward of every scored round, keyed by (episode, round index)."""
@@ -272,14 +284,15 @@ class MemPOTrainer(GRPOTrainer):
                 pairs.append(pair)
         args = self.args
         with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
-            if args.memory_full_from_reference or self.shared_prefix_scoring:
-                group_keys = [e for e, _ in keys] if self.shared_prefix_scoring else None
-                full_logps, full_mask = self._score_items(
-                    [p.full for p in pairs], args.memory_full_from_reference, group_keys
-                )
-                mem_logps, mem_mask = self._score_items([p.mem for p in pairs], use_reference=False)
+            # Shared-prefix scoring packs the contexts of one trajectory together: its full contexts are prefixes of
+            # each other, and its mem contexts start with the same system and user messages.
+            group_keys = [e for e, _ in keys] if self.shared_prefix_scoring else None
+            if args.memory_full_from_reference:
+                full_logps, full_mask = self._score_items([p.full for p in pairs], True, group_keys)
+                mem_logps, mem_mask = self._score_items([p.mem for p in pairs], False, group_keys)
             else:
-                logps, mask = self._score_items([p.full for p in pairs] + [p.mem for p in pairs], False)
+                both_keys = group_keys + group_keys if group_keys is not None else None
+                logps, mask = self._score_items([p.full for p in pairs] + [p.mem for p in pairs], False, both_keys)
                 full_logps, mem_logps = logps[: len(pairs)], logps[len(pairs) :]
                 full_mask, mem_mask = mask[: len(pairs)], mask[len(pairs) :]
         threshold = args.memory_threshold
