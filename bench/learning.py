@@ -80,6 +80,32 @@ def _versions() -> dict:
     }
 
 
+def parse_overrides(items: list[str]) -> dict:
+    """``KEY=VALUE`` items to a dict of BUDGET overrides; each key must be a `MemPOConfig` field, values are JSON
+    (a bare word is a string).
+
+    >>> parse_overrides(["learning_rate=1e-4", "memory_threshold=null"])
+    {'learning_rate': 0.0001, 'memory_threshold': None}
+    """
+    from dataclasses import fields
+
+    from mempo_trl import MemPOConfig
+
+    known = {f.name for f in fields(MemPOConfig)}
+    overrides = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or key not in known:
+            raise ValueError(
+                f"--set {item}: expected KEY=VALUE with KEY a MemPOConfig field (e.g. learning_rate=1e-4)"
+            )
+        try:
+            overrides[key] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[key] = text
+    return overrides
+
+
 def _settings(args, budget: dict, warm: dict, world: dict, sizes: dict) -> dict:
     return {"budget": budget, "warm": warm, "world": world, "sizes": sizes, "eval_rows": args.eval_rows}
 
@@ -244,7 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=None, help="summary JSON (default bench/results/learning.json)")
     parser.add_argument("--figure", default=None, help="figure (default next to the summary, learning.png)")
     parser.add_argument("--quick", action="store_true", help="tiny world, a few steps, 1 seed: a smoke run")
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
+        help="probe: override BUDGET entries (any MemPOConfig field, JSON values), e.g. learning_rate=1e-4; runs go "
+        "to <out>/probes/<overrides>/ with their own summary, from the same warm start",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        overrides = parse_overrides(args.overrides)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
     import torch
 
@@ -263,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         args.eval_every, args.eval_rows, args.seeds = QUICK["eval_every"], sizes["test"], args.seeds[:1]
     if args.steps is not None:
         budget["max_steps"] = args.steps
-    results = Path(args.results or (out / "learning.json" if args.quick else "bench/results/learning.json"))
+    budget.update(overrides)
+    tag = ",".join(f"{key}={json.dumps(value)}" for key, value in sorted(overrides.items()))
+    run_root = out / "probes" / tag if overrides else out  # probes never touch the shipped budget's runs
+    local = args.quick or overrides
+    results = Path(args.results or (run_root / "learning.json" if local else "bench/results/learning.json"))
     figure = Path(args.figure or results.with_suffix(".png"))
     settings = _settings(args, budget, warm, world, sizes)
     try:  # every output is checked before the (long) warm start and runs
@@ -286,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/learning.py " + " ".join(sys.argv[1:] if argv is None else argv)
     for seed in args.seeds:
         for arm in args.arms:
-            run_dir = out / "runs" / f"{arm}_s{seed}"
+            run_dir = run_root / "runs" / f"{arm}_s{seed}"
             done = run_dir / "run.json"
             if done.is_file() and json.loads(done.read_text())["settings"] == settings:
                 print(f"{arm} seed {seed}: done already ({done})", flush=True)
@@ -296,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             curve = record["curve"]
             print(f"{arm} seed {seed}: held-out EM {curve[0]['em']:.3f} -> {curve[-1]['em']:.3f} "
                   f"({record['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
-            write_outputs(out, settings, results, figure, command)
-    write_outputs(out, settings, results, figure, command)
+            write_outputs(run_root, settings, results, figure, command)
+    write_outputs(run_root, settings, results, figure, command)
     return 0
 
 

@@ -61,6 +61,16 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
     capsys.readouterr()
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("done already") == len(module.ARMS)
+    # A probe (`--set`) trains from the same warm start into its own directory, leaving the shipped runs alone.
+    shipped = {p: p.read_bytes() for p in (tmp_path / "runs").glob("*/run.json")}
+    assert module.main(["--quick", "--out", str(tmp_path), "--arms", "mempo", "--set", "learning_rate=0.001"]) == 0
+    probe = tmp_path / "probes" / "learning_rate=0.001"
+    assert (
+        json.loads((probe / "runs" / "mempo_s0" / "run.json").read_text())["settings"]["budget"]["learning_rate"]
+        == 1e-3
+    )
+    assert json.loads((probe / "learning.json").read_text())["arms"]["mempo"]["seeds"] == [0]
+    assert {p: p.read_bytes() for p in (tmp_path / "runs").glob("*/run.json")} == shipped
 
 
 def test_unwritable_output_fails_before_any_work(tmp_path, capsys):
@@ -75,3 +85,17 @@ def test_unwritable_output_fails_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "taken" in err and err.count("\n") == 1
     assert not (tmp_path / "learning").exists()
+
+
+@pytest.mark.parametrize("item", ["learnin_rate=1e-4", "learning_rate"])
+def test_set_rejects_a_bad_override_before_any_work(tmp_path, capsys, item):
+    spec = importlib.util.spec_from_file_location("learning_bench_set", BENCH / "learning.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["learning_bench_set"] = module
+    spec.loader.exec_module(module)
+    overrides = module.parse_overrides(["learning_rate=1e-4", "memory_threshold=null", "loss_type=bnpo"])
+    assert overrides == {"learning_rate": 1e-4, "memory_threshold": None, "loss_type": "bnpo"}
+    assert module.main(["--quick", "--out", str(tmp_path / "out"), "--set", item]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --set {item}: expected KEY=VALUE with KEY a MemPOConfig field (e.g. learning_rate=1e-4)\n"
+    assert not (tmp_path / "out").exists()
