@@ -2,6 +2,7 @@
 and the real Qwen2.5 tokenizer, log-probs on the tiny model."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -69,6 +70,19 @@ def tiny(tiny_model_dir):
     return model, tokenizer
 
 
+@pytest.fixture(params=["tiny", "qwen2.5"])
+def any_model(request, tiny):
+    """The tiny model, and a random Qwen2.5-shaped one with Qwen2.5's real tokenizer (tags are several tokens)."""
+    if request.param == "tiny":
+        return tiny
+    from transformers import AutoModelForCausalLM
+
+    from mempo_trl.loading import load_tokenizer
+
+    model_dir = request.getfixturevalue("qwen_model_dir")
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa"), load_tokenizer(model_dir)
+
+
 def test_gold_mask_covers_only_the_gold_text(any_tokenizer):
     tokenizer = any_tokenizer
     ids, mask = gold_answer_tokens(tokenizer, ["Nord Haven", "x"])
@@ -111,8 +125,8 @@ def test_batched_scoring_equals_one_item_at_a_time(tiny):
     assert torch.isfinite(batched).all()
 
 
-def test_shared_prefix_scoring_is_exact_and_cheaper(tiny):
-    model, tokenizer = tiny
+def test_shared_prefix_scoring_is_exact_and_cheaper(any_model):
+    model, tokenizer = any_model
     scripts = [SCRIPTS[0] * 1, SCRIPTS[2]]
     episodes = scripted_episodes(tokenizer, scripts, [GOLDS[0], GOLDS[2]])
     keys, items = [], []
@@ -134,10 +148,10 @@ def test_shared_prefix_scoring_is_exact_and_cheaper(tiny):
     assert shared_tokens < naive_tokens
 
 
-def test_contexts_that_only_share_a_head_join_a_row_and_score_exactly(tiny):
+def test_contexts_that_only_share_a_head_join_a_row_and_score_exactly(any_model):
     """The memory contexts of a question share the system and user messages, not each other: each becomes a block
     holding its own tail (the `<mem>`) and its answer, still exact."""
-    model, tokenizer = tiny
+    model, tokenizer = any_model
     episodes = scripted_episodes(tokenizer, SCRIPTS, GOLDS)
     pairs = [p for ep in episodes for p in memory_scoring_items(ep, tokenizer)]
     items = [pairs[0].full, pairs[1].full, pairs[0].mem, pairs[1].mem] + [p.mem for p in pairs[2:]]
@@ -254,3 +268,16 @@ def test_scoring_is_dropout_free_and_restores_train_mode(tiny):
         first, second = score(), score()
         assert torch.equal(first[0], second[0])
         assert all(module.training for module in model.modules())
+
+
+def test_the_cache_goes_by_the_name_the_wrapped_models_forward_takes(tiny):
+    """transformers renamed `past_key_values` to `cache` (5.24; 5.23 is in range): the name is looked up on the
+    innermost model, so a PEFT-wrapped model is scored without a deprecation warning."""
+    from peft import LoraConfig, get_peft_model
+
+    base, tokenizer = tiny
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    items, keys = _full_items(tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        shared_prefix_answer_logps(model, items, keys, tokenizer.pad_token_id)
