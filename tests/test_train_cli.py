@@ -65,3 +65,25 @@ def test_heldout_questions_prints_em_before_and_after_training(capsys, recipe):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("held-out EM (3 questions, greedy): ")
     assert "before training (step 0) -> " in last and "after (step 1)" in last
+
+
+def test_a_finished_run_tears_down_its_process_groups(recipe, tmp_path):
+    """Left to interpreter exit, an extra process group (vLLM's TP group) can abort a finished rank (SIGABRT)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = (
+        "import torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)\n"
+        "dist.new_group([0])\n"
+        "from mempo_trl.cli import main\n"
+        f"code = main(['train', '--config', {recipe()!r}])\n"
+        "print('exit', code, 'initialized', dist.is_initialized())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "exit 0 initialized False"

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import EchoRetriever, scripted_scorers  # noqa: E402
 
 from mempo_trl import MemPOConfig, MemPOTrainer  # noqa: E402
+from mempo_trl.commands.train import release_process_groups  # noqa: E402
 from mempo_trl.kit.tiny import load_tiny  # noqa: E402
 
 
@@ -101,6 +102,7 @@ def main(model_dir: str, out_path: str) -> None:
     gathered = trainer.accelerator.gather_for_metrics(rows, use_gather_object=True)
     if rank == 0:
         json.dump({"world": world, "rows": gathered}, open(out_path, "w"))
+    release_process_groups(trainer)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fake_vllm  # noqa: E402
 
 from mempo_trl import MemPOConfig, MemPOTrainer  # noqa: E402
+from mempo_trl.commands.train import release_process_groups  # noqa: E402
 from mempo_trl.kit.tiny import load_tiny  # noqa: E402
 from mempo_trl.retrieval import Passage  # noqa: E402
 
@@ -77,6 +78,7 @@ def main(mode: str, model_dir: str, out_dir: str) -> None:
         "log_history": trainer.state.log_history,
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    release_process_groups(trainer)  # as `mempo-trl train` does: the TP group must not be left to interpreter exit
 
 
 if __name__ == "__main__":

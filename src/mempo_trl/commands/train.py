@@ -185,6 +185,20 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     return trainer
 
 
+def release_process_groups(trainer) -> None:
+    """Wait for every process, then destroy all process groups while Python is still alive.
+
+    Left to interpreter exit, gloo's worker threads can abort a finished rank ("terminate called without an active
+    exception", pytorch/pytorch#190489; seen with vLLM's tensor-parallel group in colocate mode), and the launcher
+    then reports the whole run as failed.
+    """
+    import torch
+
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def train(trainer, training_args, dataset_name: str | None = None) -> dict:
     """Train, save the model, the metrics and the model card (and push). Returns the final metrics.
 
@@ -197,7 +211,7 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except RetrieverOutage as err:
         trainer._save_checkpoint(trainer.model, trial=None)
-        trainer.accelerator.wait_for_everyone()  # no process exits (and gets the others killed) before all saved
+        release_process_groups(trainer)  # no process exits (and gets the others killed) before all saved
         checkpoint = Path(training_args.output_dir, f"checkpoint-{trainer.state.global_step}")
         raise RetrieverOutage(
             f"training stopped: {err} Saved {checkpoint}; once the server answers again, rerun with "
@@ -255,6 +269,7 @@ def _main(argv: list[str] | None) -> int:
         for callback in trainer.callback_handler.callbacks:
             if hasattr(callback, "before_after"):
                 print(callback.before_after())
+    release_process_groups(trainer)
     return 0
 
 
