@@ -17,6 +17,11 @@ warm model and every finished run survive a fresh clone. After every run it rewr
     python bench/learning.py                          # all arms x seeds 0 1 2 (see BUDGET; resumable)
     python bench/learning.py --seeds 0                # one seed per arm first
     python bench/learning.py --quick --out outputs/learning_quick   # CI smoke: tiny world, a few steps
+    python bench/learning.py --headroom --set temperature=0.7        # what RL can gain, before spending it
+
+`--headroom` trains nothing: it plays the held-out rows with the warm start, greedily (why each miss fails:
+`mempo_trl.kit.learner.failure_kind`) and G times sampled at the budget's temperature (mean EM, pass@G, the share
+of rows whose samples disagree), and writes `headroom.json` next to the runs.
 """
 
 import argparse
@@ -271,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--figure", default=None, help="figure (default next to the summary, learning.png)")
     parser.add_argument("--quick", action="store_true", help="tiny world, a few steps, 1 seed: a smoke run")
     parser.add_argument(
+        "--headroom", action="store_true", help="measure the warm start's headroom (no training): headroom.json"
+    )
+    parser.add_argument(
         "--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
         help="probe: override BUDGET entries (any MemPOConfig field, JSON values), e.g. learning_rate=1e-4; runs go "
         "to <out>/probes/<overrides>/ with their own summary, from the same warm start",
@@ -324,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = {"test": read_jsonl(paths.test)[: args.eval_rows], "rl_path": paths.rl}
 
     command = "python bench/learning.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.headroom:
+        return write_headroom(run_root, warm_dir, rows["test"], retriever, budget, command)
     for seed in args.seeds:
         for arm in args.arms:
             run_dir = run_root / "runs" / f"{arm}_s{seed}"
@@ -338,6 +348,32 @@ def main(argv: list[str] | None = None) -> int:
                   f"({record['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
             write_outputs(run_root, settings, results, figure, command)
     write_outputs(run_root, settings, results, figure, command)
+    return 0
+
+
+def write_headroom(run_root: Path, warm_dir: Path, rows: list[dict], retriever, budget: dict, command: str) -> int:
+    """`--headroom`: `mempo_trl.kit.learner.headroom` of the warm start on the held-out rows -> headroom.json."""
+    from mempo_trl.kit.learner import headroom
+    from mempo_trl.kit.tiny import load_tiny
+
+    model, tokenizer = load_tiny(warm_dir)
+    episode = {
+        "max_turns": budget["max_turns"],
+        "topk": budget["retrieval_topk"],
+        "max_new_tokens": budget["max_completion_length"],
+        "instruction": budget["instruction"],
+    }
+    start = time.perf_counter()
+    result = headroom(model, tokenizer, rows, retriever, budget["num_generations"], budget["temperature"], **episode)
+    record = {"command": command, "versions": _versions(), "seconds": time.perf_counter() - start, **result}
+    run_root.mkdir(parents=True, exist_ok=True)
+    (run_root / "headroom.json").write_text(json.dumps(record, indent=2))
+    k = result["samples"]
+    print(f"headroom on {result['rows']} held-out rows: greedy EM {result['greedy_em']:.3f}; sampled "
+          f"(G={k}, temperature {result['temperature']}): mean EM {result['mean_at_1']:.3f}, pass@{k} "
+          f"{result['pass_at_k']:.3f}, rows whose samples disagree {result['mixed_groups']:.3f}", flush=True)  # fmt: skip
+    misses = ", ".join(f"{kind} {share:.2f}" for kind, share in result["failures"].items())
+    print(f"greedy episodes: {misses} -> {run_root / 'headroom.json'}", flush=True)
     return 0
 
 

@@ -3,13 +3,14 @@
 import doctest
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
 
 from mempo_trl.kit import learner
-from mempo_trl.kit.learner import memory_recall, write_learner_world
+from mempo_trl.kit.learner import failure_kind, memory_recall, write_learner_world
 
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -36,6 +37,23 @@ def test_memory_recall_counts_whole_normalised_values():
     assert memory_recall("A: 1,492. B: the Seikeis.", ["1492", "Seikeis"]) == 1.0
     assert memory_recall("A: 14920.", ["1492"]) == 0.0  # a value inside another does not count
     assert memory_recall(None, ["x"]) == 0.0
+
+
+def test_failure_kinds_are_checked_in_order():
+    info = "<information>Doc 1(Title: Ulm) Ulm, a city of 1,492 people, lies on the Danube.</information>"
+    base = {"question": "How many people live in Ulm?", "golden_answers": ["1,492"], "em": 0.0, "format_valid": True,
+            "answer": "Danube", "rounds": [{"information": None}, {"information": info}]}  # fmt: skip
+    cases = [
+        ({"em": 1.0}, "correct"),
+        ({"format_valid": False}, "invalid_format"),
+        ({"answer": None}, "no_answer"),
+        ({"rounds": [{"information": info.replace("1,492", "1,400")}]}, "not_retrieved"),
+        ({"answer": "1,429"}, "miscopied"),
+        ({"answer": "the danube"}, "wrong_choice"),  # case and punctuation aside
+        ({"answer": "ulm"}, "wrong_choice"),  # a value of the question
+        ({"answer": "Ul"}, "miscopied"),  # part of a word is not the word
+    ]
+    assert [failure_kind({**base, **change}) for change, _ in cases] == [kind for _, kind in cases]
 
 
 @pytest.mark.slow
@@ -71,6 +89,16 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
     )
     assert json.loads((probe / "learning.json").read_text())["arms"]["mempo"]["seeds"] == [0]
     assert {p: p.read_bytes() for p in (tmp_path / "runs").glob("*/run.json")} == shipped
+    # `--headroom` trains nothing and writes headroom.json next to the (probe's) runs.
+    capsys.readouterr()
+    assert module.main(["--quick", "--out", str(tmp_path), "--headroom", "--set", "temperature=0.7"]) == 0
+    assert "headroom on 8 held-out rows: greedy EM " in capsys.readouterr().out
+    result = json.loads((tmp_path / "probes" / "temperature=0.7" / "headroom.json").read_text())
+    assert not (tmp_path / "probes" / "temperature=0.7" / "runs").exists()
+    assert (result["rows"], result["samples"], result["temperature"]) == (8, 2, 0.7)
+    assert math.isclose(sum(result["failures"].values()), 1.0) and result["failures"]["correct"] == result["greedy_em"]
+    assert result["mean_at_1"] <= result["pass_at_k"] and result["mixed_groups"] <= result["pass_at_k"]
+    assert sum(t["rows"] for t in result["by_type"].values()) == 8
 
 
 def test_unwritable_output_fails_before_any_work(tmp_path, capsys):

@@ -8,7 +8,9 @@ with TRL's `SFTTrainer`, and a held-out evaluation with memory recall.
   ``warm`` rows, leaving the memory imperfect on purpose (`MEM_DROP`);
 - `heldout_eval` plays the held-out rows greedily and reports EM, F1, per question type, format, tokens and
   ``memory_recall`` (the share of the facts a question needs that are in the episode's last ``<mem>``);
-  `HeldOutEvalCallback` runs it before, during and after training.
+  `HeldOutEvalCallback` runs it before, during and after training;
+- `headroom` measures what RL can gain before any is spent: why the greedy episodes miss (`failure_kind`), and
+  how often sampled episodes of a row disagree (the GRPO groups that carry a reward signal).
 """
 
 import hashlib
@@ -243,6 +245,118 @@ def memory_recall(mem: str | None, facts: Sequence[str]) -> float:
     return sum(f" {normalize_answer(fact)} " in text for fact in facts) / len(facts)
 
 
+def _play(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    retriever,
+    temperature: float = 0.0,
+    max_turns: int = 4,
+    topk: int = 3,
+    max_new_tokens: int = 96,
+    context_mode: str = "memory",
+    instruction: str = DEFAULT_INSTRUCTION,
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+):
+    """One episode per row (`mempo_trl.evaluation.evaluate`), greedy when ``temperature == 0``."""
+    from mempo_trl.agent import AgentSettings, MemPOAgent
+    from mempo_trl.evaluation import evaluate
+    from mempo_trl.generation import HFGenerator
+
+    settings = AgentSettings(
+        system_prompt=system_prompt,
+        instruction=instruction,
+        max_turns=max_turns,
+        retrieval_topk=topk,
+        context_mode=context_mode,
+        max_completion_length=max_new_tokens,
+    )
+    generator = HFGenerator(model, tokenizer, max_new_tokens, temperature=temperature, batch_size=32)
+    return evaluate(MemPOAgent(tokenizer, retriever, generator, settings), rows, progress=False)
+
+
+FAILURE_KINDS = ("correct", "invalid_format", "no_answer", "not_retrieved", "miscopied", "wrong_choice")
+"""What `failure_kind` returns, in the order it checks."""
+
+
+def failure_kind(record: dict) -> str:
+    """Why an episode (a `mempo_trl.evaluation.evaluate` record) missed, the first of `FAILURE_KINDS` that applies:
+
+    ``correct`` (EM 1); ``invalid_format`` (a malformed turn); ``no_answer`` (valid turns, no answer within
+    ``max_turns``); ``not_retrieved`` (no retrieved passage holds the gold answer); ``miscopied`` (one did, but the
+    answer is in neither the passages nor the question: a name or number copied wrong); ``wrong_choice`` (the answer
+    is another value of the passages or the question).
+
+    Example:
+        >>> info = "<information>Doc 1(Title: Seikeis) Seikeis was founded in 1492.</information>"
+        >>> record = {"question": "When was Seikeis founded?", "golden_answers": ["1492"], "em": 0.0,
+        ...           "format_valid": True, "answer": "1409", "rounds": [{"information": info}]}
+        >>> failure_kind(record), failure_kind({**record, "answer": "Seikeis"})
+        ('miscopied', 'wrong_choice')
+        >>> failure_kind({**record, "rounds": [{"information": None}]})
+        'not_retrieved'
+    """
+    import re
+
+    if record["em"] == 1.0:
+        return "correct"
+    if not record["format_valid"]:
+        return "invalid_format"
+    if record["answer"] is None:
+        return "no_answer"
+    passages = " ".join(r.get("information") or "" for r in record["rounds"])
+
+    def within(value: str, text: str) -> bool:  # as whole words, case and punctuation aside
+        words = " ".join(re.findall(r"\w+", value.lower()))
+        return bool(words) and f" {words} " in " " + " ".join(re.findall(r"\w+", text.lower())) + " "
+
+    if not any(within(gold, passages) for gold in record["golden_answers"]):
+        return "not_retrieved"
+    return "wrong_choice" if within(record["answer"], passages + " " + record["question"]) else "miscopied"
+
+
+def headroom(
+    model, tokenizer, rows: Sequence[dict], retriever, samples: int = 4, temperature: float = 1.0, **episode: Any
+) -> dict[str, Any]:
+    """What RL can gain on ``rows``, measured before training.
+
+    Greedy: ``greedy_em`` and the share of rows per `failure_kind` (``failures``). Sampled (``samples`` episodes
+    per row at ``temperature``, seeds 0..samples-1): ``mean_at_1`` (mean EM), ``pass_at_k`` (share of rows right at
+    least once) and ``mixed_groups`` (share of rows whose samples disagree: the GRPO groups that carry an outcome
+    signal). The same keys per question type in ``by_type``. ``episode``: `heldout_eval`'s episode settings.
+    """
+    import torch
+
+    greedy = _play(model, tokenizer, rows, retriever, **episode).records
+    sampled = []
+    for seed in range(samples):
+        torch.manual_seed(seed)
+        sampled.append([r["em"] for r in _play(model, tokenizer, rows, retriever, temperature, **episode).records])
+
+    def summary(index: list[int]) -> dict[str, Any]:
+        n = max(1, len(index))
+        kinds = [failure_kind(greedy[i]) for i in index]
+        wins = [sum(run[i] for run in sampled) for i in index]
+        return {
+            "rows": len(index),
+            "greedy_em": sum(greedy[i]["em"] for i in index) / n,
+            "mean_at_1": sum(wins) / (n * samples),
+            "pass_at_k": sum(w > 0 for w in wins) / n,
+            "mixed_groups": sum(0 < w < samples for w in wins) / n,
+            "failures": {kind: kinds.count(kind) / n for kind in FAILURE_KINDS},
+        }
+
+    types: dict[str, list[int]] = {}
+    for i, record in enumerate(greedy):
+        types.setdefault(record["data_source"], []).append(i)
+    return {
+        "samples": samples,
+        "temperature": temperature,
+        **summary(list(range(len(rows)))),
+        "by_type": {source: summary(index) for source, index in sorted(types.items())},
+    }
+
+
 def heldout_eval(
     model,
     tokenizer,
@@ -263,20 +377,8 @@ def heldout_eval(
     """
     import math
 
-    from mempo_trl.agent import AgentSettings, MemPOAgent
-    from mempo_trl.evaluation import evaluate
-    from mempo_trl.generation import HFGenerator
-
-    settings = AgentSettings(
-        system_prompt=system_prompt,
-        instruction=instruction,
-        max_turns=max_turns,
-        retrieval_topk=topk,
-        context_mode=context_mode,
-        max_completion_length=max_new_tokens,
-    )
-    agent = MemPOAgent(tokenizer, retriever, HFGenerator(model, tokenizer, max_new_tokens, batch_size=32), settings)
-    result = evaluate(agent, rows, progress=False)
+    episode = {"max_turns": max_turns, "topk": topk, "max_new_tokens": max_new_tokens, "context_mode": context_mode}
+    result = _play(model, tokenizer, rows, retriever, instruction=instruction, system_prompt=system_prompt, **episode)
     recalls: dict[str, list[float]] = {}
     for row, record in zip(rows, result.records):
         mems = [r["mem"] for r in record["rounds"] if r["mem"] is not None]
