@@ -41,19 +41,30 @@ def test_memory_recall_counts_whole_normalised_values():
 
 def test_failure_kinds_are_checked_in_order():
     info = "<information>Doc 1(Title: Ulm) Ulm, a city of 1,492 people, lies on the Danube.</information>"
+    other = "<information>Doc 1(Title: Bonn) Bonn lies on the Rhine.</information>"
+    answer_turn = {"mem": "", "information": None}
     base = {"question": "How many people live in Ulm?", "golden_answers": ["1,492"], "em": 0.0, "format_valid": True,
-            "answer": "Danube", "rounds": [{"information": None}, {"information": info}]}  # fmt: skip
+            "answer": "Danube", "rounds": [{"mem": "", "information": info}, answer_turn]}  # fmt: skip
+    forgot = [{"mem": "", "information": info}, {"mem": "", "information": other}, answer_turn]
+    kept = [{"mem": "", "information": info}, {"mem": "Ulm: 1,492.", "information": other}, answer_turn]
     cases = [
-        ({"em": 1.0}, "correct"),
-        ({"format_valid": False}, "invalid_format"),
-        ({"answer": None}, "no_answer"),
-        ({"rounds": [{"information": info.replace("1,492", "1,400")}]}, "not_retrieved"),
-        ({"answer": "1,429"}, "miscopied"),
-        ({"answer": "the danube"}, "wrong_choice"),  # case and punctuation aside
-        ({"answer": "ulm"}, "wrong_choice"),  # a value of the question
-        ({"answer": "Ul"}, "miscopied"),  # part of a word is not the word
+        ({"em": 1.0}, (), "correct"),
+        ({"format_valid": False}, (), "invalid_format"),
+        ({"answer": None}, (), "no_answer"),
+        ({"rounds": [{"mem": "", "information": info.replace("1,492", "1,400")}, answer_turn]}, (), "not_retrieved"),
+        ({"rounds": forgot}, (), "forgotten"),  # retrieved in round 1, not in what the answer turn saw
+        ({"rounds": kept}, (), "wrong_choice"),  # ... unless the memory kept it
+        ({"answer": "1,429"}, (), "miscopied"),
+        ({"answer": "the danube"}, (), "wrong_choice"),  # case and punctuation aside
+        ({"answer": "ulm"}, (), "wrong_choice"),  # a value of the question
+        ({"answer": "Ul"}, (), "miscopied"),  # part of a word is not the word
+        # Needed values (a comparison's, a multi-objective row's sub-answers) replace the gold answer:
+        ({"rounds": forgot, "answer": "Ulm; Bonn"}, ["Rhine"], "wrong_choice"),
+        ({"rounds": forgot, "answer": "Danube; Rhine"}, ["Danube", "Rhine"], "forgotten"),
+        ({"rounds": kept, "answer": "1,492; Rhone"}, ["1,492", "Rhine"], "miscopied"),
     ]
-    assert [failure_kind({**base, **change}) for change, _ in cases] == [kind for _, kind in cases]
+    assert [failure_kind({**base, **change}, needed) for change, needed, _ in cases] == [kind for *_, kind in cases]
+    assert failure_kind({**base, "rounds": forgot}, memory_context=False) == "wrong_choice"  # full history sees all
 
 
 @pytest.mark.slow

@@ -275,26 +275,35 @@ def _play(
     return evaluate(MemPOAgent(tokenizer, retriever, generator, settings), rows, progress=False)
 
 
-FAILURE_KINDS = ("correct", "invalid_format", "no_answer", "not_retrieved", "miscopied", "wrong_choice")
+FAILURE_KINDS = ("correct", "invalid_format", "no_answer", "not_retrieved", "forgotten", "miscopied", "wrong_choice")
 """What `failure_kind` returns, in the order it checks."""
 
 
-def failure_kind(record: dict) -> str:
-    """Why an episode (a `mempo_trl.evaluation.evaluate` record) missed, the first of `FAILURE_KINDS` that applies:
+def failure_kind(record: dict, needed: Sequence[str] = (), memory_context: bool = True) -> str:
+    """Why an episode (a `mempo_trl.evaluation.evaluate` record) missed, the first of `FAILURE_KINDS` that applies.
 
-    ``correct`` (EM 1); ``invalid_format`` (a malformed turn); ``no_answer`` (valid turns, no answer within
-    ``max_turns``); ``not_retrieved`` (no retrieved passage holds the gold answer); ``miscopied`` (one did, but the
-    answer is in neither the passages nor the question: a name or number copied wrong); ``wrong_choice`` (the answer
-    is another value of the passages or the question).
+    ``needed``: the values the answer turn must see (`answer_time_facts`); default: the gold answer (any alias).
+
+    - ``correct``: EM 1; ``invalid_format``: a malformed turn; ``no_answer``: no answer within ``max_turns``;
+    - ``not_retrieved``: a needed value is in none of the retrieved passages;
+    - ``forgotten`` (memory context only): all were retrieved, but one is in neither the memory nor the search result
+      that the answer turn saw (the previous round's), so the memory dropped it;
+    - ``miscopied``: a part of the answer (multi-objective answers are ``;``-separated) is in neither the passages nor
+      the question: a name or number copied wrong;
+    - ``wrong_choice``: every part is a value of the passages or the question, just not the right one.
 
     Example:
         >>> info = "<information>Doc 1(Title: Seikeis) Seikeis was founded in 1492.</information>"
+        >>> rounds = [{"mem": "Nothing yet.", "information": info}, {"mem": "Seikeis: 1492.", "information": None}]
         >>> record = {"question": "When was Seikeis founded?", "golden_answers": ["1492"], "em": 0.0,
-        ...           "format_valid": True, "answer": "1409", "rounds": [{"information": info}]}
+        ...           "format_valid": True, "answer": "1409", "rounds": rounds}
         >>> failure_kind(record), failure_kind({**record, "answer": "Seikeis"})
         ('miscopied', 'wrong_choice')
-        >>> failure_kind({**record, "rounds": [{"information": None}]})
+        >>> failure_kind({**record, "rounds": [{"mem": "", "information": None}]})
         'not_retrieved'
+        >>> rounds = [{"mem": "", "information": info}, {"mem": "", "information": "<information>x</information>"}]
+        >>> failure_kind({**record, "rounds": [*rounds, {"mem": "", "information": None}]})
+        'forgotten'
     """
     import re
 
@@ -304,15 +313,32 @@ def failure_kind(record: dict) -> str:
         return "invalid_format"
     if record["answer"] is None:
         return "no_answer"
-    passages = " ".join(r.get("information") or "" for r in record["rounds"])
+    rounds = record["rounds"]
+    passages = " ".join(r.get("information") or "" for r in rounds)
 
     def within(value: str, text: str) -> bool:  # as whole words, case and punctuation aside
         words = " ".join(re.findall(r"\w+", value.lower()))
         return bool(words) and f" {words} " in " " + " ".join(re.findall(r"\w+", text.lower())) + " "
 
-    if not any(within(gold, passages) for gold in record["golden_answers"]):
+    groups = [[value] for value in needed] or [list(record["golden_answers"])]
+    if not all(any(within(v, passages) for v in group) for group in groups):
         return "not_retrieved"
-    return "wrong_choice" if within(record["answer"], passages + " " + record["question"]) else "miscopied"
+    seen = f"{rounds[-2].get('mem') or ''} {rounds[-2].get('information') or ''}" if len(rounds) > 1 else ""
+    if memory_context and not all(any(within(v, seen) for v in group) for group in groups):
+        return "forgotten"
+    parts = [part for part in record["answer"].split(";") if part.strip()]
+    copied = all(within(part, passages + " " + record["question"]) for part in parts)
+    return "wrong_choice" if parts and copied else "miscopied"
+
+
+def answer_time_facts(row: dict, retriever) -> list[str]:
+    """The values a demo-world row's answer turn must see: every hop's value (`needed_facts`) but a bridge's.
+
+    A 2-hop answer needs only the second hop's value; a comparison both compared values; a multi-objective row every
+    sub-answer. Empty (meaning: the gold answer) when `needed_facts` is.
+    """
+    facts = needed_facts(row, retriever)
+    return facts[-1:] if row.get("data_source") == "demo_2hop" else facts
 
 
 def headroom(
@@ -320,7 +346,7 @@ def headroom(
 ) -> dict[str, Any]:
     """What RL can gain on ``rows``, measured before training.
 
-    Greedy: ``greedy_em`` and the share of rows per `failure_kind` (``failures``). Sampled (``samples`` episodes
+    Greedy: ``greedy_em`` and the share of rows per `failure_kind` (``failures``, with `answer_time_facts`). Sampled (``samples`` episodes
     per row at ``temperature``, seeds 0..samples-1): ``mean_at_1`` (mean EM), ``pass_at_k`` (share of rows right at
     least once) and ``mixed_groups`` (share of rows whose samples disagree: the GRPO groups that carry an outcome
     signal). The same keys per question type in ``by_type``. ``episode``: `heldout_eval`'s episode settings.
@@ -328,6 +354,8 @@ def headroom(
     import torch
 
     greedy = _play(model, tokenizer, rows, retriever, **episode).records
+    memory_context = episode.get("context_mode", "memory") == "memory"
+    kinds = [failure_kind(r, answer_time_facts(row, retriever), memory_context) for row, r in zip(rows, greedy)]
     sampled = []
     for seed in range(samples):
         torch.manual_seed(seed)
@@ -335,7 +363,7 @@ def headroom(
 
     def summary(index: list[int]) -> dict[str, Any]:
         n = max(1, len(index))
-        kinds = [failure_kind(greedy[i]) for i in index]
+        kinds_here = [kinds[i] for i in index]
         wins = [sum(run[i] for run in sampled) for i in index]
         return {
             "rows": len(index),
@@ -343,7 +371,7 @@ def headroom(
             "mean_at_1": sum(wins) / (n * samples),
             "pass_at_k": sum(w > 0 for w in wins) / n,
             "mixed_groups": sum(0 < w < samples for w in wins) / n,
-            "failures": {kind: kinds.count(kind) / n for kind in FAILURE_KINDS},
+            "failures": {kind: kinds_here.count(kind) / n for kind in FAILURE_KINDS},
         }
 
     types: dict[str, list[int]] = {}
