@@ -60,6 +60,10 @@ BUDGET = {
 }
 """What every arm gets: steps, G, batch (episodes per step), lr, and the episode limits."""
 
+FORGETFUL = {"steps": 300, "lr": 1e-3}
+"""`--mem-drop P`: SFT steps and lr that continue the shipped warm start with ``mem_drop = P``
+(`mempo_trl.kit.learner.derive_learner`)."""
+
 QUICK = {
     "world": {"seed": 1, "num_entities": 60, "num_questions": 120},
     "sizes": {"test": 8, "rl": 32},
@@ -279,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         "--headroom", action="store_true", help="measure the warm start's headroom (no training): headroom.json"
     )
     parser.add_argument(
+        "--mem-drop", type=float, default=None, metavar="P",
+        help=f"a more forgetful warm start: continue the shipped one {FORGETFUL['steps']} SFT steps with the oracle's "
+        "<mem> dropping each fact with probability P; its runs go to <out>/mem_drop=P/",
+    )  # fmt: skip
+    parser.add_argument(
         "--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
         help="probe: override BUDGET entries (any MemPOConfig field, JSON values), e.g. learning_rate=1e-4; runs go "
         "to <out>/probes/<overrides>/ with their own summary, from the same warm start",
@@ -293,13 +302,18 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from mempo_trl.data import read_jsonl
-    from mempo_trl.kit.learner import LEARNER_WORLD, SPLIT_SIZES, WarmSettings, build_learner, write_learner_world
+    from mempo_trl.kit import learner
     from mempo_trl.outputs import OutputError, check_writable
     from mempo_trl.retrieval import BM25Retriever
 
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and the machine is shared
     out = Path(args.out)
-    budget, warm, world, sizes = dict(BUDGET), asdict(WarmSettings()), LEARNER_WORLD, SPLIT_SIZES
+    budget, warm, world, sizes = (
+        dict(BUDGET),
+        asdict(learner.WarmSettings()),
+        learner.LEARNER_WORLD,
+        learner.SPLIT_SIZES,
+    )
     if args.quick:
         budget.update(QUICK["budget"])
         warm.update(QUICK["warm"])
@@ -309,11 +323,19 @@ def main(argv: list[str] | None = None) -> int:
         budget["max_steps"] = args.steps
     budget.update(overrides)
     tag = ",".join(f"{key}={json.dumps(value)}" for key, value in sorted(overrides.items()))
-    run_root = out / "probes" / tag if overrides else out  # probes never touch the shipped budget's runs
-    local = args.quick or overrides
+    base_root = out / f"mem_drop={args.mem_drop}" if args.mem_drop is not None else out
+    run_root = base_root / "probes" / tag if overrides else base_root  # probes never touch the shipped runs
+    local = args.quick or overrides or args.mem_drop is not None
     results = Path(args.results or (run_root / "learning.json" if local else "bench/results/learning.json"))
     figure = Path(args.figure or results.with_suffix(".png"))
-    settings = _settings(args, budget, warm, world, sizes)
+    derived = None
+    if args.mem_drop is not None:
+        if not 0.0 <= args.mem_drop <= 1.0:
+            print(f"error: --mem-drop {args.mem_drop}: expected a probability in [0, 1]", file=sys.stderr)
+            return 2
+        steps = QUICK["warm"]["steps"] if args.quick else FORGETFUL["steps"]
+        derived = {**warm, "steps": steps, "lr": FORGETFUL["lr"], "mem_drop": args.mem_drop}
+    settings = _settings(args, budget, warm if derived is None else {"base": warm, "derived": derived}, world, sizes)
     try:  # every output is checked before the (long) warm start and runs
         for directory in {out, results.parent, figure.parent}:
             check_writable(directory)
@@ -321,10 +343,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    paths = write_learner_world(out / "world", world, sizes)
+    paths = learner.write_learner_world(out / "world", world, sizes)
     print(f"world: {paths.corpus.parent} (warm / rl / test rows in separate files)", flush=True)
     start = time.perf_counter()
-    warm_dir = build_learner(out / "warm_model", paths, WarmSettings(**warm))
+    warm_dir = learner.build_learner(out / "warm_model", paths, learner.WarmSettings(**warm))
+    if derived is not None:
+        derived_dir = out / f"warm_model_mem_drop={args.mem_drop}"
+        warm_dir = learner.derive_learner(warm_dir, derived_dir, paths, learner.WarmSettings(**derived))
     stats = json.loads((warm_dir / "warm_start.json").read_text())["stats"]
     print(f"warm start: {warm_dir} ({stats['steps']} SFT steps, final loss {stats['final_loss']:.3f}, "
           f"{time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip

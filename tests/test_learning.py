@@ -110,6 +110,13 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert math.isclose(sum(result["failures"].values()), 1.0) and result["failures"]["correct"] == result["greedy_em"]
     assert result["mean_at_1"] <= result["pass_at_k"] and result["mixed_groups"] <= result["pass_at_k"]
     assert sum(t["rows"] for t in result["by_type"].values()) == 8
+    # `--mem-drop P` continues the warm start with a more forgetful oracle memory, into its own directories.
+    assert module.main(["--quick", "--out", str(tmp_path), "--mem-drop", "0.9", "--arms", "mempo"]) == 0
+    derived = json.loads((tmp_path / "warm_model_mem_drop=0.9" / "warm_start.json").read_text())
+    assert derived["settings"]["mem_drop"] == 0.9 and derived["derived"]["base"] is not None
+    run = json.loads((tmp_path / "mem_drop=0.9" / "runs" / "mempo_s0" / "run.json").read_text())
+    assert run["settings"]["warm"]["derived"]["mem_drop"] == 0.9
+    assert {p: p.read_bytes() for p in (tmp_path / "runs").glob("*/run.json")} == shipped
 
 
 def test_unwritable_output_fails_before_any_work(tmp_path, capsys):
@@ -137,4 +144,14 @@ def test_set_rejects_a_bad_override_before_any_work(tmp_path, capsys, item):
     assert module.main(["--quick", "--out", str(tmp_path / "out"), "--set", item]) == 2
     err = capsys.readouterr().err
     assert err == f"error: --set {item}: expected KEY=VALUE with KEY a MemPOConfig field (e.g. learning_rate=1e-4)\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_mem_drop_must_be_a_probability(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("learning_bench_drop", BENCH / "learning.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["learning_bench_drop"] = module
+    spec.loader.exec_module(module)
+    assert module.main(["--quick", "--out", str(tmp_path / "out"), "--mem-drop", "1.5"]) == 2
+    assert capsys.readouterr().err == "error: --mem-drop 1.5: expected a probability in [0, 1]\n"
     assert not (tmp_path / "out").exists()

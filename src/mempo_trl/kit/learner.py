@@ -5,7 +5,8 @@ with TRL's `SFTTrainer`, and a held-out evaluation with memory recall.
   disjoint sets: ``warm`` (SFT warm start), ``rl`` (MemPO) and ``test`` (held-out evaluation, never trained on);
 - `build_learner` builds a few-M-parameter Qwen2-shaped model with the kit's own tokenizer (MemPO tags are
   single tokens, `mempo_trl.kit.tiny`) and warm-starts it with `sft_warm_start` on the oracle turns of the
-  ``warm`` rows, leaving the memory imperfect on purpose (`MEM_DROP`);
+  ``warm`` rows, leaving the memory imperfect on purpose (`MEM_DROP`); `derive_learner` continues a warm start with
+  other settings (a more forgetful memory);
 - `heldout_eval` plays the held-out rows greedily and reports EM, F1, per question type, format, tokens and
   ``memory_recall`` (the share of the facts a question needs that are in the episode's last ``<mem>``);
   `HeldOutEvalCallback` runs it before, during and after training;
@@ -209,6 +210,35 @@ def build_learner(
     sft_warm_start(out, read_jsonl(paths.warm), retriever, settings)
     record = json.loads(marker.read_text())
     marker.write_text(json.dumps({**record, "learner": key}, indent=2))
+    return out
+
+
+def derive_learner(base_dir: str | Path, output_dir: str | Path, paths: LearnerPaths, settings: WarmSettings) -> Path:
+    """Continue the warm start of ``base_dir`` (a `build_learner` directory) with ``settings`` into ``output_dir``.
+
+    For a warm start that differs in one behaviour without the full SFT from scratch, e.g. a higher ``mem_drop``: a
+    few hundred more SFT steps on the oracle rounds of the ``warm`` rows make the memory drop facts more often while
+    the rest of the protocol stays as learned. Cached like `build_learner` (same base, settings and data).
+    """
+    import shutil
+
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.kit.warmstart import WARM_START_FILE
+    from mempo_trl.retrieval import BM25Retriever
+
+    base, out = Path(base_dir), Path(output_dir)
+    digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in paths)).hexdigest()
+    base_key = json.loads((base / WARM_START_FILE).read_text()).get("learner")
+    key = {"base": base_key, "warm": asdict(settings), "data_sha256": digest}
+    marker = out / WARM_START_FILE
+    if marker.is_file() and json.loads(marker.read_text()).get("derived") == key:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(base, out, ignore=shutil.ignore_patterns("sft"))
+    retriever = BM25Retriever.from_corpus(str(paths.corpus))
+    sft_warm_start(out, read_jsonl(paths.warm), retriever, settings)
+    record = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**record, "derived": key}, indent=2))
     return out
 
 
