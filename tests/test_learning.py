@@ -49,8 +49,9 @@ def test_failure_kinds_are_checked_in_order():
     kept = [{"mem": "", "information": info}, {"mem": "Ulm: 1,492.", "information": other}, answer_turn]
     cases = [
         ({"em": 1.0}, (), "correct"),
+        ({"answer": None, "format_valid": False}, (), "no_answer"),  # out of turns, every turn well-formed
+        ({"answer": None, "format_valid": False, "rounds": [{"valid": False}]}, (), "invalid_format"),
         ({"format_valid": False}, (), "invalid_format"),
-        ({"answer": None}, (), "no_answer"),
         ({"rounds": [{"mem": "", "information": info.replace("1,492", "1,400")}, answer_turn]}, (), "not_retrieved"),
         ({"rounds": forgot}, (), "forgotten"),  # retrieved in round 1, not in what the answer turn saw
         ({"rounds": kept}, (), "wrong_choice"),  # ... unless the memory kept it

@@ -305,7 +305,7 @@ def _play(
     return evaluate(MemPOAgent(tokenizer, retriever, generator, settings), rows, progress=False)
 
 
-FAILURE_KINDS = ("correct", "invalid_format", "no_answer", "not_retrieved", "forgotten", "miscopied", "wrong_choice")
+FAILURE_KINDS = ("correct", "no_answer", "invalid_format", "not_retrieved", "forgotten", "miscopied", "wrong_choice")
 """What `failure_kind` returns, in the order it checks."""
 
 
@@ -314,7 +314,8 @@ def failure_kind(record: dict, needed: Sequence[str] = (), memory_context: bool 
 
     ``needed``: the values the answer turn must see (`answer_time_facts`); default: the gold answer (any alias).
 
-    - ``correct``: EM 1; ``invalid_format``: a malformed turn; ``no_answer``: no answer within ``max_turns``;
+    - ``correct``: EM 1; ``no_answer``: well-formed turns, but no answer within ``max_turns`` (still searching);
+      ``invalid_format``: a malformed turn;
     - ``not_retrieved``: a needed value is in none of the retrieved passages;
     - ``forgotten`` (memory context only): all were retrieved, but one is in neither the memory nor the search result
       that the answer turn saw (the previous round's), so the memory dropped it;
@@ -337,13 +338,13 @@ def failure_kind(record: dict, needed: Sequence[str] = (), memory_context: bool 
     """
     import re
 
+    rounds = record["rounds"]
     if record["em"] == 1.0:
         return "correct"
+    if record["answer"] is None and all(r.get("valid", True) for r in rounds):
+        return "no_answer"
     if not record["format_valid"]:
         return "invalid_format"
-    if record["answer"] is None:
-        return "no_answer"
-    rounds = record["rounds"]
     passages = " ".join(r.get("information") or "" for r in rounds)
 
     def within(value: str, text: str) -> bool:  # as whole words, case and punctuation aside
