@@ -233,32 +233,35 @@ def summarize(records: list[dict], command: str) -> dict:
 
 
 def plot(records: list[dict], path: Path) -> None:
-    """EM vs step per arm (mean line, min-max band over seeds) and final tokens per question per arm."""
+    """Held-out EM and memory recall vs step per arm (mean line, min-max band over seeds), and final tokens per
+    question per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_em, ax_tok) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_em, ax_recall, ax_tok) = plt.subplots(1, 3, figsize=(15, 4))
     labels, tokens = [], []
     for arm in ARMS:
         runs = [r for r in records if r["arm"] == arm]
         if not runs:
             continue
         steps = [p["step"] for p in runs[0]["curve"]]
-        ems = [[p["em"] for p in r["curve"]][: len(steps)] for r in runs]
-        width = min(len(e) for e in ems)
-        mean = [statistics.fmean(e[k] for e in ems) for k in range(width)]
-        line = ax_em.plot(steps[:width], mean, marker="o", label=f"{arm} ({len(runs)} seed(s))")[0]
-        if len(runs) > 1:
-            low = [min(e[k] for e in ems) for k in range(width)]
-            high = [max(e[k] for e in ems) for k in range(width)]
-            ax_em.fill_between(steps[:width], low, high, color=line.get_color(), alpha=0.2)
+        for ax, key in ((ax_em, "em"), (ax_recall, "memory_recall")):
+            values = [[p[key] for p in r["curve"]][: len(steps)] for r in runs]
+            width = min(len(v) for v in values)
+            mean = [statistics.fmean(v[k] for v in values) for k in range(width)]
+            line = ax.plot(steps[:width], mean, marker="o", label=f"{arm} ({len(runs)} seed(s))")[0]
+            if len(runs) > 1:
+                low = [min(v[k] for v in values) for k in range(width)]
+                high = [max(v[k] for v in values) for k in range(width)]
+                ax.fill_between(steps[:width], low, high, color=line.get_color(), alpha=0.2)
         labels.append(arm)
         tokens.append(statistics.fmean(r["curve"][-1]["total_tokens_per_question"] for r in runs))
-    ax_em.set_xlabel("MemPO step")
-    ax_em.set_ylabel("held-out EM (greedy)")
-    ax_em.legend()
+    for ax, label in ((ax_em, "held-out EM (greedy)"), (ax_recall, "memory recall (held-out, last <mem>)")):
+        ax.set_xlabel("MemPO step")
+        ax.set_ylabel(label)
+        ax.legend()
     ax_tok.bar(labels, tokens, color=["C0", "C1", "C2"][: len(labels)])
     ax_tok.set_ylabel("total tokens per question (final eval)")
     fig.tight_layout()
