@@ -416,28 +416,17 @@ def headroom(
     }
 
 
-def heldout_eval(
-    model,
-    tokenizer,
-    rows: Sequence[dict],
-    retriever,
-    max_turns: int = 4,
-    topk: int = 3,
-    max_new_tokens: int = 96,
-    context_mode: str = "memory",
-    instruction: str = DEFAULT_INSTRUCTION,
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
-) -> dict[str, Any]:
+def heldout_eval(model, tokenizer, rows: Sequence[dict], retriever, **episode: Any) -> dict[str, Any]:
     """Greedy evaluation of ``rows`` (`mempo_trl.evaluation.evaluate`), with ``memory_recall`` overall and per type.
 
-    Returns ``evaluate``'s overall metrics (``em``, ``f1``, ``format_valid``, ``total_tokens_per_question``,
+    ``episode``: ``max_turns`` (4), ``topk`` (3), ``max_new_tokens`` (96), ``context_mode`` ("memory"),
+    ``instruction`` and ``system_prompt`` (the defaults of `mempo_trl.context`). Returns ``evaluate``'s overall metrics (``em``, ``f1``, ``format_valid``, ``total_tokens_per_question``,
     ``peak_context_tokens``, ...) plus ``memory_recall``, and ``by_type``: ``em``, ``f1`` and ``memory_recall``
     per ``data_source``.
     """
     import math
 
-    episode = {"max_turns": max_turns, "topk": topk, "max_new_tokens": max_new_tokens, "context_mode": context_mode}
-    result = _play(model, tokenizer, rows, retriever, instruction=instruction, system_prompt=system_prompt, **episode)
+    result = _play(model, tokenizer, rows, retriever, **{**episode, "temperature": 0.0})
     recalls: dict[str, list[float]] = {}
     for row, record in zip(rows, result.records):
         mems = [r["mem"] for r in record["rounds"] if r["mem"] is not None]
