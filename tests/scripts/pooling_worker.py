@@ -6,6 +6,7 @@ Each process handles its contiguous slice of the four trajectories of one questi
 memory pool spans both processes. The policy and the answer scorer are scripted: no randomness.
 """
 
+import faulthandler
 import json
 import os
 import re
@@ -101,9 +102,13 @@ def main(model_dir: str, out_path: str) -> None:
     ]
     gathered = trainer.accelerator.gather_for_metrics(rows, use_gather_object=True)
     if rank == 0:
-        json.dump({"world": world, "rows": gathered}, open(out_path, "w"))
+        Path(out_path).write_text(json.dumps({"world": world, "rows": gathered}))
     release_process_groups(trainer)
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a native abort (SIGABRT) prints every thread's Python stack
     main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # groups released in main(); skip interpreter finalisation, where gloo threads can still abort

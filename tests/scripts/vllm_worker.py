@@ -9,6 +9,7 @@ Each process writes ``OUT_DIR/rank<r>.json``: every episode's question and turn 
 generate calls the fake engine saw, and the logged metrics.
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -82,4 +83,8 @@ def main(mode: str, model_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a native abort (SIGABRT) prints every thread's Python stack
     main(*sys.argv[1:4])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # groups released in main(); skip interpreter finalisation, where gloo threads can still abort
