@@ -21,7 +21,9 @@ warm model and every finished run survive a fresh clone. After every run it rewr
 
 `--headroom` trains nothing: it plays the held-out rows with the warm start, greedily (why each miss fails:
 `mempo_trl.kit.learner.failure_kind`) and G times sampled at the budget's temperature (mean EM, pass@G, the share
-of rows whose samples disagree), and writes `headroom.json` next to the runs.
+of rows whose samples disagree), and writes `headroom.json` next to the runs. `--mem-drop P` starts every arm
+from a more forgetful warm start instead (the shipped one continued with the oracle's `<mem>` dropping each fact
+with probability P), into `<out>/mem_drop=P/`.
 """
 
 import argparse
