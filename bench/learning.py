@@ -313,12 +313,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and the machine is shared
     out = Path(args.out)
-    budget, warm, world, sizes = (
-        dict(BUDGET),
-        asdict(learner.WarmSettings()),
-        learner.LEARNER_WORLD,
-        learner.SPLIT_SIZES,
-    )
+    budget, warm = dict(BUDGET), asdict(learner.WarmSettings())
+    world, sizes = learner.LEARNER_WORLD, learner.SPLIT_SIZES
     if args.quick:
         budget.update(QUICK["budget"])
         warm.update(QUICK["warm"])

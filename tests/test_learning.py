@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mempo_trl.kit import learner
-from mempo_trl.kit.learner import failure_kind, memory_recall, write_learner_world
+from mempo_trl.kit.learner import answer_time_facts, failure_kind, memory_recall, write_learner_world
 
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -66,6 +66,20 @@ def test_failure_kinds_are_checked_in_order():
     ]
     assert [failure_kind({**base, **change}, needed) for change, needed, _ in cases] == [kind for *_, kind in cases]
     assert failure_kind({**base, "rounds": forgot}, memory_context=False) == "wrong_choice"  # full history sees all
+
+
+def test_answer_time_facts_leave_out_only_a_bridge():
+    class NoPassages:
+        def search(self, queries, topk):
+            return [[] for _ in queries]
+
+    two_hop = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
+               "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
+               "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
+    multi = {**two_hop, "data_source": "demo_multi", "sub_answers": [["1446"], ["1903"]]}
+    assert answer_time_facts(two_hop, NoPassages()) == ["634,400"]  # the bridge "Sedo" is not needed to answer
+    assert answer_time_facts(multi, NoPassages()) == ["1446", "1903"]
+    assert answer_time_facts({**two_hop, "hop_queries": []}, NoPassages()) == []  # then: the gold answer
 
 
 @pytest.mark.slow

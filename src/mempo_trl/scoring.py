@@ -259,15 +259,16 @@ def shared_prefix_answer_logps(
     for chunk in chunks:
         batch = chunk or [([pad_token_id], [])]
         # One block per item: (row, its tokens, its first position, prefix tokens it sees, item).
-        blocks = []
+        blocks, row_tokens = [], [0] * len(batch)
         for r, (prefix, idx) in enumerate(batch):
             for i in idx:
                 item = items[i]
                 cut = _common_prefix_length(item.context_ids, prefix)
                 tokens = [prefix[cut - 1], *item.context_ids[cut:], *item.answer_ids[:-1]]
                 blocks.append((r, tokens, cut - 1, item, i))
+                row_tokens[r] += len(tokens)
         prefix_len = max(len(prefix) for prefix, _ in batch)
-        block_len = max([1] + [sum(len(b[1]) for b in blocks if b[0] == r) for r in range(len(batch))])
+        block_len = max(1, *row_tokens)
         prefix_ids = torch.full((len(batch), prefix_len), pad_token_id, dtype=torch.long)
         for r, (prefix, _) in enumerate(batch):
             prefix_ids[r, : len(prefix)] = torch.tensor(prefix)
