@@ -21,7 +21,8 @@ warm model and every finished run survive a fresh clone. After every run it rewr
 
 `--headroom` trains nothing: it plays the held-out rows with the warm start, greedily (why each miss fails:
 `mempo_trl.kit.learner.failure_kind`) and G times sampled at the budget's temperature (mean EM, pass@G, the share
-of rows whose samples disagree), and writes `headroom.json` next to the runs. `--mem-drop P` starts every arm
+of rows whose samples disagree), measures how much each remembered fact raises P(gold), the memory reward's raw
+material (`mempo_trl.kit.learner.memory_signal`), and writes `headroom.json` next to the runs. `--mem-drop P` starts every arm
 from a more forgetful warm start instead (the shipped one continued with the oracle's `<mem>` dropping each fact
 with probability P), into `<out>/mem_drop=P/`.
 """
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_headroom(run_root: Path, warm_dir: Path, rows: list[dict], retriever, budget: dict, command: str) -> int:
     """`--headroom`: `mempo_trl.kit.learner.headroom` of the warm start on the held-out rows -> headroom.json."""
-    from mempo_trl.kit.learner import headroom
+    from mempo_trl.kit.learner import headroom, memory_signal
     from mempo_trl.kit.tiny import load_tiny
 
     model, tokenizer = load_tiny(warm_dir)
@@ -391,6 +392,11 @@ def write_headroom(run_root: Path, warm_dir: Path, rows: list[dict], retriever, 
     }
     start = time.perf_counter()
     result = headroom(model, tokenizer, rows, retriever, budget["num_generations"], budget["temperature"], **episode)
+    threshold = budget.get("memory_threshold", math.log(0.5))  # MemPOConfig's confidence filter
+    result["memory_signal"] = {
+        name: memory_signal(model, tokenizer, rows, retriever, value, instruction=budget["instruction"])
+        for name, value in (("unfiltered", None), ("filtered", threshold))
+    }
     record = {"command": command, "versions": _versions(), "seconds": time.perf_counter() - start, **result}
     run_root.mkdir(parents=True, exist_ok=True)
     (run_root / "headroom.json").write_text(json.dumps(record, indent=2))
@@ -400,6 +406,9 @@ def write_headroom(run_root: Path, warm_dir: Path, rows: list[dict], retriever, 
           f"{result['pass_at_k']:.3f}, rows whose samples disagree {result['mixed_groups']:.3f}", flush=True)  # fmt: skip
     misses = ", ".join(f"{kind} {share:.2f}" for kind, share in result["failures"].items())
     print(f"greedy episodes: {misses} -> {run_root / 'headroom.json'}", flush=True)
+    for source, signal in result["memory_signal"]["unfiltered"]["by_type"].items():
+        print(f"memory signal, {source}: P(gold) with every fact {signal['p_all']:.3f}, one dropped "
+              f"{signal['p_drop']:.3f}, none {signal['p_none']:.3f}", flush=True)  # fmt: skip
     return 0
 
 

@@ -22,7 +22,7 @@ overridden on the command line, e.g. `--max_steps 10 --output_dir outputs/try`):
 
     # 2 CPU processes (DeepSpeed ZeRO-2 over gloo); the recipe must set `use_cpu: true`
     accelerate launch --config_file accelerate_configs/cpu_zero2.yaml examples/train_mempo.py \\
-        --config examples/configs/quickstart_cpu.yaml
+        --config examples/configs/tiny_cpu.yaml
 
 On rank 0 the run prints a `mempo-trl: world_size=... distributed_type=... model=...` banner when training
 starts (check it: a wrong launcher config can silently run independent copies), then one summary line per

@@ -158,7 +158,7 @@ def stage_zero3(work: Path, cpu: bool) -> dict:
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
         "--num_processes", "1", str(ROOT / "examples" / "train_mempo.py"),
-        "--config", str(ROOT / "examples" / "configs" / "quickstart_cpu.yaml"),
+        "--config", str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
         "--model_name_or_path", str(work / "model"), "--output_dir", str(work / "zero3"),
         "--use_cpu", str(cpu).lower(), "--bf16", str(not cpu).lower(), "--max_steps", "2",
         "--per_device_train_batch_size", "4", "--heldout_questions", "0",

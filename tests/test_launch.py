@@ -154,7 +154,7 @@ def _launch(accelerate_config: str, model_dir: Path, out: Path, *extra: str) -> 
         "--config_file", str(ROOT / "accelerate_configs" / accelerate_config),
         "--main_process_port", str(free_port()),
         str(SCRIPT),
-        "--config", str(ROOT / "examples" / "configs" / "quickstart_cpu.yaml"),
+        "--config", str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
         "--model_name_or_path", str(model_dir),
         "--output_dir", str(out),
         "--per_device_train_batch_size", "2", "--num_generations", "2",  # 2 x 2 processes = 2 groups of G=2

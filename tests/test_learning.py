@@ -6,8 +6,10 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from mempo_trl.kit import learner
 from mempo_trl.kit.learner import answer_time_facts, failure_kind, memory_recall, write_learner_world
@@ -125,6 +127,9 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert math.isclose(sum(result["failures"].values()), 1.0) and result["failures"]["correct"] == result["greedy_em"]
     assert result["mean_at_1"] <= result["pass_at_k"] and result["mixed_groups"] <= result["pass_at_k"]
     assert sum(t["rows"] for t in result["by_type"].values()) == 8
+    signal = result["memory_signal"]
+    assert (signal["unfiltered"]["threshold"], signal["filtered"]["threshold"]) == (None, math.log(0.5))
+    assert 0 < signal["unfiltered"]["rows"] <= 8 and 0 <= signal["unfiltered"]["p_all"] <= 1
     # `--mem-drop P` continues the warm start with a more forgetful oracle memory, into its own directories.
     assert module.main(["--quick", "--out", str(tmp_path), "--mem-drop", "0.9", "--arms", "mempo"]) == 0
     derived = json.loads((tmp_path / "warm_model_mem_drop=0.9" / "warm_start.json").read_text())
@@ -170,3 +175,51 @@ def test_mem_drop_must_be_a_probability(tmp_path, capsys):
     assert module.main(["--quick", "--out", str(tmp_path / "out"), "--mem-drop", "1.5"]) == 2
     assert capsys.readouterr().err == "error: --mem-drop 1.5: expected a probability in [0, 1]\n"
     assert not (tmp_path / "out").exists()
+
+
+class _ReadsMemory(torch.nn.Module):
+    """A fake LM for `memory_signal`: every gold-answer token gets logit n (0 elsewhere), n = how many of ``facts``
+    the row's text holds, so P(gold) = e^n / (|S| e^n + V - |S|) per gold token, S the gold token ids."""
+
+    def __init__(self, tokenizer, facts, gold_ids):
+        super().__init__()
+        self.tokenizer, self.facts, self.gold_ids = tokenizer, facts, sorted(set(gold_ids))
+        self.vocab = len(tokenizer)
+        self.unused = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False):
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        for b, ids in enumerate(input_ids.tolist()):
+            text = self.tokenizer.decode(ids)
+            logits[b, :, self.gold_ids] = float(sum(fact in text for fact in self.facts))
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:])
+
+
+def test_memory_signal_measures_what_each_remembered_fact_adds_to_p_gold(any_tokenizer):
+    from mempo_trl.kit.learner import memory_signal
+    from mempo_trl.scoring import gold_answer_tokens
+
+    row = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
+           "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
+           "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
+    facts = ["Tisdin Purbro: Sedo.", "Sedo: 634,400."]  # what `hop_facts` finds for this row
+
+    class NoSearch:
+        def search(self, queries, topk):
+            return [[] for _ in queries]
+
+    gold_ids, gold_mask = gold_answer_tokens(any_tokenizer, row["golden_answers"])
+    model = _ReadsMemory(any_tokenizer, facts, [i for i, m in zip(gold_ids, gold_mask) if m])
+    result = memory_signal(model, any_tokenizer, [row], NoSearch())
+
+    size, vocab = len(model.gold_ids), model.vocab
+
+    def p(n):
+        return math.exp(n) / (size * math.exp(n) + vocab - size)
+
+    two_hop = result["by_type"]["demo_2hop"]
+    assert two_hop["rows"] == result["rows"] == 1
+    assert two_hop["p_all"] == pytest.approx(p(2), rel=1e-4)
+    assert two_hop["p_drop"] == pytest.approx(p(1), rel=1e-4)  # either fact dropped leaves one
+    assert two_hop["p_none"] == pytest.approx(p(0), rel=1e-4)
+    assert result["fact_value"] == pytest.approx(p(2) - p(1), rel=1e-4)

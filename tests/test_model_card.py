@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "configs" / "quickstart_cpu.yaml"
+TINY_RECIPE = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_cpu.yaml"
 
 
 @pytest.mark.slow
@@ -17,7 +17,7 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
     out = tmp_path / "mempo-tiny-card"
     script_args, training_args, model_args, retriever_args = parse_args(
         [
-            "--config", str(QUICKSTART),
+            "--config", str(TINY_RECIPE),
             "--model_name_or_path", str(warm_model_dir),
             "--dataset_name", str(demo_paths.train),
             "--output_dir", str(out),
@@ -48,7 +48,7 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
         assert words in body, words
     assert f"**base model**: {warm_model_dir}" in body
     assert f"**dataset**: {demo_paths.train}" in body
-    assert "**retriever**: BM25 over the demo corpus" in body
+    assert "**retriever**: BM25 over the mempo_trl demo world corpus" in body
     recipe = body.split("### Recipe", 1)[1].split("###", 1)[0]
     for row in (
         "| `max_turns` | `2` |",

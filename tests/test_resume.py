@@ -7,7 +7,7 @@ import torch
 from transformers import TrainerCallback
 
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "configs" / "quickstart_cpu.yaml"
+TINY_RECIPE = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_cpu.yaml"
 
 
 class StopAfter(TrainerCallback):
@@ -23,7 +23,7 @@ class StopAfter(TrainerCallback):
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "--config", str(QUICKSTART),
+        "--config", str(TINY_RECIPE),
         "--model_name_or_path", str(model_dir),
         "--output_dir", str(out),
         "--per_device_train_batch_size", "4", "--num_generations", "4",

@@ -1,6 +1,8 @@
-"""`mempo-trl train`: a bad recipe stops before training with one clear message (exit code 2, no traceback)."""
+"""`mempo-trl train`: a bad recipe stops before training with one clear message (exit code 2, no traceback); the
+quick start recipe trains the shipped learner on its own world."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +89,36 @@ def test_a_finished_run_tears_down_its_process_groups(recipe, tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "exit 0 initialized False"
+
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "configs" / "quickstart_cpu.yaml"
+
+
+@pytest.mark.slow
+def test_quickstart_trains_the_shipped_learner_on_its_own_world(capsys, tmp_path):
+    """The quick start's recipe, shortened: `model_name_or_path: learner` loads the shipped learner, writes its world
+    into the output directory and trains, searches and evaluates on that world, not on the demo world."""
+    from mempo_trl.commands.train import build_trainer, parse_args
+    from mempo_trl.data import load_qa
+    from mempo_trl.kit.learner import shipped_learner
+
+    out = tmp_path / "quickstart"
+    argv = ["--config", str(QUICKSTART), "--output_dir", str(out), "--max_steps", "1",
+            "--per_device_train_batch_size", "4", "--heldout_questions", "3"]  # fmt: skip
+    script_args, training_args, model_args, retriever_args = parse_args(argv)
+    assert model_args.model_name_or_path == "learner" and training_args.instruction == "Question: {question}"
+    trainer = build_trainer(script_args, training_args, model_args, retriever_args)
+    world = out / "learner_world"
+    assert [r["question"] for r in trainer.train_dataset] == [r["question"] for r in load_qa(str(world / "rl.jsonl"))]
+    shipped = json.loads((shipped_learner() / "config.json").read_text())
+    assert trainer.model.config.hidden_size == shipped["hidden_size"] == 128
+    heldout = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "before_after"))
+    first_test = json.loads((world / "test.jsonl").read_text().splitlines()[0])
+    assert heldout.rows[0]["question"] == first_test["question"]
+    passage = trainer.retriever.search([first_test["hop_queries"][0]], topk=1)[0][0]
+    assert passage.id in {json.loads(line)["id"] for line in (world / "corpus.jsonl").read_text().splitlines()}
+
+    assert main(["train", *argv, "--overwrite_output_dir", "true"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("held-out EM (3 questions, greedy): ") and "after (step 1)" in last
+    assert json.loads((out / "mempo_agent.json").read_text())["instruction"] == "Question: {question}"

@@ -5,7 +5,10 @@
 
 Arguments are parsed TRL-style (`TrlParser`) over `ScriptArguments`, `RetrieverArguments`, `MemPOConfig` and TRL's
 `ModelConfig` (LoRA, quantisation); any of them may come from `--config recipe.yaml` and be overridden on the command line.
-`model_name_or_path: tiny` builds the offline tiny model (`mempo_trl.kit.tiny`) into `<output_dir>/base_model`.
+`model_name_or_path: tiny` builds the offline tiny model (`mempo_trl.kit.tiny`) into `<output_dir>/base_model`;
+`model_name_or_path: learner` trains the learner shipped with the package (`mempo_trl.kit.learner.shipped_learner`)
+on its own world, written to `<output_dir>/learner_world`, whose RL rows, held-out rows and corpus are then the
+defaults (the demo world's otherwise).
 """
 
 import argparse
@@ -13,6 +16,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from mempo_trl.cli import run
 from mempo_trl.commands import add_command, parse
@@ -20,6 +24,7 @@ from mempo_trl.commands.retrieval import RetrieverArguments, build_retriever
 
 
 TINY_MODEL = "tiny"
+LEARNER_MODEL = "learner"
 REWARD_FUNCS = {"mempo_outcome_reward", "mempo_format_reward"}
 
 
@@ -51,7 +56,7 @@ class ScriptArguments:
     heldout_questions: int = field(
         default=0,
         metadata={"help": "Evaluate greedily on this many held-out questions (`eval_dataset_name`, default the demo "
-                  "test set) before and after training, and print both (`mempo_trl.kit.learner`); single-process runs only. 0: off."},
+                  "test set, or the learner world's) before and after training, and print both (`mempo_trl.kit.learner`); single-process runs only. 0: off."},
     )  # fmt: skip
 
 
@@ -95,6 +100,11 @@ def _load_model_and_tokenizer(model_args, training_args):
         with training_args.main_process_first(desc="building the tiny model"):  # one process builds, the rest reuse
             path = str(build_warm_tiny_model(Path(training_args.output_dir) / "base_model", seed=training_args.seed))
         tokenizer = load_tokenizer(path)
+    elif path == LEARNER_MODEL:
+        from mempo_trl.kit.learner import shipped_learner
+
+        path = str(shipped_learner())
+        tokenizer = load_tokenizer(path)
     else:
         tokenizer = load_tokenizer(path, revision=model_args.model_revision)
     tokenizer.padding_side = "left"
@@ -110,10 +120,32 @@ def _load_model_and_tokenizer(model_args, training_args):
     return model, tokenizer
 
 
-def _load_retriever(retriever_args: RetrieverArguments):
-    from mempo_trl.commands.ask import demo_corpus
+class DefaultWorld(NamedTuple):
+    """What a run trains on, evaluates on and searches when the recipe names no data or corpus."""
 
-    retriever = build_retriever(retriever_args, default_corpus=demo_corpus(), ride_out_outages=True)
+    name: str
+    train: Path
+    test: Path
+    corpus: Path
+
+
+def default_world(model_name_or_path: str, training_args) -> DefaultWorld:
+    """The learner world for `model_name_or_path: learner` (written once to `<output_dir>/learner_world`), the
+    shipped demo world for any other model."""
+    if model_name_or_path == LEARNER_MODEL:
+        from mempo_trl.kit.learner import write_learner_world
+
+        with training_args.main_process_first(desc="writing the learner world"):
+            paths = write_learner_world(Path(training_args.output_dir) / "learner_world")
+        return DefaultWorld("mempo_trl learner world (RL rows)", paths.rl, paths.test, paths.corpus)
+    from mempo_trl.kit.demo_world import demo_paths
+
+    paths = demo_paths()
+    return DefaultWorld("mempo_trl demo world", paths.train, paths.test, paths.corpus)
+
+
+def _load_retriever(retriever_args: RetrieverArguments, default_corpus: Path):
+    retriever = build_retriever(retriever_args, default_corpus=str(default_corpus), ride_out_outages=True)
     if retriever_args.retriever_url:
         retriever.health()  # fail before training, with the URL in the message
     return retriever
@@ -125,11 +157,11 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
 
     from mempo_trl.callbacks import LaunchBannerCallback, use_step_summary
     from mempo_trl.data import load_qa
-    from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.trainer import MemPOTrainer
 
+    world = default_world(model_args.model_name_or_path, training_args)
     train_dataset = load_qa(
-        script_args.dataset_name or str(demo_paths().train),
+        script_args.dataset_name or str(world.train),
         split=script_args.dataset_split,
         config=script_args.dataset_config,
     )
@@ -138,7 +170,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
         eval_dataset = load_qa(
             script_args.eval_dataset_name, split=script_args.eval_dataset_split, config=script_args.dataset_config
         )
-    retriever = _load_retriever(retriever_args)
+    retriever = _load_retriever(retriever_args, world.corpus)
     reward_funcs = load_reward_funcs(script_args.reward_funcs)
     model, tokenizer = _load_model_and_tokenizer(model_args, training_args)
     trainer = MemPOTrainer(
@@ -153,8 +185,8 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     )
     trainer.model_card_info = {
         "base_model": model_args.model_name_or_path,
-        "dataset": script_args.dataset_name or "mempo_trl demo world",
-        "retriever": retriever_args.retriever_url or retriever_args.corpus or "BM25 over the demo corpus",
+        "dataset": script_args.dataset_name or world.name,
+        "retriever": retriever_args.retriever_url or retriever_args.corpus or f"BM25 over the {world.name} corpus",
     }
     trainer.add_callback(LaunchBannerCallback(trainer))
     use_step_summary(trainer)
@@ -167,7 +199,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     elif script_args.heldout_questions > 0:
         from mempo_trl.kit.learner import HeldOutEvalCallback
 
-        heldout = eval_dataset if eval_dataset is not None else load_qa(str(demo_paths().test), split="test")
+        heldout = eval_dataset if eval_dataset is not None else load_qa(str(world.test), split="test")
         rows = list(heldout.select(range(min(script_args.heldout_questions, len(heldout)))))
         trainer.add_callback(
             HeldOutEvalCallback(
@@ -245,7 +277,7 @@ def check_before_training(script_args: ScriptArguments, training_args, model_arg
     from mempo_trl.loading import check_model_path
     from mempo_trl.outputs import check_report_to, prepare_output_dir
 
-    if model_args.model_name_or_path != TINY_MODEL:
+    if model_args.model_name_or_path not in (TINY_MODEL, LEARNER_MODEL):
         check_model_path(model_args.model_name_or_path)
     check_report_to(training_args.report_to)
     prepare_output_dir(

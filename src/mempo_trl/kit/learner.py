@@ -11,7 +11,10 @@ with TRL's `SFTTrainer`, and a held-out evaluation with memory recall.
   ``memory_recall`` (the share of the facts a question needs that are in the episode's last ``<mem>``);
   `HeldOutEvalCallback` runs it before, during and after training;
 - `headroom` measures what RL can gain before any is spent: why the greedy episodes miss (`failure_kind`), and
-  how often sampled episodes of a row disagree (the GRPO groups that carry a reward signal).
+  how often sampled episodes of a row disagree (the GRPO groups that carry a reward signal); `memory_signal`, how
+  much remembering a fact raises P(gold), the memory reward's raw material, per question type;
+- `shipped_learner` is a learner shipped with the package, warm-started and made forgetful, from which RL gains
+  in minutes (`model_name_or_path: learner` of `mempo-trl train`, the quick start).
 """
 
 import hashlib
@@ -67,6 +70,24 @@ class WarmSettings:
     mem_drop: float = MEM_DROP
     max_warm_rows: int | None = None
     instruction: str = LEARNER_INSTRUCTION
+
+
+def shipped_learner() -> Path:
+    """The learner shipped with the package (`model_name_or_path: learner` of `mempo-trl train`).
+
+    It is the experiment's warm start (3,000 SFT steps, `MEM_DROP`) continued for 300 steps with ``mem_drop=0.6``
+    (`derive_learner`; ``warm_start.json`` in the directory says how): greedy held-out EM 0.285 and memory recall
+    0.105 on the first 100 test rows of `LEARNER_WORLD`, whose comparisons mostly run out of turns re-searching what
+    the memory dropped, a choice RL fixes in minutes. It reads `LEARNER_INSTRUCTION` (saved in its
+    ``mempo_agent.json``), and knows only the `LEARNER_WORLD` (`write_learner_world`).
+
+    Example:
+        >>> (shipped_learner() / "model.safetensors").is_file()
+        True
+    """
+    from importlib import resources
+
+    return Path(str(resources.files("mempo_trl.kit") / "learner_model"))
 
 
 class LearnerPaths(NamedTuple):
@@ -413,6 +434,66 @@ def headroom(
         "temperature": temperature,
         **summary(list(range(len(rows)))),
         "by_type": {source: summary(index) for source, index in sorted(types.items())},
+    }
+
+
+def memory_signal(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    retriever,
+    threshold: float | None = None,
+    instruction: str = DEFAULT_INSTRUCTION,
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+) -> dict[str, Any]:
+    """How much a memory's content moves P(gold), the quantity the memory reward is made of, per question type.
+
+    For each row, the gold answer is scored (`mempo_trl.scoring.answer_token_logps`, then
+    `mempo_trl.memory.answer_probability` with ``threshold``) after the memory context the trainer scores P_mem in
+    (``system + user(question)`` + a ``<mem>`` block), with the memory holding: every fact the row's hops find
+    (`mempo_trl.kit.warmstart.hop_facts`, ``p_all``), each fact but one (``p_drop``: mean over the facts), or
+    nothing (``p_none``: ``Nothing yet.``). ``fact_value = p_all - p_drop`` is what keeping one more fact earns in
+    memory reward: near 0 on a type, the memory advantage has nothing to teach there. Rows whose hops do not
+    retrieve their facts are skipped. Returns the means overall and per ``data_source``, with ``rows``.
+    """
+    from mempo_trl.context import initial_messages, render_prompt
+    from mempo_trl.kit.warmstart import NOTHING_YET, hop_facts
+    from mempo_trl.memory import answer_probability
+    from mempo_trl.scoring import ScoringItem, answer_token_logps, gold_answer_tokens
+
+    items, owners = [], []  # owners[i]: (row index, "all" | "drop" | "none")
+    for index, row in enumerate(rows):
+        try:
+            facts = hop_facts(row, retriever.search(list(row["hop_queries"]), 10))
+        except ValueError:
+            continue
+        base = render_prompt(tokenizer, initial_messages(row["question"], system_prompt, instruction))
+        answer_ids, answer_mask = gold_answer_tokens(tokenizer, row["golden_answers"], row.get("sub_answers") or None)
+        memories = [("all", facts), *(("drop", facts[:i] + facts[i + 1 :]) for i in range(len(facts))), ("none", [])]
+        for kind, kept in memories:
+            mem = f"<mem> {' '.join(kept) or NOTHING_YET} </mem>"
+            context = base + tokenizer(mem, add_special_tokens=False)["input_ids"]
+            items.append(ScoringItem(context, answer_ids, answer_mask))
+            owners.append((index, kind))
+    logps, mask = answer_token_logps(model, items, tokenizer.pad_token_id)
+    probs = answer_probability(logps, mask, threshold).tolist()
+    per_row: dict[int, dict[str, list[float]]] = {}
+    for (index, kind), prob in zip(owners, probs):
+        per_row.setdefault(index, {}).setdefault(kind, []).append(prob)
+
+    def summary(indices: list[int]) -> dict[str, Any]:
+        n = max(1, len(indices))
+        mean = {k: sum(sum(per_row[i][k]) / len(per_row[i][k]) for i in indices) / n for k in ("all", "drop", "none")}
+        return {"rows": len(indices), "p_all": mean["all"], "p_drop": mean["drop"], "p_none": mean["none"],
+                "fact_value": mean["all"] - mean["drop"]}  # fmt: skip
+
+    types: dict[str, list[int]] = {}
+    for index in per_row:
+        types.setdefault(rows[index].get("data_source", "all"), []).append(index)
+    return {
+        "threshold": threshold,
+        **summary(list(per_row)),
+        "by_type": {source: summary(indices) for source, indices in sorted(types.items())},
     }
 
 
