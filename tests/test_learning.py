@@ -223,3 +223,18 @@ def test_memory_signal_measures_what_each_remembered_fact_adds_to_p_gold(any_tok
     assert two_hop["p_drop"] == pytest.approx(p(1), rel=1e-4)  # either fact dropped leaves one
     assert two_hop["p_none"] == pytest.approx(p(0), rel=1e-4)
     assert result["fact_value"] == pytest.approx(p(2) - p(1), rel=1e-4)
+
+
+def test_the_shipped_learner_is_the_experiments_forgetful_warm_start():
+    """The quick start's `model_name_or_path: learner` and `bench/learning.py --mem-drop 0.6` start from the same
+    weights, so the README's numbers for one hold for the other."""
+    import hashlib
+
+    from mempo_trl.kit.learner import shipped_learner
+
+    experiment = BENCH / "results" / "learning_runs" / "warm_model_mem_drop=0.6"
+    for name in ("model.safetensors", "tokenizer.json", "warm_start.json"):
+        digests = {hashlib.sha256((d / name).read_bytes()).hexdigest() for d in (shipped_learner(), experiment)}
+        assert len(digests) == 1, name
+    settings = json.loads((shipped_learner() / "mempo_agent.json").read_text())
+    assert settings["instruction"] == learner.LEARNER_INSTRUCTION
