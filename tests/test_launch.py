@@ -217,7 +217,7 @@ def test_deepspeed_zero3_two_processes_lora_then_merge(warm_model_dir, tmp_path)
     banner = _banner(output)
     assert banner["world_size"] == "2" and banner["distributed_type"] == "DEEPSPEED"
     assert banner["model"] == "DeepSpeedEngine(PeftModelForCausalLM)" and banner["zero_stage"] == "3"
-    # The quick-start recipe's held-out evaluation generates on one process: skipped, as a ZeRO-3 forward is collective.
+    # The tiny recipe's held-out evaluation generates on one process: skipped, as a ZeRO-3 forward is collective.
     assert "heldout_questions=50 is skipped on 2 processes" in output
     assert f"model saved to {out}" in output
     adapter = load_file(out / "adapter_model.safetensors")

@@ -48,7 +48,7 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
         assert words in body, words
     assert f"**base model**: {warm_model_dir}" in body
     assert f"**dataset**: {demo_paths.train}" in body
-    assert "**retriever**: BM25 over the mempo_trl demo world corpus" in body
+    assert "**retriever**: BM25 over the demo corpus" in body
     recipe = body.split("### Recipe", 1)[1].split("###", 1)[0]
     for row in (
         "| `max_turns` | `2` |",

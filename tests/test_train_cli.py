@@ -122,3 +122,19 @@ def test_quickstart_trains_the_shipped_learner_on_its_own_world(capsys, tmp_path
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("held-out EM (3 questions, greedy): ") and "after (step 1)" in last
     assert json.loads((out / "mempo_agent.json").read_text())["instruction"] == "Question: {question}"
+
+
+@pytest.mark.slow
+def test_the_learner_gets_its_own_instruction_unless_the_recipe_sets_one(capsys, tmp_path):
+    from mempo_trl.commands.train import build_trainer, parse_args
+    from mempo_trl.kit.learner import LEARNER_INSTRUCTION
+
+    argv = ["--model_name_or_path", "learner", "--output_dir", str(tmp_path / "out"), "--use_cpu", "true",
+            "--bf16", "false", "--report_to", "none", "--per_device_train_batch_size", "4", "--num_generations", "4"]  # fmt: skip
+    script_args, training_args, model_args, retriever_args = parse_args(argv)
+    assert (
+        build_trainer(script_args, training_args, model_args, retriever_args).args.instruction == LEARNER_INSTRUCTION
+    )
+    assert "instruction='Question: {question}', the shipped learner's" in capsys.readouterr().out
+    parsed = parse_args([*argv, "--instruction", "Q: {question}"])
+    assert build_trainer(*parsed).args.instruction == "Q: {question}"

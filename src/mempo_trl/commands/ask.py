@@ -1,6 +1,7 @@
 """`mempo-trl ask "question"`: answer one question with a trained agent and show its turns.
 
-    mempo-trl ask "Who founded the company that built the Orbix tower?" --model_name_or_path outputs/quickstart
+    mempo-trl ask "In which city was the founder of Nembam Motors born?" --model_name_or_path outputs/quickstart \\
+        --corpus outputs/quickstart/learner_world/corpus.jsonl
 
 The agent runs with the settings saved with it (`mempo_agent.json`); `--max_turns 4` and the like override them.
 Without `--corpus` or `--retriever_url` it searches the demo corpus.

@@ -1,6 +1,7 @@
 """`mempo-trl eval`: play a trained agent over QA rows and report EM, F1, format, turns, searches and token cost.
 
-    mempo-trl eval --model_name_or_path outputs/quickstart --output_dir eval_out --context_mode both
+    mempo-trl eval --model_name_or_path outputs/quickstart --dataset_name outputs/quickstart/learner_world/test.jsonl \\
+        --corpus outputs/quickstart/learner_world/corpus.jsonl --output_dir eval_out --context_mode both
 
 The agent runs with the settings saved with it (`mempo_agent.json`); a flag such as `--max_turns 4` overrides them
 and says so. Writes ``results.json`` (metrics, settings, versions), ``trajectories.jsonl`` (one line per question

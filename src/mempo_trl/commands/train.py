@@ -36,7 +36,7 @@ class ScriptArguments:
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "QA data: a .jsonl/.json/.parquet path or a `datasets` name (FlashRAG or Search-R1 rows). "
-                  "Default: the shipped demo world."},
+                  "Default: the shipped demo world (the learner world's RL rows for `model_name_or_path: learner`)."},
     )  # fmt: skip
     dataset_split: str = field(default="train", metadata={"help": "Split of `dataset_name` to train on."})
     dataset_config: str | None = field(default=None, metadata={"help": "`datasets` config name of `dataset_name`."})
@@ -121,9 +121,11 @@ def _load_model_and_tokenizer(model_args, training_args):
 
 
 class DefaultWorld(NamedTuple):
-    """What a run trains on, evaluates on and searches when the recipe names no data or corpus."""
+    """What a run trains on, evaluates on and searches when the recipe names no data or corpus (with names for the
+    model card)."""
 
     name: str
+    corpus_name: str
     train: Path
     test: Path
     corpus: Path
@@ -137,11 +139,27 @@ def default_world(model_name_or_path: str, training_args) -> DefaultWorld:
 
         with training_args.main_process_first(desc="writing the learner world"):
             paths = write_learner_world(Path(training_args.output_dir) / "learner_world")
-        return DefaultWorld("mempo_trl learner world (RL rows)", paths.rl, paths.test, paths.corpus)
+        return DefaultWorld(
+            "mempo_trl learner world (RL rows)", "the learner world's", paths.rl, paths.test, paths.corpus
+        )
     from mempo_trl.kit.demo_world import demo_paths
 
     paths = demo_paths()
-    return DefaultWorld("mempo_trl demo world", paths.train, paths.test, paths.corpus)
+    return DefaultWorld("mempo_trl demo world", "the demo", paths.train, paths.test, paths.corpus)
+
+
+def use_learner_instruction(training_args) -> None:
+    """The shipped learner reads the question alone (its warm start's instruction, saved in its `mempo_agent.json`):
+    a recipe for `model_name_or_path: learner` that leaves `instruction` at the default gets that one, and says so."""
+    from mempo_trl.agent import AgentSettings
+    from mempo_trl.context import DEFAULT_INSTRUCTION
+    from mempo_trl.kit.learner import shipped_learner
+
+    saved = AgentSettings.from_pretrained(shipped_learner())
+    if training_args.instruction == DEFAULT_INSTRUCTION != saved.instruction:
+        training_args.instruction = saved.instruction
+        if training_args.process_index == 0:
+            print(f"model_name_or_path=learner: instruction={saved.instruction!r}, the shipped learner's")
 
 
 def _load_retriever(retriever_args: RetrieverArguments, default_corpus: Path):
@@ -160,6 +178,8 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     from mempo_trl.trainer import MemPOTrainer
 
     world = default_world(model_args.model_name_or_path, training_args)
+    if model_args.model_name_or_path == LEARNER_MODEL:
+        use_learner_instruction(training_args)
     train_dataset = load_qa(
         script_args.dataset_name or str(world.train),
         split=script_args.dataset_split,
@@ -186,7 +206,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     trainer.model_card_info = {
         "base_model": model_args.model_name_or_path,
         "dataset": script_args.dataset_name or world.name,
-        "retriever": retriever_args.retriever_url or retriever_args.corpus or f"BM25 over the {world.name} corpus",
+        "retriever": retriever_args.retriever_url or retriever_args.corpus or f"BM25 over {world.corpus_name} corpus",
     }
     trainer.add_callback(LaunchBannerCallback(trainer))
     use_step_summary(trainer)

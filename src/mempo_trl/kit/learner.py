@@ -453,8 +453,8 @@ def memory_signal(
     (``system + user(question)`` + a ``<mem>`` block), with the memory holding: every fact the row's hops find
     (`mempo_trl.kit.warmstart.hop_facts`, ``p_all``), each fact but one (``p_drop``: mean over the facts), or
     nothing (``p_none``: ``Nothing yet.``). ``fact_value = p_all - p_drop`` is what keeping one more fact earns in
-    memory reward: near 0 on a type, the memory advantage has nothing to teach there. Rows whose hops do not
-    retrieve their facts are skipped. Returns the means overall and per ``data_source``, with ``rows``.
+    memory reward: near 0 on a type, the memory advantage has nothing to teach there. Rows without hops, or
+    whose hops do not retrieve their facts, are skipped. Returns the means overall and per ``data_source``, with ``rows``.
     """
     from mempo_trl.context import initial_messages, render_prompt
     from mempo_trl.kit.warmstart import NOTHING_YET, hop_facts
@@ -466,6 +466,8 @@ def memory_signal(
         try:
             facts = hop_facts(row, retriever.search(list(row["hop_queries"]), 10))
         except ValueError:
+            continue
+        if not facts:
             continue
         base = render_prompt(tokenizer, initial_messages(row["question"], system_prompt, instruction))
         answer_ids, answer_mask = gold_answer_tokens(tokenizer, row["golden_answers"], row.get("sub_answers") or None)

@@ -328,7 +328,7 @@ def build_warm_tiny_model(output_dir: str | Path, seed: int = 0) -> Path:
     as it is; anything else is rebuilt. Takes about 1-2 minutes on one CPU core.
 
     Example:
-        >>> path = build_warm_tiny_model("outputs/quickstart/base_model", seed=0)  # doctest: +SKIP
+        >>> path = build_warm_tiny_model("outputs/tiny/base_model", seed=0)  # doctest: +SKIP
         >>> json.loads((path / WARM_START_FILE).read_text())["tiny"]["seed"]  # doctest: +SKIP
         0
     """
