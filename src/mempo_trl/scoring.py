@@ -63,6 +63,12 @@ def gold_answer_tokens(tokenizer, golden_answers: Sequence[str], sub_answers=Non
     return list(encoded["input_ids"]), mask
 
 
+def memory_context_ids(tokenizer, base_ids: list[int], mem_block: str) -> list[int]:
+    """The context P_mem is scored after: ``system + user(question)`` (``base_ids``, rendered) + the ``<mem>`` block
+    as tokenized on its own (``<mem> ... </mem>``, no chat-template turn around it)."""
+    return base_ids + tokenizer(mem_block, add_special_tokens=False)["input_ids"]
+
+
 def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]:
     """The (full, mem) scoring pair of every round t >= 2 of ``episode`` that wrote a well-formed ``<mem>``."""
     row = episode.row
@@ -75,7 +81,7 @@ def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]
             continue
         full_ids = render_prompt(tokenizer, round_messages(episode.base_messages, history[:t], "full_history"))
         start, end = record.turn.mem_span
-        mem_ids = base_ids + tokenizer(record.text[start:end], add_special_tokens=False)["input_ids"]
+        mem_ids = memory_context_ids(tokenizer, base_ids, record.text[start:end])
         pairs.append(
             MemoryScoringPair(
                 round_index=t,

@@ -263,20 +263,27 @@ def derive_learner(base_dir: str | Path, output_dir: str | Path, paths: LearnerP
     return out
 
 
-def needed_facts(row: dict, retriever, topk: int = 10) -> list[str]:
-    """The values a row's answer needs, one per hop (`mempo_trl.kit.warmstart.hop_facts`), e.g. ``["Sedo", "634,400"]``.
+def found_facts(row: dict, retriever, topk: int = 10) -> list[str]:
+    """What a row's hops find, as ``"Subject: value."`` (`mempo_trl.kit.warmstart.hop_facts` over ``topk`` results).
 
-    Empty when the retriever does not return a comparison's passage within ``topk``.
+    Empty for a row without hops, or when the retriever does not return a comparison's passage within ``topk``.
     """
     from mempo_trl.kit.warmstart import hop_facts
 
     if not row.get("hop_queries"):
         return []
     try:
-        facts = hop_facts(row, retriever.search(list(row["hop_queries"]), topk))
+        return hop_facts(row, retriever.search(list(row["hop_queries"]), topk))
     except ValueError:
         return []
-    return [fact.split(": ", 1)[1].rstrip(".") for fact in facts]
+
+
+def needed_facts(row: dict, retriever, topk: int = 10) -> list[str]:
+    """The values a row's answer needs, one per hop (`mempo_trl.kit.warmstart.hop_facts`), e.g. ``["Sedo", "634,400"]``.
+
+    Empty when `found_facts` is.
+    """
+    return [fact.split(": ", 1)[1].rstrip(".") for fact in found_facts(row, retriever, topk)]
 
 
 def memory_recall(mem: str | None, facts: Sequence[str]) -> float:
@@ -457,24 +464,20 @@ def memory_signal(
     whose hops do not retrieve their facts, are skipped. Returns the means overall and per ``data_source``, with ``rows``.
     """
     from mempo_trl.context import initial_messages, render_prompt
-    from mempo_trl.kit.warmstart import NOTHING_YET, hop_facts
+    from mempo_trl.kit.warmstart import NOTHING_YET
     from mempo_trl.memory import answer_probability
-    from mempo_trl.scoring import ScoringItem, answer_token_logps, gold_answer_tokens
+    from mempo_trl.scoring import ScoringItem, answer_token_logps, gold_answer_tokens, memory_context_ids
 
     items, owners = [], []  # owners[i]: (row index, "all" | "drop" | "none")
     for index, row in enumerate(rows):
-        try:
-            facts = hop_facts(row, retriever.search(list(row["hop_queries"]), 10))
-        except ValueError:
-            continue
+        facts = found_facts(row, retriever)
         if not facts:
             continue
         base = render_prompt(tokenizer, initial_messages(row["question"], system_prompt, instruction))
         answer_ids, answer_mask = gold_answer_tokens(tokenizer, row["golden_answers"], row.get("sub_answers") or None)
         memories = [("all", facts), *(("drop", facts[:i] + facts[i + 1 :]) for i in range(len(facts))), ("none", [])]
         for kind, kept in memories:
-            mem = f"<mem> {' '.join(kept) or NOTHING_YET} </mem>"
-            context = base + tokenizer(mem, add_special_tokens=False)["input_ids"]
+            context = memory_context_ids(tokenizer, base, f"<mem> {' '.join(kept) or NOTHING_YET} </mem>")
             items.append(ScoringItem(context, answer_ids, answer_mask))
             owners.append((index, kind))
     logps, mask = answer_token_logps(model, items, tokenizer.pad_token_id)
