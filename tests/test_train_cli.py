@@ -138,3 +138,16 @@ def test_the_learner_gets_its_own_instruction_unless_the_recipe_sets_one(capsys,
     assert "instruction='Question: {question}', the shipped learner's" in capsys.readouterr().out
     parsed = parse_args([*argv, "--instruction", "Q: {question}"])
     assert build_trainer(*parsed).args.instruction == "Q: {question}"
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_launched_process_leaves_without_finalisation(monkeypatch, world_size):
+    """Under a launcher, `mempo-trl train` runs the atexit handlers, then `os._exit(rc)`; alone it just returns."""
+    from mempo_trl.commands import train
+
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    monkeypatch.setattr("atexit._run_exitfuncs", lambda: calls.append("atexit"))
+    monkeypatch.setattr(train.os, "_exit", lambda rc: calls.append(("exit", rc)))
+    train.leave_launched_process(3)
+    assert calls == ([] if world_size == "1" else ["atexit", ("exit", 3)])

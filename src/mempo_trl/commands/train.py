@@ -325,9 +325,29 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
+def leave_launched_process(rc: int) -> None:
+    """End a process started by a launcher (`WORLD_SIZE` > 1) without interpreter finalisation.
+
+    Even after `release_process_groups`, gloo's threads can abort a finished rank while Python tears down
+    ("terminate called without an active exception", pytorch/pytorch#190489; seen in CI after ZeRO-3 runs), and the
+    launcher then reports the whole run as failed. Everything is saved by now: run the `atexit` handlers (loggers
+    flush there), flush the streams and exit with ``rc``.
+    """
+    import atexit
+    import sys
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: a bad recipe, path or data stops before training with one `error:` line (exit 2)."""
-    return run(_main, argv)
+    rc = run(_main, argv)
+    leave_launched_process(rc)
+    return rc
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
