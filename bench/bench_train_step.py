@@ -27,6 +27,7 @@ Run-time checks: every step plays exactly ``rounds`` generation calls, every tra
 
     python bench/bench_train_step.py                 # rounds 2/4/8, 4 trajectories, ~3 min on 2 cores
     python bench/bench_train_step.py --rounds 4 8 --trajectories 8 --steps 3
+    python bench/bench_train_step.py --device cuda --hidden-size 1024 --layers 8 --trajectories 16   # on a GPU
 """
 
 import argparse
@@ -63,17 +64,23 @@ PHASES = ("generation", "retrieval", "memory_scoring", "loss_fwd_bwd", "optimize
 
 
 class Clock:
-    """Accumulated wall and CPU seconds (``key`` and ``key + "_cpu"``) and counts of one trainer run."""
+    """Accumulated wall and CPU seconds (``key`` and ``key + "_cpu"``) and counts of one trainer run.
 
-    def __init__(self):
+    On CUDA every reading waits for the device (``torch.cuda.synchronize``), so a phase owns its kernels.
+    """
+
+    def __init__(self, device: str = "cpu"):
         self.values = defaultdict(float)
+        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     @contextmanager
     def measure(self, key: str):
+        self.sync()
         wall, cpu = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
+            self.sync()
             self.values[key] += time.perf_counter() - wall
             self.values[key + "_cpu"] += time.process_time() - cpu
 
@@ -96,10 +103,12 @@ class StepTimer(TrainerCallback):
         self.steps: list[dict] = []
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self.clock.sync()
         self._snap = self.clock.snapshot()
         self._wall, self._cpu = time.perf_counter(), time.process_time()
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.clock.sync()
         step = self.clock.since(self._snap)
         step["step"] = time.perf_counter() - self._wall
         step["step_cpu"] = time.process_time() - self._cpu
@@ -194,15 +203,15 @@ def answer_reward(completions, golden_answers, **kwargs):
     return scores
 
 
-def _common_args(output_dir: str, trajectories: int, num_generations: int, steps: int) -> dict:
+def _common_args(output_dir: str, trajectories: int, num_generations: int, steps: int, device: str) -> dict:
     return {
         "output_dir": output_dir,
         "per_device_train_batch_size": trajectories,
         "num_generations": num_generations,
         "max_steps": steps,
         "learning_rate": 1e-5,
-        "use_cpu": True,
-        "bf16": False,
+        "use_cpu": device == "cpu",
+        "bf16": device == "cuda",  # fp32 weights, bf16 autocast: the GPU recipes' setting
         "activation_checkpointing": False,
         "report_to": "none",
         "save_strategy": "no",
@@ -221,9 +230,9 @@ def run_trainer(kind: str, model_dir: Path, rows: list[dict], retriever, rounds:
 
     tokenizer = load_tokenizer(model_dir)
     model = Qwen2ForCausalLM.from_pretrained(str(model_dir))
-    clock = Clock()
+    clock = Clock(cfg["device"])
     output_dir = tempfile.mkdtemp(prefix=f"bench_step_{kind}_")
-    common = _common_args(output_dir, cfg["trajectories"], cfg["num_generations"], cfg["steps"])
+    common = _common_args(output_dir, cfg["trajectories"], cfg["num_generations"], cfg["steps"], cfg["device"])
     turn_tokens = cfg["turn_tokens"]
     trainer_ref: list = []
     timer = StepTimer(clock, trainer_ref)
@@ -320,6 +329,7 @@ def run(
     kinds=("stock", "batched", "shared_prefix"),
     dims: dict | None = None,
     model_dir: str | Path | None = None,
+    device: str = "cpu",
 ) -> list[dict]:
     """The bench's core: one result per (rounds, trainer kind); see `run_trainer`."""
     if trajectories % num_generations:
@@ -335,6 +345,7 @@ def run(
         "turn_tokens": turn_tokens,
         "mem_tokens": mem_tokens,
         "steps": steps,
+        "device": device,
     }
     results = []
     with warnings.catch_warnings():
@@ -398,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (see bench/README.md)")
     parser.add_argument("--hidden-size", type=int, default=MODEL_DIMS["hidden_size"])
     parser.add_argument("--layers", type=int, default=MODEL_DIMS["num_layers"])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 autocast, synced timers")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -407,10 +419,18 @@ def main(argv: list[str] | None = None) -> None:
     dims = {**MODEL_DIMS, "hidden_size": args.hidden_size, "num_layers": args.layers}
     start = time.perf_counter()
     results = run(
-        args.rounds, args.trajectories, args.num_generations, args.turn_tokens, args.mem_tokens, args.steps, dims=dims
+        args.rounds,
+        args.trajectories,
+        args.num_generations,
+        args.turn_tokens,
+        args.mem_tokens,
+        args.steps,
+        dims=dims,
+        device=args.device,
     )
+    precision = f"bf16 autocast on {torch.cuda.get_device_name()}" if args.device == "cuda" else "fp32 on the CPU"
     print(
-        f"model: random Qwen2 {dims}, fp32, sdpa; {args.trajectories} trajectories per step "
+        f"model: random Qwen2 {dims}, {precision}, sdpa; {args.trajectories} trajectories per step "
         f"({args.trajectories // args.num_generations} questions x G={args.num_generations}); turns of exactly "
         f"{args.turn_tokens} generated tokens (MemPO <mem> <= {args.mem_tokens} tokens); BM25 top-{TOPK}; "
         f"loss dapo, beta 0, no gradient checkpointing; median of {args.steps} steps; torch threads {args.threads}; "

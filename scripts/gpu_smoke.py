@@ -12,6 +12,11 @@ Stages (each prints one JSON line ``{"stage", "ok", ...}`` and exits 0 when ``ok
   ``tests/fake_vllm.py``, whose log-probs come from a synced fp32 copy of the model: TRL's importance-sampling ratio
   must be ~1 (rows and tokens aligned over rounds >= 2), one weight sync per step.
 - ``zero3``: 2 steps of ``mempo-trl train`` under DeepSpeed ZeRO-3 with one process (accelerate launch).
+- ``qwen``: Qwen2.5's real tokenizer and 151,936-row vocabulary (`mempo_trl.kit.qwen`, hidden 256) in bf16: the
+  scoring agreement above on scripted 4-round episodes, then 2 MemPO steps whose turns are those scripted turns
+  (multi-token tags: rows, ``<mem>`` spans and P_full / P_mem scored on the device; every episode 4 rounds, EM 1).
+- ``quickstart``: ``mempo-trl train --config examples/configs/quickstart_cpu.yaml`` on the device (fp32, as the
+  recipe): its held-out EM line must rise; reports the wall time.
 
 ``--cpu`` runs the same stages on the CPU in fp32 (a dry run of the script, minutes on a laptop).
 """
@@ -19,8 +24,10 @@ Stages (each prints one JSON line ``{"stage", "ok", ...}`` and exits 0 when ``ok
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -74,13 +81,19 @@ def stage_scoring(work: Path, cpu: bool) -> dict:
     from bench_memory_scoring import demo_rows, play_episodes
 
     from mempo_trl.kit.demo_world import demo_paths
-    from mempo_trl.memory import answer_probability
     from mempo_trl.retrieval import BM25Retriever
-    from mempo_trl.scoring import answer_token_logps, memory_scoring_items, shared_prefix_answer_logps
 
     device, dtype = _setup(cpu)
     model, tokenizer = _load(work, device, dtype)
     episodes = play_episodes(tokenizer, BM25Retriever.from_corpus(demo_paths().corpus), demo_rows(8), 4, 64, 32)
+    return {**_agreement(model, tokenizer, episodes), "dtype": str(dtype)}
+
+
+def _agreement(model, tokenizer, episodes) -> dict:
+    """Answer log-probs of every P_full item, batched vs shared-prefix: same mask, within bf16 rounding."""
+    from mempo_trl.memory import answer_probability
+    from mempo_trl.scoring import answer_token_logps, memory_scoring_items, shared_prefix_answer_logps
+
     keys, items = [], []
     for e, ep in enumerate(episodes):
         for pair in memory_scoring_items(ep, tokenizer):
@@ -93,7 +106,7 @@ def stage_scoring(work: Path, cpu: bool) -> dict:
         (answer_probability(batched, mask, None) - answer_probability(shared, shared_mask, None)).abs().max()
     )
     ok = torch.equal(mask, shared_mask) and diff < 0.1 and bool(torch.isfinite(shared).all())
-    return {"ok": ok, "items": len(items), "max_abs_logp_diff": diff, "max_abs_p_diff": p_diff, "dtype": str(dtype)}
+    return {"ok": ok, "items": len(items), "max_abs_logp_diff": diff, "max_abs_p_diff": p_diff}
 
 
 def stage_lora(work: Path, cpu: bool) -> dict:
@@ -169,12 +182,73 @@ def stage_zero3(work: Path, cpu: bool) -> dict:
     return {"ok": ok, "returncode": result.returncode, **({} if ok else {"tail": tail})}
 
 
+def stage_qwen(work: Path, cpu: bool) -> dict:
+    from bench_memory_scoring import ScriptedPolicy, demo_rows, play_episodes
+    from datasets import Dataset
+    from transformers import Qwen2ForCausalLM
+
+    from mempo_trl import MemPOConfig, MemPOTrainer, mempo_format_reward, mempo_outcome_reward
+    from mempo_trl.kit.demo_world import demo_paths
+    from mempo_trl.kit.qwen import build_qwen2_5_model
+    from mempo_trl.loading import load_tokenizer
+    from mempo_trl.retrieval import BM25Retriever
+
+    device, dtype = _setup(cpu)
+    dims = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}
+    path = build_qwen2_5_model(work / "qwen", seed=0, **dims)
+    tokenizer = load_tokenizer(path)
+    model = Qwen2ForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    retriever, rows = BM25Retriever.from_corpus(demo_paths().corpus), demo_rows(8)
+    agreement = _agreement(model, tokenizer, play_episodes(tokenizer, retriever, rows, 4, 96, 32))
+
+    overrides = {"max_completion_length": 96, "memory_threshold": None}  # a random model's P is far below 0.5
+    args = MemPOConfig(**{**_common_args(work, cpu, steps=2), **overrides})
+    trainer = MemPOTrainer(
+        model,
+        retriever,
+        reward_funcs=[mempo_outcome_reward, mempo_format_reward],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    policy = ScriptedPolicy(tokenizer, rows, rounds=4, turn_tokens=96, mem_tokens=32)
+    trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: policy(prompt_ids)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    ok = (
+        agreement["ok"]
+        and len(logs) == 2
+        and all(math.isfinite(e["loss"]) and e["episode/turns"] == 4 and e["episode/em"] == 1 for e in logs)
+        and all(e["memory/scored_rounds"] == 3 * args.per_device_train_batch_size for e in logs)
+        and all(0 < e["memory/p_full"] < 1 and 0 < e["memory/p_mem"] < 1 for e in logs)
+    )
+    keep = ("loss", "episode/turns", "episode/em", "memory/scored_rounds", "memory/p_full", "memory/p_mem")
+    return {**agreement, "ok": ok, "dtype": str(dtype), "steps": [{k: e[k] for k in keep} for e in logs]}
+
+
+def stage_quickstart(work: Path, cpu: bool) -> dict:
+    cmd = [
+        sys.executable, "-m", "mempo_trl", "train", "--config", str(ROOT / "examples" / "configs" / "quickstart_cpu.yaml"),
+        "--output_dir", str(work / "quickstart"), "--use_cpu", str(cpu).lower(), "--disable_tqdm", "true",
+    ]  # fmt: skip
+    start = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "held-out EM" in line]
+    em = [float(x) for x in re.findall(r"(\d\.\d+) (?:before|after)", lines[-1])] if lines else []
+    ok = result.returncode == 0 and len(em) == 2 and em[1] > em[0]
+    tail = {} if ok else {"tail": (result.stdout + result.stderr)[-1500:]}
+    return {"ok": ok, "seconds": round(seconds, 1), "line": lines[-1] if lines else None, **tail}
+
+
 STAGES = {
     "model": stage_model,
     "scoring": stage_scoring,
     "lora": stage_lora,
     "vllm_emulation": stage_vllm_emulation,
     "zero3": stage_zero3,
+    "qwen": stage_qwen,
+    "quickstart": stage_quickstart,
 }
 
 
