@@ -7,7 +7,8 @@ Stages (each prints one JSON line ``{"stage", "ok", ...}`` and exits 0 when ``ok
 - ``model``: build the offline tiny model with head_dim 32 (hidden 128, 4 heads) into ``WORK_DIR/model``.
 - ``scoring``: memory scoring of scripted 4-round episodes in bf16 on CUDA, shared-prefix vs batched: the two schemes
   must agree (answer log-probs within ``0.1``, the bf16 rounding of two different kernels).
-- ``lora``: 3 MemPO steps with LoRA and gradient checkpointing (HF generation, bf16): finite loss, 3 steps.
+- ``lora``: 3 MemPO steps with LoRA and gradient checkpointing in bf16, on scripted 4-round turns: finite loss,
+  3 steps, and LoRA's B matrices (zero at the start) have moved, so gradients flow through the checkpointed forward.
 - ``vllm_emulation``: 2 MemPO steps through TRL's `VLLMGeneration` (colocate) on the fake engine of
   ``tests/fake_vllm.py``, whose log-probs come from a synced fp32 copy of the model: TRL's importance-sampling ratio
   must be ~1 (rows and tokens aligned over rounds >= 2), one weight sync per step.
@@ -110,30 +111,38 @@ def _agreement(model, tokenizer, episodes) -> dict:
 
 
 def stage_lora(work: Path, cpu: bool) -> dict:
+    from bench_memory_scoring import ScriptedPolicy, demo_rows
     from datasets import Dataset
     from peft import LoraConfig
 
     from mempo_trl import MemPOConfig, MemPOTrainer, mempo_format_reward, mempo_outcome_reward
-    from mempo_trl.data import read_jsonl
     from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.retrieval import BM25Retriever
 
     device, dtype = _setup(cpu)
     model, tokenizer = _load(work, device, dtype)
-    args = MemPOConfig(**_common_args(work, cpu, steps=3), activation_checkpointing=True)
+    rows = demo_rows(8)
+    overrides = {"max_completion_length": 64, "memory_threshold": None}  # a random model's P is far below 0.5
+    args = MemPOConfig(**{**_common_args(work, cpu, steps=3), **overrides}, activation_checkpointing=True)
     trainer = MemPOTrainer(
         model,
         BM25Retriever.from_corpus(demo_paths().corpus),
         reward_funcs=[mempo_outcome_reward, mempo_format_reward],
         args=args,
-        train_dataset=Dataset.from_list(read_jsonl(demo_paths().train)[:8]),
+        train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )
+    # Scripted 4-round turns: the memory advantage gives the loss a gradient (a random model's own turns are invalid).
+    policy = ScriptedPolicy(tokenizer, rows, rounds=4, turn_tokens=64, mem_tokens=32)
+    trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: policy(prompt_ids)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    ok = trainer.state.global_step == 3 and all(math.isfinite(x) for x in losses)
-    return {"ok": ok, "steps": trainer.state.global_step, "losses": losses}
+    # LoRA's B matrices start at zero: they move only if gradients flow through the checkpointed bf16 forward.
+    lora_b = [p for name, p in trainer.model.named_parameters() if "lora_B" in name]
+    moved = max(float(p.detach().abs().max()) for p in lora_b)
+    ok = trainer.state.global_step == 3 and all(math.isfinite(x) for x in losses) and moved > 0
+    return {"ok": ok, "steps": trainer.state.global_step, "losses": losses, "lora_b_max_abs": moved}
 
 
 def stage_vllm_emulation(work: Path, cpu: bool) -> dict:

@@ -36,6 +36,7 @@ def test_gpu_smoke_dry_run_passes_every_stage(tmp_path):
     assert [s["stage"] for s in report["stages"]] == stages and all(s["ok"] for s in report["stages"])
     scoring = report["stages"][1]
     assert scoring["items"] == 24 and scoring["max_abs_logp_diff"] < 1e-4  # fp32: the two schemes agree closely
+    assert report["stages"][2]["lora_b_max_abs"] > 0  # LoRA trained through the checkpointed forward
     assert report["stages"][3]["weight_syncs"] == 2
 
 
