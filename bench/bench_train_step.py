@@ -27,7 +27,7 @@ Run-time checks: every step plays exactly ``rounds`` generation calls, every tra
 
     python bench/bench_train_step.py                 # rounds 2/4/8, 4 trajectories, ~3 min on 2 cores
     python bench/bench_train_step.py --rounds 4 8 --trajectories 8 --steps 3
-    python bench/bench_train_step.py --device cuda --hidden-size 1024 --layers 8 --trajectories 16   # on a GPU
+    python bench/bench_train_step.py --device cuda --hidden-size 1024 --layers 8 --trajectories 8 --steps 3  # GPU
 """
 
 import argparse
