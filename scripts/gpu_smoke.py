@@ -110,32 +110,46 @@ def _agreement(model, tokenizer, episodes) -> dict:
     return {"ok": ok, "items": len(items), "max_abs_logp_diff": diff, "max_abs_p_diff": p_diff}
 
 
-def stage_lora(work: Path, cpu: bool) -> dict:
+def _scripted_trainer(model, tokenizer, retriever, work: Path, cpu: bool, steps: int, turn_tokens: int, **config):
+    """A MemPOTrainer on the 8 first demo questions whose turns are scripted 4-round turns of ``turn_tokens`` tokens
+    (`bench_memory_scoring.ScriptedPolicy`): a random model's own turns are invalid, so they would leave every
+    advantage, and the loss's gradient, at zero. No confidence filter: a random model's P is far below 0.5.
+    ``config``: more `MemPOConfig` fields, and ``peft_config``."""
     from bench_memory_scoring import ScriptedPolicy, demo_rows
     from datasets import Dataset
-    from peft import LoraConfig
 
     from mempo_trl import MemPOConfig, MemPOTrainer, mempo_format_reward, mempo_outcome_reward
+
+    rows = demo_rows(8)
+    peft_config = config.pop("peft_config", None)
+    common = {**_common_args(work, cpu, steps), "max_completion_length": turn_tokens, "memory_threshold": None}
+    trainer = MemPOTrainer(
+        model,
+        retriever,
+        reward_funcs=[mempo_outcome_reward, mempo_format_reward],
+        args=MemPOConfig(**common, **config),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    policy = ScriptedPolicy(tokenizer, rows, rounds=4, turn_tokens=turn_tokens, mem_tokens=32)
+    trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: policy(prompt_ids)
+    return trainer
+
+
+def stage_lora(work: Path, cpu: bool) -> dict:
+    from peft import LoraConfig
+
     from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.retrieval import BM25Retriever
 
     device, dtype = _setup(cpu)
     model, tokenizer = _load(work, device, dtype)
-    rows = demo_rows(8)
-    overrides = {"max_completion_length": 64, "memory_threshold": None}  # a random model's P is far below 0.5
-    args = MemPOConfig(**{**_common_args(work, cpu, steps=3), **overrides}, activation_checkpointing=True)
-    trainer = MemPOTrainer(
-        model,
-        BM25Retriever.from_corpus(demo_paths().corpus),
-        reward_funcs=[mempo_outcome_reward, mempo_format_reward],
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    retriever = BM25Retriever.from_corpus(demo_paths().corpus)
+    trainer = _scripted_trainer(
+        model, tokenizer, retriever, work, cpu, 3, 64, activation_checkpointing=True, peft_config=lora
     )
-    # Scripted 4-round turns: the memory advantage gives the loss a gradient (a random model's own turns are invalid).
-    policy = ScriptedPolicy(tokenizer, rows, rounds=4, turn_tokens=64, mem_tokens=32)
-    trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: policy(prompt_ids)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     # LoRA's B matrices start at zero: they move only if gradients flow through the checkpointed bf16 forward.
@@ -192,11 +206,9 @@ def stage_zero3(work: Path, cpu: bool) -> dict:
 
 
 def stage_qwen(work: Path, cpu: bool) -> dict:
-    from bench_memory_scoring import ScriptedPolicy, demo_rows, play_episodes
-    from datasets import Dataset
+    from bench_memory_scoring import demo_rows, play_episodes
     from transformers import Qwen2ForCausalLM
 
-    from mempo_trl import MemPOConfig, MemPOTrainer, mempo_format_reward, mempo_outcome_reward
     from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.kit.qwen import build_qwen2_5_model
     from mempo_trl.loading import load_tokenizer
@@ -210,25 +222,14 @@ def stage_qwen(work: Path, cpu: bool) -> dict:
     retriever, rows = BM25Retriever.from_corpus(demo_paths().corpus), demo_rows(8)
     agreement = _agreement(model, tokenizer, play_episodes(tokenizer, retriever, rows, 4, 96, 32))
 
-    overrides = {"max_completion_length": 96, "memory_threshold": None}  # a random model's P is far below 0.5
-    args = MemPOConfig(**{**_common_args(work, cpu, steps=2), **overrides})
-    trainer = MemPOTrainer(
-        model,
-        retriever,
-        reward_funcs=[mempo_outcome_reward, mempo_format_reward],
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-    )
-    policy = ScriptedPolicy(tokenizer, rows, rounds=4, turn_tokens=96, mem_tokens=32)
-    trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: policy(prompt_ids)
+    trainer = _scripted_trainer(model, tokenizer, retriever, work, cpu, steps=2, turn_tokens=96)
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     ok = (
         agreement["ok"]
         and len(logs) == 2
         and all(math.isfinite(e["loss"]) and e["episode/turns"] == 4 and e["episode/em"] == 1 for e in logs)
-        and all(e["memory/scored_rounds"] == 3 * args.per_device_train_batch_size for e in logs)
+        and all(e["memory/scored_rounds"] == 3 * trainer.args.per_device_train_batch_size for e in logs)
         and all(0 < e["memory/p_full"] < 1 and 0 < e["memory/p_mem"] < 1 for e in logs)
     )
     keep = ("loss", "episode/turns", "episode/em", "memory/scored_rounds", "memory/p_full", "memory/p_mem")
