@@ -4,6 +4,7 @@ import doctest
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,11 +16,38 @@ from mempo_trl.kit import learner
 from mempo_trl.kit.learner import answer_time_facts, failure_kind, memory_recall, write_learner_world
 
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def _bench(name: str = "learning_bench"):
+    """`bench/learning.py` as a fresh module."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / "learning.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_doctests():
     assert doctest.testmod(learner).failed == 0
+
+
+def test_the_headline_is_the_readme_command_and_publishes_its_summary():
+    """The README's answer comes from `HEADLINE`: its command sets exactly HEADLINE's warm start and budget, and that
+    configuration alone writes `bench/results/learning.json` (the doctests of `default_results`)."""
+    module = _bench("learning_bench_headline")
+    assert doctest.testmod(module).failed == 0
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = re.search(r"python bench/learning\.py (--mem-drop .*?)\n```", readme, re.S).group(1).replace("\\\n", " ")
+    words = command.split()
+    mem_drop = float(words[words.index("--mem-drop") + 1])
+    items = [w for w in words[words.index("--set") + 1 :] if "=" in w]
+    budget = {**module.BUDGET, **module.parse_overrides(items)}
+    assert (mem_drop, budget) == (module.HEADLINE["mem_drop"], module.HEADLINE["budget"])
+    summary = json.loads((BENCH / "results" / "learning.json").read_text())
+    assert summary["settings"]["budget"] == module.HEADLINE["budget"]
+    assert summary["settings"]["warm"]["derived"]["mem_drop"] == module.HEADLINE["mem_drop"]
 
 
 def test_splits_are_disjoint_and_complete(tmp_path):
@@ -87,10 +115,7 @@ def test_answer_time_facts_leave_out_only_a_bridge():
 @pytest.mark.slow
 def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
     """`--quick`: every arm trains and is evaluated; the outputs are written; a rerun skips the finished runs."""
-    spec = importlib.util.spec_from_file_location("learning_bench", BENCH / "learning.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["learning_bench"] = module
-    spec.loader.exec_module(module)
+    module = _bench("learning_bench")
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "learning.json").read_text())
     assert sorted(summary["arms"]) == sorted(module.ARMS)
@@ -141,10 +166,7 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
 
 def test_unwritable_output_fails_before_any_work(tmp_path, capsys):
     """A file where the output directory should be: one `error:` line, exit 2, no world or model built."""
-    spec = importlib.util.spec_from_file_location("learning_bench_out", BENCH / "learning.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["learning_bench_out"] = module
-    spec.loader.exec_module(module)
+    module = _bench("learning_bench_out")
     blocker = tmp_path / "taken"
     blocker.write_text("not a directory")
     assert module.main(["--quick", "--out", str(blocker / "learning")]) == 2
@@ -155,10 +177,7 @@ def test_unwritable_output_fails_before_any_work(tmp_path, capsys):
 
 @pytest.mark.parametrize("item", ["learnin_rate=1e-4", "learning_rate"])
 def test_set_rejects_a_bad_override_before_any_work(tmp_path, capsys, item):
-    spec = importlib.util.spec_from_file_location("learning_bench_set", BENCH / "learning.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["learning_bench_set"] = module
-    spec.loader.exec_module(module)
+    module = _bench("learning_bench_set")
     overrides = module.parse_overrides(["learning_rate=1e-4", "memory_threshold=null", "loss_type=bnpo"])
     assert overrides == {"learning_rate": 1e-4, "memory_threshold": None, "loss_type": "bnpo"}
     assert module.main(["--quick", "--out", str(tmp_path / "out"), "--set", item]) == 2
@@ -168,10 +187,7 @@ def test_set_rejects_a_bad_override_before_any_work(tmp_path, capsys, item):
 
 
 def test_mem_drop_must_be_a_probability(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("learning_bench_drop", BENCH / "learning.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["learning_bench_drop"] = module
-    spec.loader.exec_module(module)
+    module = _bench("learning_bench_drop")
     assert module.main(["--quick", "--out", str(tmp_path / "out"), "--mem-drop", "1.5"]) == 2
     assert capsys.readouterr().err == "error: --mem-drop 1.5: expected a probability in [0, 1]\n"
     assert not (tmp_path / "out").exists()
