@@ -217,6 +217,13 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def _failures(finals: list[dict]) -> dict[str, float] | None:
+    """Mean over seeds of the share of held-out rows per `failure_kind` (None for runs evaluated before it was kept)."""
+    if not all("failures" in f for f in finals):
+        return None
+    return {kind: statistics.fmean(f["failures"][kind] for f in finals) for kind in finals[0]["failures"]}
+
+
 def summarize(records: list[dict], command: str) -> dict:
     """Per arm: warm and final held-out EM (mean/std over seeds), EM by type, tokens per question, memory recall."""
     arms = {}
@@ -244,6 +251,7 @@ def summarize(records: list[dict], command: str) -> dict:
             "memory_recall": _mean_std([f["memory_recall"] for f in finals])[0],
             "memory_recall_std": _mean_std([f["memory_recall"] for f in finals])[1],
             "warm_memory_recall": warm["memory_recall"],
+            "final_failures": _failures(finals),
             "train_minutes_per_run": statistics.fmean(r["seconds"] for r in runs) / 60,
         }
     settings = records[0]["settings"] if records else {}

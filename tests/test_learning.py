@@ -124,10 +124,13 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
                     "memory_recall"):  # fmt: skip
             assert key in arm
         assert arm["seeds"] == [0] and arm["tokens_per_question"] > 0
+        # Why each held-out row missed (`failure_kind`) is kept with every evaluation and summarised per arm.
+        assert math.isclose(sum(arm["final_failures"].values()), 1.0)
     assert summary["command"].startswith("python bench/learning.py") and "trl" in summary["versions"]
     curves = json.loads((tmp_path / "learning_curves.json").read_text())
     assert {c["arm"] for c in curves} == set(module.ARMS)
     assert all([p["step"] for p in c["curve"]] == [0, 1, 2] for c in curves)
+    assert all(math.isclose(p["failures"]["correct"], p["em"]) for c in curves for p in c["curve"])
     assert (tmp_path / "learning.png").stat().st_size > 0
     capsys.readouterr()
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0

@@ -507,28 +507,38 @@ def heldout_eval(model, tokenizer, rows: Sequence[dict], retriever, **episode: A
 
     ``episode``: ``max_turns`` (4), ``topk`` (3), ``max_new_tokens`` (96), ``context_mode`` ("memory"),
     ``instruction`` and ``system_prompt`` (the defaults of `mempo_trl.context`). Returns ``evaluate``'s overall metrics (``em``, ``f1``, ``format_valid``, ``total_tokens_per_question``,
-    ``peak_context_tokens``, ...) plus ``memory_recall``, and ``by_type``: ``em``, ``f1`` and ``memory_recall``
-    per ``data_source``.
+    ``peak_context_tokens``, ...) plus ``memory_recall`` and ``failures`` (the share of rows per `failure_kind`),
+    and ``by_type``: ``em``, ``f1``, ``memory_recall`` and ``failures`` per ``data_source``.
     """
     import math
 
     result = _play(model, tokenizer, rows, retriever, **{**episode, "temperature": 0.0})
+    memory_context = episode.get("context_mode", "memory") == "memory"
     recalls: dict[str, list[float]] = {}
+    kinds: dict[str, list[str]] = {}
     for row, record in zip(rows, result.records):
         mems = [r["mem"] for r in record["rounds"] if r["mem"] is not None]
         recall = memory_recall(mems[-1] if mems else None, needed_facts(row, retriever))
         if not math.isnan(recall):
             recalls.setdefault(record["data_source"], []).append(recall)
+        kind = failure_kind(record, answer_time_facts(row, retriever), memory_context)
+        kinds.setdefault(record["data_source"], []).append(kind)
+
+    def shares(found: list[str]) -> dict[str, float]:
+        return {kind: found.count(kind) / max(1, len(found)) for kind in FAILURE_KINDS}
+
     overall = result.metrics["overall"]
     keys = ("em", "f1", "format_valid", "turns_per_question", "total_tokens_per_question", "peak_context_tokens")
     metrics = {k: overall[k] for k in keys}
     every = [r for values in recalls.values() for r in values]
     metrics["memory_recall"] = sum(every) / len(every) if every else math.nan
+    metrics["failures"] = shares([kind for found in kinds.values() for kind in found])
     metrics["by_type"] = {
         source: {
             "em": m["em"],
             "f1": m["f1"],
             "memory_recall": sum(recalls.get(source, [])) / max(1, len(recalls.get(source, []))),
+            "failures": shares(kinds.get(source, [])),
         }
         for source, m in result.metrics["by_data_source"].items()
     }
