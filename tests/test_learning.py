@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mempo_trl.kit import learner
-from mempo_trl.kit.learner import answer_time_facts, failure_kind, memory_recall, write_learner_world
+from mempo_trl.kit.learner import answer_time_facts, failure_kind, memory_recall, needed_facts, write_learner_world
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,9 +107,14 @@ def test_answer_time_facts_leave_out_only_a_bridge():
                "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
                "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
     multi = {**two_hop, "data_source": "demo_multi", "sub_answers": [["1446"], ["1903"]]}
-    assert answer_time_facts(two_hop, NoPassages()) == ["634,400"]  # the bridge "Sedo" is not needed to answer
-    assert answer_time_facts(multi, NoPassages()) == ["1446", "1903"]
-    assert answer_time_facts({**two_hop, "hop_queries": []}, NoPassages()) == []  # then: the gold answer
+    assert answer_time_facts(two_hop, needed_facts(two_hop, NoPassages())) == [
+        "634,400"
+    ]  # the bridge "Sedo" is not needed to answer
+    assert answer_time_facts(multi, needed_facts(multi, NoPassages())) == ["1446", "1903"]
+    assert (
+        answer_time_facts({**two_hop, "hop_queries": []}, needed_facts({**two_hop, "hop_queries": []}, NoPassages()))
+        == []
+    )  # then: the gold answer
 
 
 @pytest.mark.slow

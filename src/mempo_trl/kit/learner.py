@@ -390,14 +390,14 @@ def failure_kind(record: dict, needed: Sequence[str] = (), memory_context: bool 
     return "wrong_choice" if parts and copied else "miscopied"
 
 
-def answer_time_facts(row: dict, retriever) -> list[str]:
-    """The values a demo-world row's answer turn must see: every hop's value (`needed_facts`) but a bridge's.
+def answer_time_facts(row: dict, needed: Sequence[str]) -> list[str]:
+    """The values a demo-world row's answer turn must see, from its ``needed`` facts (`needed_facts`): all but a
+    bridge's.
 
     A 2-hop answer needs only the second hop's value; a comparison both compared values; a multi-objective row every
-    sub-answer. Empty (meaning: the gold answer) when `needed_facts` is.
+    sub-answer. Empty (meaning: the gold answer) when ``needed`` is.
     """
-    facts = needed_facts(row, retriever)
-    return facts[-1:] if row.get("data_source") == "demo_2hop" else facts
+    return list(needed[-1:] if row.get("data_source") == "demo_2hop" else needed)
 
 
 def headroom(
@@ -414,7 +414,10 @@ def headroom(
 
     greedy = _play(model, tokenizer, rows, retriever, **episode).records
     memory_context = episode.get("context_mode", "memory") == "memory"
-    kinds = [failure_kind(r, answer_time_facts(row, retriever), memory_context) for row, r in zip(rows, greedy)]
+    kinds = [
+        failure_kind(r, answer_time_facts(row, needed_facts(row, retriever)), memory_context)
+        for row, r in zip(rows, greedy)
+    ]
     sampled = []
     for seed in range(samples):
         torch.manual_seed(seed)
@@ -518,10 +521,11 @@ def heldout_eval(model, tokenizer, rows: Sequence[dict], retriever, **episode: A
     kinds: dict[str, list[str]] = {}
     for row, record in zip(rows, result.records):
         mems = [r["mem"] for r in record["rounds"] if r["mem"] is not None]
-        recall = memory_recall(mems[-1] if mems else None, needed_facts(row, retriever))
+        needed = needed_facts(row, retriever)  # one retrieval per row serves recall and the failure kind
+        recall = memory_recall(mems[-1] if mems else None, needed)
         if not math.isnan(recall):
             recalls.setdefault(record["data_source"], []).append(recall)
-        kind = failure_kind(record, answer_time_facts(row, retriever), memory_context)
+        kind = failure_kind(record, answer_time_facts(row, needed), memory_context)
         kinds.setdefault(record["data_source"], []).append(kind)
 
     def shares(found: list[str]) -> dict[str, float]:
