@@ -9,11 +9,13 @@ on the same RL questions, and are evaluated greedily on held-out questions (neve
 - `full_history`: full-history GRPO, the Search-R1 baseline (`context_mode: full_history`; evaluated in that mode).
 
 Resumable: every (arm, seed) run writes `runs/<arm>_s<seed>/curve.json` after each evaluation and `run.json` when
-it ends; a rerun skips finished runs (same settings), so later sessions add seeds. The default `--out`,
-`bench/results/learning_runs`, is committed except for what is rebuilt in seconds (the world, the BM25 index): the
-warm model and every finished run survive a fresh clone. After every run it rewrites the summary (`--results`,
-default `learning.json` next to the runs), `learning_curves.json` (all curves) and the figure. The summary of the
-`HEADLINE` configuration, the README's answer, is `bench/results/learning.json` instead.
+it ends; a rerun skips finished runs (same settings), so later sessions on the same machine add seeds. Run
+directories stay out of git (default `--out`: `runs/learning`). After every run it rewrites the summary
+(`--results`, default `learning.json` next to the runs), `learning_curves.json` (all curves) and the figure. The
+`HEADLINE` configuration run into the default `--out` writes the README's answer, `bench/results/learning.json`,
+instead; its warm start is the shipped learner (`mempo_trl.kit.learner.shipped_learner`), so it needs no 3,000-step
+SFT. `bench/results/learning_probes.json` keeps the summaries of the earlier configurations and probes, each with
+its command.
 
     python bench/learning.py --mem-drop 0.6 --set learning_rate=1e-4 per_device_train_batch_size=16 \
         temperature=0.7 max_steps=300 --eval-every 50   # HEADLINE: all arms x seeds 0 1 2 (resumable)
@@ -295,26 +297,43 @@ def plot(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def default_results(run_root: Path, mem_drop: float | None, budget: dict, quick: bool = False) -> Path:
-    """Where the summary goes: `bench/results/learning.json` for `HEADLINE`, else `learning.json` next to the runs.
+DEFAULT_OUT = "runs/learning"
 
-    >>> default_results(Path("runs"), None, BUDGET).as_posix()
-    'runs/learning.json'
-    >>> default_results(Path("runs"), 0.6, HEADLINE["budget"]).as_posix()
+
+def default_results(out: Path, run_root: Path, mem_drop: float | None, budget: dict, quick: bool = False) -> Path:
+    """Where the summary goes: `bench/results/learning.json` for `HEADLINE` run into the default ``--out``, else
+    `learning.json` next to the runs (a probe with another ``--out`` never touches the published summary).
+
+    >>> default_results(Path(DEFAULT_OUT), Path("r"), None, BUDGET).as_posix()
+    'r/learning.json'
+    >>> default_results(Path(DEFAULT_OUT), Path("r"), 0.6, HEADLINE["budget"]).as_posix()
     'bench/results/learning.json'
-    >>> default_results(Path("runs"), 0.6, {**HEADLINE["budget"], "max_steps": 500}).as_posix()
-    'runs/learning.json'
+    >>> default_results(Path("/tmp/probe"), Path("r"), 0.6, HEADLINE["budget"]).as_posix()
+    'r/learning.json'
+    >>> default_results(Path(DEFAULT_OUT), Path("r"), 0.6, {**HEADLINE["budget"], "max_steps": 500}).as_posix()
+    'r/learning.json'
     """
-    if not quick and mem_drop == HEADLINE["mem_drop"] and budget == HEADLINE["budget"]:
+    headline = mem_drop == HEADLINE["mem_drop"] and budget == HEADLINE["budget"]
+    if headline and not quick and out == Path(DEFAULT_OUT):
         return Path("bench/results/learning.json")
     return run_root / "learning.json"
 
 
+def shipped_warm_start(derived: dict, paths) -> Path | None:
+    """The shipped learner when it is the warm start ``derived`` asks for (same SFT settings, same world files),
+    else None."""
+    import hashlib
+
+    from mempo_trl.kit.learner import shipped_learner
+
+    record = json.loads((shipped_learner() / "warm_start.json").read_text())["derived"]
+    digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in paths)).hexdigest()
+    return shipped_learner() if record["warm"] == derived and record["data_sha256"] == digest else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--out", default="bench/results/learning_runs", help="world, warm model and runs (resumable; committed)"
-    )
+    parser.add_argument("--out", default=DEFAULT_OUT, help="world, warm model and runs (resumable)")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=None, help=f"MemPO steps per run (default {BUDGET['max_steps']})")
@@ -368,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     tag = ",".join(f"{key}={json.dumps(value)}" for key, value in sorted(overrides.items()))
     base_root = out / f"mem_drop={args.mem_drop}" if args.mem_drop is not None else out
     run_root = base_root / "probes" / tag if overrides else base_root  # probes never touch the shipped runs
-    results = Path(args.results or default_results(run_root, args.mem_drop, budget, args.quick))
+    results = Path(args.results or default_results(out, run_root, args.mem_drop, budget, args.quick))
     figure = Path(args.figure or results.with_suffix(".png"))
     derived = None
     if args.mem_drop is not None:
@@ -388,8 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     paths = learner.write_learner_world(out / "world", world, sizes)
     print(f"world: {paths.corpus.parent} (warm / rl / test rows in separate files)", flush=True)
     start = time.perf_counter()
-    warm_dir = learner.build_learner(out / "warm_model", paths, learner.WarmSettings(**warm))
-    if derived is not None:
+    shipped = shipped_warm_start(derived, paths) if derived is not None and not args.quick else None
+    if shipped is not None:
+        warm_dir = shipped
+    else:
+        warm_dir = learner.build_learner(out / "warm_model", paths, learner.WarmSettings(**warm))
+    if derived is not None and shipped is None:
         derived_dir = out / f"warm_model_mem_drop={args.mem_drop}"
         warm_dir = learner.derive_learner(warm_dir, derived_dir, paths, learner.WarmSettings(**derived))
     stats = json.loads((warm_dir / "warm_start.json").read_text())["stats"]

@@ -256,16 +256,21 @@ def test_memory_signal_measures_what_each_remembered_fact_adds_to_p_gold(any_tok
     assert result["fact_value"] == pytest.approx(p(2) - p(1), rel=1e-4)
 
 
-def test_the_shipped_learner_is_the_experiments_forgetful_warm_start():
-    """The quick start's `model_name_or_path: learner` and `bench/learning.py --mem-drop 0.6` start from the same
-    weights, so the README's numbers for one hold for the other."""
-    import hashlib
+def test_the_shipped_learner_is_the_experiments_forgetful_warm_start(tmp_path):
+    """The quick start's `model_name_or_path: learner` is the warm start of `bench/learning.py --mem-drop 0.6` (one
+    copy of the weights, in the package): the experiment uses it when its SFT settings and world files are the ones
+    the shipped learner records, and builds its own warm start for anything else."""
+    from dataclasses import asdict
 
     from mempo_trl.kit.learner import shipped_learner
 
-    experiment = BENCH / "results" / "learning_runs" / "warm_model_mem_drop=0.6"
-    for name in ("model.safetensors", "tokenizer.json", "warm_start.json"):
-        digests = {hashlib.sha256((d / name).read_bytes()).hexdigest() for d in (shipped_learner(), experiment)}
-        assert len(digests) == 1, name
+    module = _bench("learning_bench_shipped")
+    paths = write_learner_world(tmp_path, learner.LEARNER_WORLD, learner.SPLIT_SIZES)
+    derived = {**asdict(learner.WarmSettings()), **module.FORGETFUL, "mem_drop": module.HEADLINE["mem_drop"]}
+    assert module.shipped_warm_start(derived, paths) == shipped_learner()
+    assert module.shipped_warm_start({**derived, "mem_drop": 0.9}, paths) is None
+    small = write_learner_world(tmp_path / "small", {"seed": 1, "num_entities": 60, "num_questions": 90},
+                                {"test": 20, "rl": 30})  # fmt: skip
+    assert module.shipped_warm_start(derived, small) is None
     settings = json.loads((shipped_learner() / "mempo_agent.json").read_text())
     assert settings["instruction"] == learner.LEARNER_INSTRUCTION
