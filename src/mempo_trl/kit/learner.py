@@ -137,13 +137,19 @@ def write_learner_world(out_dir: str | Path, world: dict | None = None, sizes: d
 
 
 def sft_warm_start(
-    model_dir: str | Path, rows: Sequence[dict], retriever, settings: WarmSettings, max_turns: int = 8
+    model_dir: str | Path,
+    rows: Sequence[dict],
+    retriever,
+    settings: WarmSettings,
+    max_turns: int = 8,
+    use_cpu: bool = True,
 ) -> dict:
     """Warm-start the model in ``model_dir`` with TRL's `SFTTrainer` on the oracle turns of ``rows``; save it back.
 
     One prompt/completion example per round (`mempo_trl.kit.warmstart.sft_examples`: the context rebuilt exactly
     as training rebuilds it, the loss on the completion only). Rows the oracle cannot play (a comparison whose
-    passage the retriever misses) are skipped. Returns the stats, also written to ``warm_start.json``.
+    passage the retriever misses, or a row needing more than ``max_turns`` turns) are skipped. Returns the stats,
+    also written to ``warm_start.json``. ``use_cpu=False`` trains on the accelerator when there is one.
     """
     import torch
     from datasets import Dataset
@@ -162,7 +168,7 @@ def sft_warm_start(
         try:
             examples += sft_examples(
                 [row], retriever, tokenizer, mem_drop=settings.mem_drop, seed=settings.seed + n,
-                instruction=settings.instruction,
+                instruction=settings.instruction, max_turns=max_turns,
             )  # fmt: skip
         except ValueError:
             skipped += 1
@@ -180,7 +186,7 @@ def sft_warm_start(
         weight_decay=0.0,
         max_grad_norm=1.0,
         seed=settings.seed,
-        use_cpu=True,
+        use_cpu=use_cpu,
         bf16=False,
         logging_steps=max(1, settings.steps // 60),
         save_strategy="no",

@@ -162,12 +162,13 @@ def sft_examples(
     mem_drop: float = 0.0,
     seed: int = 0,
     instruction: str = DEFAULT_INSTRUCTION,
+    max_turns: int = 8,
 ) -> list[tuple[list[int], list[int]]]:
     """One ``(prompt_ids, completion_ids)`` pair per round of every row's oracle episode.
 
     ``mem_drop`` (see `oracle_episode_turns`) draws its drops from ``random.Random(seed)``, so the same seed
     gives the same examples. ``instruction`` is the user message around the question (train and evaluate with the
-    same one).
+    same one). A row that needs more than ``max_turns`` turns raises ``ValueError`` (`oracle_episode_turns`).
 
     The prompt is the round's context rebuilt with `initial_messages` + `round_messages` + `render_prompt`, as
     `mempo_trl.rollout.RolloutEngine` rebuilds it in training and evaluation. The completion is the turn's tokens
@@ -186,7 +187,7 @@ def sft_examples(
     for row in rows:
         base = initial_messages(row["question"], instruction=instruction)
         history: list[tuple[str, str]] = []
-        for text, information in oracle_episode_turns(row, retriever, topk, mem_drop=mem_drop, rng=rng):
+        for text, information in oracle_episode_turns(row, retriever, topk, max_turns, mem_drop, rng):
             prompt = render_prompt(tokenizer, round_messages(base, history, context_mode))
             completion = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             examples.append((prompt, completion))

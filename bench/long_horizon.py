@@ -1,0 +1,423 @@
+"""Long-horizon proof: MemPO against its ablations as the number of objectives K grows.
+
+Each question asks K facts about K different entities (`mempo_trl.kit.demo_world.generate_horizon_world`), so an
+agent searches K times and answers with values it found up to K turns earlier: the memory must keep them, while
+full history keeps every passage. The splits (warm start, RL, validation, test) share no question and no
+asked-about entity. The learner is the shipped one (`mempo_trl.kit.learner.shipped_learner`: the protocol and
+copying learned on another world, seed 1, whose entities share nothing with this one) continued with `SFTTrainer`
+on oracle episodes of this world's warm rows with a forgetful memory (`WARM["mem_drop"]`); the values asked are
+numbers and occupations, which its tokenizer splits as in any world. Every arm then trains from it with the same
+budget on the RL rows (all K mixed):
+
+- `mempo`: memory context + memory advantage; `outcome_only`: memory context, `memory_coef: 0`;
+- `full_history`: full-history GRPO (`context_mode: full_history`, evaluated in that mode).
+
+Each run is evaluated greedily per K on one split (`--split test` for published numbers, touched only by the
+published command; `--split validation` for choosing settings) before and after training. Resumable: a run writes
+`runs/<arm>_s<seed>/run.json` when it ends and a rerun with the same settings skips it, so a later session adds
+seeds. `--jobs N` trains N runs side by side as processes (on one GPU with `--device cuda`). Run directories stay
+out of git (default `--out runs/long_horizon`); the published configuration (no `--set`, `--split test`, not
+`--quick`) writes its summary and figure to `bench/results/long_horizon.json` / `.png`, any other next to its runs.
+
+    python bench/long_horizon.py --seeds 0 1 2 3 4 --jobs 2          # the published experiment (resumable)
+    python bench/long_horizon.py --split validation --set learning_rate=3e-4   # choosing a setting
+    python bench/long_horizon.py --quick --out outputs/long_horizon_quick      # CI smoke: tiny world, 1 step
+"""
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from learning import ARMS, _versions, parse_overrides
+
+from mempo_trl.kit.learner import LEARNER_INSTRUCTION
+
+
+WORLD = {
+    "seed": 2,
+    "num_entities": 240,
+    "rows_per_horizon": {"warm": 300, "rl": 120, "validation": 30, "test": 50},
+    "horizons": [1, 2, 4, 6, 8],
+}
+"""The world (`generate_horizon_world` arguments): ~500 passages; rows per split and K."""
+
+REPORTED_HORIZONS = (2, 4, 8)
+"""The K whose targets the summary checks (every K of the world is evaluated)."""
+
+WARM = {"steps": 400, "batch_size": 16, "lr": 1e-3, "seed": 0, "mem_drop": 0.3, "instruction": LEARNER_INSTRUCTION}
+"""The SFT continuation of the shipped learner (`mempo_trl.kit.learner.WarmSettings`) on the oracle episodes of the
+warm rows: each fact is left out of the oracle's memory with probability ``mem_drop``, so the warm model forgets
+values a long answer needs (a learner built from scratch needs ~2,000 SFT steps before it copies names at all)."""
+
+BUDGET = {
+    "max_steps": 60,
+    "per_device_train_batch_size": 16,
+    "num_generations": 4,
+    "learning_rate": 3e-4,
+    "max_completion_length": 192,
+    "max_turns": 10,
+    "retrieval_topk": 3,
+    "temperature": 0.7,
+    "beta": 0.0,
+    "loss_type": "dapo",
+    "instruction": LEARNER_INSTRUCTION,
+}
+"""What every arm gets; ``max_turns`` = the largest K + 2; an 8-objective answer turn is up to ~170 tokens."""
+
+QUICK = {
+    "world": {"seed": 2, "num_entities": 60, "rows_per_horizon": {"warm": 6, "rl": 4, "validation": 2, "test": 2},
+              "horizons": [1, 4]},
+    "warm": {"steps": 2, "batch_size": 4},
+    "budget": {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 48},
+}  # fmt: skip
+
+_WORDS = re.compile(r"\w+")
+
+
+def _within(value: str, text: str) -> bool:
+    """``value`` occurs in ``text`` as whole words, case and punctuation aside."""
+    words = " ".join(_WORDS.findall(value.lower()))
+    return bool(words) and f" {words} " in " " + " ".join(_WORDS.findall(text.lower())) + " "
+
+
+def recall_where_needed(record: dict, values: list[str]) -> float | None:
+    """Share of the values found before the last search that the memory of the last round's context still holds.
+
+    The last round sees the previous turn (its ``<mem>``) and that turn's search result; a value retrieved in an
+    earlier round and absent from that result reaches the last round only through the memory. None when no value
+    depends on the memory (fewer than two rounds, or every needed value is in the latest result).
+
+    Example:
+        >>> info = lambda text: f"<information>Doc 1(Title: x) {text}</information>"
+        >>> rounds = [{"mem": "Nothing yet.", "information": info("A was born in 1801.")},
+        ...           {"mem": "A: 1801.", "information": info("B was born in 1802.")},
+        ...           {"mem": "B: 1802.", "information": info("C was born in 1803.")},
+        ...           {"mem": "A: 1801. B: 1802. C: 1803.", "information": None}]
+        >>> recall_where_needed({"rounds": rounds}, ["1801", "1802", "1803"])
+        0.5
+    """
+    rounds = record["rounds"]
+    if len(rounds) < 2:
+        return None
+    before = rounds[-2]
+    earlier = " ".join(r.get("information") or "" for r in rounds[:-2])
+    latest = before.get("information") or ""
+    needed = [v for v in values if _within(v, earlier) and not _within(v, latest)]
+    if not needed:
+        return None
+    return sum(_within(v, before.get("mem") or "") for v in needed) / len(needed)
+
+
+def evaluate_horizons(model, tokenizer, rows: list[dict], retriever, budget: dict, context_mode: str) -> dict:
+    """Greedy episodes of ``rows``; per K (``horizon_K``): EM, F1, tokens per question, peak context, turns, memory
+    recall where it matters (`recall_where_needed`, memory context only) and the share of rows per failure kind."""
+    from mempo_trl.agent import AgentSettings, MemPOAgent
+    from mempo_trl.evaluation import evaluate
+    from mempo_trl.generation import HFGenerator
+    from mempo_trl.kit.learner import FAILURE_KINDS, failure_kind
+
+    settings = AgentSettings(
+        instruction=budget["instruction"],
+        max_turns=budget["max_turns"],
+        retrieval_topk=budget["retrieval_topk"],
+        context_mode=context_mode,
+        max_completion_length=budget["max_completion_length"],
+    )
+    generator = HFGenerator(model, tokenizer, budget["max_completion_length"], temperature=0.0, batch_size=32)
+    result = evaluate(MemPOAgent(tokenizer, retriever, generator, settings), rows, progress=False)
+    memory = context_mode == "memory"
+    per_k: dict[str, dict] = {}
+    for source, m in result.metrics["by_data_source"].items():
+        pairs = [(row, rec) for row, rec in zip(rows, result.records) if rec["data_source"] == source]
+        values = [[str(answers[0]) for answers in row["sub_answers"]] for row, _ in pairs]
+        recalls = [recall_where_needed(rec, v) for (_, rec), v in zip(pairs, values)] if memory else []
+        recalls = [r for r in recalls if r is not None]
+        kinds = [failure_kind(rec, v, memory) for (_, rec), v in zip(pairs, values)]
+        per_k[source.removeprefix("horizon_")] = {
+            "rows": len(pairs),
+            "em": m["em"],
+            "f1": m["f1"],
+            "format_valid": m["format_valid"],
+            "turns": m["turns_per_question"],
+            "tokens_per_question": m["total_tokens_per_question"],
+            "peak_context_tokens": m["peak_context_tokens"],
+            "memory_recall": statistics.fmean(recalls) if recalls else None,
+            "failures": {kind: kinds.count(kind) / len(kinds) for kind in FAILURE_KINDS},
+        }
+    return per_k
+
+
+def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path]:
+    """Write the world's files (reused when the settings match) and continue the shipped learner's SFT on the warm
+    rows into ``out/warm_model`` (cached: same base weights, settings and data)."""
+    import hashlib
+    import shutil
+
+    from mempo_trl.kit.demo_world import HORIZON_SPLITS, _write_jsonl, generate_horizon_world
+    from mempo_trl.kit.learner import WarmSettings, sft_warm_start, shipped_learner
+    from mempo_trl.kit.warmstart import WARM_START_FILE
+    from mempo_trl.retrieval import BM25Retriever
+
+    world_dir = out / "world"
+    paths = {name: world_dir / f"{name}.jsonl" for name in ("corpus", *HORIZON_SPLITS)}
+    marker = world_dir / "world.json"
+    if not (marker.is_file() and json.loads(marker.read_text())["world"] == world):
+        generated = generate_horizon_world(**{**world, "horizons": tuple(world["horizons"])})
+        world_dir.mkdir(parents=True, exist_ok=True)
+        _write_jsonl(paths["corpus"], generated.passages)
+        for name in HORIZON_SPLITS:
+            _write_jsonl(paths[name], generated.splits[name])
+        marker.write_text(json.dumps({"world": world, "pools": generated.pools}, indent=1))
+    warm_dir = out / "warm_model"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths.values())).hexdigest()
+    base = hashlib.sha256((shipped_learner() / "model.safetensors").read_bytes()).hexdigest()
+    key = {"base_sha256": base, "warm": warm, "data_sha256": digest}
+    warm_marker = warm_dir / WARM_START_FILE
+    if not (warm_marker.is_file() and json.loads(warm_marker.read_text()).get("horizon") == key):
+        from mempo_trl.data import read_jsonl
+
+        shutil.rmtree(warm_dir, ignore_errors=True)
+        shutil.copytree(shipped_learner(), warm_dir)
+        retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
+        max_turns = max(world["horizons"]) + 2
+        stats = sft_warm_start(warm_dir, read_jsonl(paths["warm"]), retriever, WarmSettings(**warm), max_turns,
+                               use_cpu=device == "cpu")  # fmt: skip
+        print(f"warm start: {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
+              f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
+        warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))
+    return paths, warm_dir
+
+
+def run_one(job: dict) -> dict:
+    """Train one (arm, seed) from the warm start, evaluate per K before and after; write ``run.json``."""
+    import torch
+
+    from mempo_trl import MemPOConfig, MemPOTrainer
+    from mempo_trl.data import load_qa, read_jsonl
+    from mempo_trl.kit.tiny import load_tiny
+    from mempo_trl.retrieval import BM25Retriever
+
+    torch.set_num_threads(1)  # small tensors: one thread is fastest, and runs share the machine
+    arm, seed, settings, run_dir = job["arm"], job["seed"], job["settings"], Path(job["run_dir"])
+    budget, cuda = {**settings["budget"], **ARMS[arm]}, job["device"] == "cuda"
+    context_mode = budget.get("context_mode", "memory")
+    retriever = BM25Retriever.from_corpus(job["paths"]["corpus"], cache_dir=job["bm25"])
+    rows = read_jsonl(job["paths"][settings["split"]])
+    model, tokenizer = load_tiny(job["warm_dir"])
+    if cuda:
+        model.to("cuda")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    warm_eval = run_dir.parent / f"warm_eval_{context_mode}.json"
+    if warm_eval.is_file() and json.loads(warm_eval.read_text())["settings"] == settings:
+        before = json.loads(warm_eval.read_text())["eval"]
+    else:
+        before = evaluate_horizons(model, tokenizer, rows, retriever, budget, context_mode)
+        warm_eval.write_text(json.dumps({"settings": settings, "eval": before}, indent=1))
+    model.train()
+    config = MemPOConfig(
+        output_dir=str(run_dir), **budget, seed=seed, use_cpu=not cuda, bf16=cuda, activation_checkpointing=False,
+        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = MemPOTrainer(
+        model, retriever, args=config, train_dataset=load_qa(job["paths"]["rl"]), processing_class=tokenizer
+    )
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    after = evaluate_horizons(trainer.model, tokenizer, rows, retriever, budget, context_mode)
+    log = [e for e in trainer.state.log_history if "episode/em" in e]
+    record = {
+        "arm": arm, "seed": seed, "settings": settings, "seconds": seconds, "before": before, "after": after,
+        "train_em": [e["episode/em"] for e in log], "train_reward": [e.get("reward") for e in log],
+    }  # fmt: skip
+    (run_dir / "run.json").write_text(json.dumps(record, indent=1))
+    em = ", ".join(f"K={k} {before[k]['em']:.2f}->{after[k]['em']:.2f}" for k in after)
+    print(f"{arm} seed {seed}: EM {em} ({seconds / 60:.1f} min)", flush=True)
+    return record
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(records: list[dict], command: str) -> dict:
+    """Per K and arm: seeds, warm and final EM/F1 (mean/std over seeds), tokens, peak context, memory recall,
+    failure kinds; ``targets`` checks the issue's targets at every reported K >= 4."""
+    horizons: dict[str, dict] = {}
+    for k in records[0]["after"] if records else []:
+        horizons[k] = {}
+        for arm in ARMS:
+            runs = sorted((r for r in records if r["arm"] == arm), key=lambda r: r["seed"])
+            if not runs:
+                continue
+            finals = [r["after"][k] for r in runs]
+            em, em_std = _mean_std([f["em"] for f in finals])
+            f1, f1_std = _mean_std([f["f1"] for f in finals])
+            kinds = finals[0]["failures"]
+            horizons[k][arm] = {
+                "seeds": [r["seed"] for r in runs],
+                "warm_em": runs[0]["before"][k]["em"],
+                "warm_f1": runs[0]["before"][k]["f1"],
+                "warm_tokens_per_question": runs[0]["before"][k]["tokens_per_question"],
+                "final_em_mean": em, "final_em_std": em_std, "final_f1_mean": f1, "final_f1_std": f1_std,
+                "tokens_per_question": _mean_std([f["tokens_per_question"] for f in finals])[0],
+                "peak_context_tokens": _mean_std([f["peak_context_tokens"] for f in finals])[0],
+                "turns": _mean_std([f["turns"] for f in finals])[0],
+                "memory_recall": _mean_std([f["memory_recall"] for f in finals])[0],
+                "warm_memory_recall": runs[0]["before"][k]["memory_recall"],
+                "failures": {kind: statistics.fmean(f["failures"][kind] for f in finals) for kind in kinds},
+                "train_minutes_per_run": statistics.fmean(r["seconds"] for r in runs) / 60,
+            }  # fmt: skip
+    return {
+        "horizons": horizons,
+        "targets": targets(horizons),
+        "settings": records[0]["settings"] if records else {},
+        "command": command,
+        "versions": _versions(),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count()},
+    }  # fmt: skip
+
+
+def targets(horizons: dict) -> dict:
+    """At every reported K >= 4 with all three arms: MemPO's tokens per question over full history's (target <= 0.5
+    at equal or better EM), MemPO - full-history EM, and MemPO - outcome-only EM against the larger seed std (target:
+    above it); ``gap_grows_with_k``: the MemPO - full-history EM gap is larger at each larger reported K."""
+    checked, gaps = {}, []
+    for k in (str(k) for k in REPORTED_HORIZONS):
+        arms = horizons.get(k, {})
+        if int(k) < 4 or not all(a in arms for a in ARMS):
+            continue
+        mem, out, full = arms["mempo"], arms["outcome_only"], arms["full_history"]
+        ratio = mem["tokens_per_question"] / full["tokens_per_question"]
+        gap_full = mem["final_em_mean"] - full["final_em_mean"]
+        gap_outcome = mem["final_em_mean"] - out["final_em_mean"]
+        noise = max(mem["final_em_std"], out["final_em_std"])
+        gaps.append(gap_full)
+        checked[k] = {
+            "token_ratio_vs_full_history": ratio, "em_minus_full_history": gap_full,
+            "em_minus_outcome_only": gap_outcome, "larger_seed_std": noise,
+            "tokens_met": ratio <= 0.5 and gap_full >= 0.0, "beats_outcome_only": gap_outcome > noise,
+        }  # fmt: skip
+    grows = all(b > a for a, b in zip(gaps, gaps[1:])) if len(gaps) > 1 else None
+    return {"by_horizon": checked, "gap_grows_with_k": grows}
+
+
+def plot(summary: dict, path: Path) -> None:
+    """EM vs K per arm (mean, min-max band over seeds) and tokens per question vs K per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_em, ax_tok) = plt.subplots(1, 2, figsize=(11, 4))
+    ks = sorted(summary["horizons"], key=int)
+    for arm in ARMS:
+        cells = [summary["horizons"][k].get(arm) for k in ks]
+        if not all(cells):
+            continue
+        x = [int(k) for k in ks]
+        em = [c["final_em_mean"] for c in cells]
+        std = [c["final_em_std"] for c in cells]
+        line = ax_em.plot(x, em, marker="o", label=f"{arm} ({len(cells[0]['seeds'])} seed(s))")[0]
+        ax_em.fill_between(x, [m - s for m, s in zip(em, std)], [m + s for m, s in zip(em, std)],
+                           color=line.get_color(), alpha=0.2)  # fmt: skip
+        ax_tok.plot(x, [c["tokens_per_question"] for c in cells], marker="o", label=arm, color=line.get_color())
+    ax_em.set_xlabel("objectives per question (K)")
+    ax_em.set_ylabel("test EM after RL (greedy; band: +/- 1 std over seeds)")
+    ax_tok.set_xlabel("objectives per question (K)")
+    ax_tok.set_ylabel("tokens per question (all rounds' prompts + completions)")
+    for ax in (ax_em, ax_tok):
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="runs/long_horizon", help="world, warm model and runs (resumable)")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--split", default="test", choices=["test", "validation"])
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side (processes)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--quick", action="store_true", help="tiny world, 1 step, 1 seed: a smoke run")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override BUDGET entries (MemPOConfig fields, JSON values)")  # fmt: skip
+    args = parser.parse_args(argv)
+    try:
+        overrides = parse_overrides(args.overrides)
+        if args.jobs < 1:
+            raise ValueError(f"--jobs {args.jobs}: expected >= 1")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from mempo_trl.outputs import OutputError, check_writable
+
+    world, warm, budget = dict(WORLD), dict(WARM), {**BUDGET, **overrides}
+    if args.quick:
+        world, args.seeds = QUICK["world"], args.seeds[:1]
+        warm.update(QUICK["warm"])
+        budget.update(QUICK["budget"])
+        budget["max_turns"] = max(world["horizons"]) + 2
+    published = not (args.quick or overrides) and args.split == "test"
+    out = Path(args.out)
+    results = Path("bench/results/long_horizon.json") if published else out / "long_horizon.json"
+    try:  # every output is checked before the (long) warm start and runs
+        for directory in {out, results.parent}:
+            check_writable(directory)
+    except OutputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(1)  # small tensors: one thread is fastest, and the machine is shared
+    start = time.perf_counter()
+    paths, warm_dir = prepare(out, world, warm, args.device)
+    print(f"world and warm start ready in {out} ({time.perf_counter() - start:.0f} s)", flush=True)
+    settings = {"world": world, "warm": warm, "budget": budget, "split": args.split}
+    jobs = []
+    for seed in args.seeds:
+        for arm in args.arms:
+            run_dir = out / "runs" / f"{arm}_s{seed}"
+            done = run_dir / "run.json"
+            if done.is_file() and json.loads(done.read_text())["settings"] == settings:
+                print(f"{arm} seed {seed}: done already ({done})", flush=True)
+                continue
+            jobs.append({
+                "arm": arm, "seed": seed, "settings": settings, "run_dir": str(run_dir), "warm_dir": str(warm_dir),
+                "paths": {k: str(v) for k, v in paths.items()}, "bm25": str(out / "bm25"), "device": args.device,
+            })  # fmt: skip
+    if args.jobs > 1 and len(jobs) > 1:
+        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:
+            for _ in pool.imap_unordered(run_one, jobs):
+                pass
+    else:
+        for job in jobs:
+            run_one(job)
+    records = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/run.json"))]
+    records = [r for r in records if r["settings"] == settings]
+    if records:
+        command = "python bench/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        summary = summarize(records, command)
+        results.write_text(json.dumps(summary, indent=2))
+        plot(summary, results.with_suffix(".png"))
+        print(f"wrote {results}, {results.with_suffix('.png')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())

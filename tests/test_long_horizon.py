@@ -1,0 +1,118 @@
+"""The long-horizon task family (`generate_horizon_world`) and its experiment, `bench/long_horizon.py`."""
+
+import doctest
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mempo_trl.kit.demo_world import HORIZON_SPLITS, generate_horizon_world
+from mempo_trl.rewards import outcome_score
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _bench():
+    """`bench/long_horizon.py` as a module (it imports `learning` from its own folder, as when run as a script)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("long_horizon_bench", BENCH / "long_horizon.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["long_horizon_bench"] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+@pytest.fixture(scope="module")
+def world():
+    return generate_horizon_world(seed=3, num_entities=80, rows_per_horizon={"warm": 20, "rl": 10, "validation": 5,
+                                  "test": 8}, horizons=(1, 2, 4, 6))  # fmt: skip
+
+
+def test_rows_ask_k_facts_about_k_entities(world):
+    for rows in world.splits.values():
+        for row in rows:
+            k = int(row["data_source"].removeprefix("horizon_"))
+            assert len(row["sub_questions"]) == len(row["sub_answers"]) == len(row["hop_queries"]) == k
+            assert row["golden_answers"] == ["; ".join(answers[0] for answers in row["sub_answers"])]
+            assert row["question"].count("\n") == k - 1
+    counts = {k: sum(r["data_source"] == f"horizon_{k}" for r in world.splits["test"]) for k in (1, 2, 4, 6)}
+    assert counts == {1: 8, 2: 8, 4: 8, 6: 8}
+
+
+def test_splits_share_no_question_and_no_asked_entity(world):
+    questions = {name: {row["question"] for row in rows} for name, rows in world.splits.items()}
+    pools = {name: set(names) for name, names in world.pools.items()}
+    for a in HORIZON_SPLITS:
+        for b in HORIZON_SPLITS:
+            if a < b:
+                assert not questions[a] & questions[b]
+                assert not pools[a] & pools[b]
+    for name, rows in world.splits.items():
+        others = set().union(*(pools[o] for o in HORIZON_SPLITS if o != name))
+        for row in rows:
+            for question in row["sub_questions"]:
+                assert any(entity in question for entity in pools[name]), question
+                assert not any(f" {entity}" in question for entity in others), question
+
+
+def test_each_objective_earns_its_share_of_em_and_f1():
+    row = generate_horizon_world(seed=3, num_entities=60, rows_per_horizon={"warm": 1, "rl": 1, "validation": 1,
+                                 "test": 1}, horizons=(4,)).splits["test"][0]  # fmt: skip
+    values = [answers[0] for answers in row["sub_answers"]]
+    half = "; ".join(values[:2] + ["0", "0"])
+    scores = outcome_score(half, row["golden_answers"], row["sub_answers"])
+    assert scores.em == 0.5 and scores.f1 == 0.5 and scores.per_question_em == (1.0, 1.0, 0.0, 0.0)
+    assert outcome_score("; ".join(values), row["golden_answers"], row["sub_answers"]).em == 1.0
+
+
+def test_doctests():
+    assert doctest.testmod(_bench()).failed == 0
+
+
+def test_targets_are_computed_from_the_arms():
+    module = _bench()
+
+    def cell(em, std, tokens):
+        return {"final_em_mean": em, "final_em_std": std, "tokens_per_question": tokens}
+
+    horizons = {
+        "4": {"mempo": cell(0.5, 0.02, 400), "outcome_only": cell(0.4, 0.03, 410), "full_history": cell(0.45, 0.01, 900)},
+        "8": {"mempo": cell(0.3, 0.02, 700), "outcome_only": cell(0.29, 0.05, 700), "full_history": cell(0.1, 0.01, 2000)},
+    }  # fmt: skip
+    result = module.targets(horizons)
+    four, eight = result["by_horizon"]["4"], result["by_horizon"]["8"]
+    assert four["token_ratio_vs_full_history"] == pytest.approx(400 / 900) and four["tokens_met"]
+    assert four["em_minus_outcome_only"] == pytest.approx(0.1) and four["beats_outcome_only"]
+    assert eight["em_minus_outcome_only"] == pytest.approx(0.01) and not eight["beats_outcome_only"]
+    assert result["gap_grows_with_k"] is True  # 0.05 at K=4, 0.2 at K=8
+
+
+@pytest.mark.slow
+def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
+    module = _bench()
+    out = tmp_path / "lh"
+    assert module.main(["--quick", "--out", str(out)]) == 0
+    summary = json.loads((out / "long_horizon.json").read_text())
+    assert sorted(summary["horizons"]) == ["1", "4"]
+    for cells in summary["horizons"].values():
+        assert sorted(cells) == ["full_history", "mempo", "outcome_only"]
+        assert cells["full_history"]["memory_recall"] is None  # no memory to measure
+        assert all(cell["seeds"] == [0] for cell in cells.values())
+    assert summary["command"].startswith("python bench/long_horizon.py --quick")
+    assert (out / "long_horizon.png").is_file()
+    capsys.readouterr()
+    assert module.main(["--quick", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("done already") == 3
+
+
+def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
+    module = _bench()
+    assert module.main(["--quick", "--out", str(tmp_path / "x"), "--set", "no_such_field=1"]) == 2
+    assert "error: --set no_such_field=1" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
