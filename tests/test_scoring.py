@@ -281,3 +281,36 @@ def test_the_cache_goes_by_the_name_the_wrapped_models_forward_takes(tiny):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         shared_prefix_answer_logps(model, items, keys, tokenizer.pad_token_id)
+
+
+def test_scored_logps_are_the_trained_models_next_token_logps():
+    """Both scorers against one plain forward per item, on the shipped learner: a trained model puts its mass on the
+    right next token, so reading the log-prob one position off (answer token j from the logits of position j instead
+    of j - 1) moves log p by whole units, far outside the tolerance (a random model's flat distribution hides it)."""
+    from mempo_trl.kit.learner import shipped_learner
+
+    model, tokenizer = load_tiny(shipped_learner())
+    model.eval()
+    episodes = scripted_episodes(tokenizer, SCRIPTS, GOLDS)
+    keys, items = [], []
+    for e, ep in enumerate(episodes):
+        for pair in memory_scoring_items(ep, tokenizer):
+            keys += [e, ("mem", e)]
+            items += [pair.full, pair.mem]
+    expected = []
+    with torch.no_grad():
+        for item in items:
+            ids = torch.tensor([item.context_ids + item.answer_ids])
+            logps = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            start = len(item.context_ids)
+            expected.append([logps[start + j - 1, t].item() for j, t in enumerate(item.answer_ids)])
+    for scorer in ("batched", "shared_prefix"):
+        if scorer == "batched":
+            logps, mask = answer_token_logps(model, items, tokenizer.pad_token_id, batch_size=3)
+        else:
+            logps, mask = shared_prefix_answer_logps(model, items, keys, tokenizer.pad_token_id, batch_size=3)
+        for i, item in enumerate(items):
+            n = len(item.answer_ids)
+            assert mask[i, :n].tolist() == [bool(m) for m in item.answer_mask] and not mask[i, n:].any()
+            gold = mask[i, :n]
+            torch.testing.assert_close(logps[i, :n][gold], torch.tensor(expected[i])[gold], atol=1e-4, rtol=1e-4)
