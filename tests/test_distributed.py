@@ -34,5 +34,7 @@ def test_memory_pool_split_over_two_processes_matches_one_process(tiny_model_dir
     # Trajectories 0-1 ran on process 0 and 2-3 on process 1; their 9 rows carry identical per-token advantages.
     assert len(split["rows"]) == 9
     assert split["rows"] == single["rows"]
+    # The two processes' episodes end at different rounds (5 and 4 real rows), yet both pass the same row count.
+    assert len(split["row_counts"]) == 2 and len(set(split["row_counts"])) == 1
     # The memory advantage really is there: the <mem> tokens of round 2 differ from the rest of the row.
     assert any(len(set(row)) > 1 for row in split["rows"])

@@ -16,7 +16,7 @@ from datasets import Dataset
 from transformers import Qwen2ForCausalLM
 
 from mempo_trl import MemPOConfig, MemPOTrainer
-from mempo_trl.context import initial_messages, render_prompt, round_messages
+from mempo_trl.context import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
 from mempo_trl.retrieval import Passage
@@ -153,15 +153,22 @@ def test_scripted_rollout_rows_contexts_and_advantages(scripted_trainer):
         turn_ids = kept_ids(tokenizer, SCRIPT[q][k][r], chatter)
         n = int(out["completion_mask"][i].sum())
         assert out["completion_ids"][i, :n].tolist() == turn_ids
-        # The prompt is rebuilt from the question, the previous turn and its result only.
-        base = initial_messages(q)
-        history = [
-            (SCRIPT[q][k][j], f"<information>Doc 1(Title: T {query}) about {query}</information>")
-            for j, query in enumerate(re.findall(r"<search>(.*?)</search>", "".join(SCRIPT[q][k][:r])))
-        ]
-        expected_prompt = render_prompt(tokenizer, round_messages(base, history, "memory"))
+        # The prompt is rebuilt from the question, the previous turn and its result only, spelled out here in
+        # ChatML (both tokenizers' template) rather than with the context builder under test.
+        expected_text = (
+            f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n"
+            f"<|im_start|>user\n{DEFAULT_INSTRUCTION.format(question=q)}<|im_end|>\n"
+        )
+        if r > 0:
+            query = re.findall(r"<search>(.*?)</search>", SCRIPT[q][k][r - 1])[0]
+            expected_text += (
+                f"<|im_start|>assistant\n{SCRIPT[q][k][r - 1]}<|im_end|>\n<|im_start|>user\n<tool_response>\n"
+                f"<information>Doc 1(Title: T {query}) about {query}</information>\n</tool_response><|im_end|>\n"
+            )
+        expected_text += "<|im_start|>assistant\n"
         prompt = [t for t, m in zip(out["prompt_ids"][i].tolist(), out["prompt_mask"][i].tolist()) if m]
-        assert prompt == expected_prompt, (q, k, r)
+        assert tokenizer.decode(prompt) == expected_text, (q, k, r)
+        assert prompt == tokenizer(expected_text, add_special_tokens=False)["input_ids"], (q, k, r)
         assert pad not in prompt
     # One batched retriever call per round, with the queries of the searching episodes.
     assert retriever.calls == [["alpha", "alpha", "beta"], ["alpha 2"]]
@@ -203,6 +210,32 @@ def test_scripted_rollout_rows_contexts_and_advantages(scripted_trainer):
     assert metrics["episode/format_valid"][-1] == pytest.approx(0.75)
     assert metrics["episode/turns"][-1] == pytest.approx(8 / 4)
     assert metrics["memory/reward"][-1] == pytest.approx(statistics.mean(rewards.values()))
+
+
+def test_an_invalid_episode_still_scores_the_memories_it_wrote(scripted_trainer, monkeypatch):
+    """The memory reward asks whether a `<mem>` keeps what the history had; an episode that later breaks the
+    protocol (outcome 0) still wrote rounds 2 and 3's memories, and both are scored (docs/algorithm.md, "Memory
+    reward")."""
+    trainer, _, _, _ = scripted_trainer
+    question = "Where is Gamma?"
+    monkeypatch.setitem(GOLDS, question, ["Oslo"])
+    monkeypatch.setitem(SCRIPT, question, [
+        [turn("g1 one", "search", "gamma"), turn("g1 two", "search", "gamma 2"), "<mem>g1 three</mem> stray"],
+        [turn("g2 one", "search", "gamma"), turn("g2 two", "answer", "Oslo")],
+    ])  # fmt: skip
+    for mem, p in {"g1 two": (0.3, 0.4), "g1 three": (0.3, 0.2), "g2 two": (0.5, 0.5)}.items():
+        monkeypatch.setitem(P_VALUES, mem, p)
+    for mem, nxt in {"g1 one": "g1 two", "g1 two": "g1 three", "g2 one": "g2 two"}.items():
+        monkeypatch.setitem(PREVIOUS_MEM, mem, nxt)
+    trainer.model.train()
+    trainer._generate_and_score_completions(
+        [{"question": question, "golden_answers": ["Oslo"], "data_source": "demo"}] * 2
+    )
+    metrics = trainer._metrics["train"]
+    assert metrics["episode/format_valid"][-1] == pytest.approx(0.5)
+    assert metrics["memory/scored_rounds"][-1] == 3  # g1 two, g1 three (in the invalid episode) and g2 two
+    rewards = [0.4 - 0.3, 0.2 - 0.3, 0.5 - 0.5]
+    assert metrics["memory/reward"][-1] == pytest.approx(statistics.mean(rewards))
 
 
 def test_invalid_first_turn_ends_episode_with_zero_outcome(scripted_trainer):

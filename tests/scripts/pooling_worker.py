@@ -101,8 +101,10 @@ def main(model_dir: str, out_path: str) -> None:
         for adv, m in zip(out["advantages"][:n_real], out["completion_mask"][:n_real])
     ]
     gathered = trainer.accelerator.gather_for_metrics(rows, use_gather_object=True)
+    # Every process must hand the loss the same number of rows (TRL's collectives assume it): padded to the max.
+    row_counts = trainer.accelerator.gather_for_metrics([out["completion_mask"].size(0)], use_gather_object=True)
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"world": world, "rows": gathered}))
+        Path(out_path).write_text(json.dumps({"world": world, "rows": gathered, "row_counts": row_counts}))
     release_process_groups(trainer)
 
 
