@@ -270,8 +270,10 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
     try:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except (RetrievalError, NonFiniteError) as err:
-        checkpoint = save_checkpoint_and_release(trainer)
         when = "once the server answers again" if isinstance(err, RetrieverOutage) else "once that is fixed"
+        if trainer.state.global_step == 0:  # nothing trained yet: nothing to save
+            raise type(err)(f"training stopped: {str(err).rstrip('.')}. No step had finished; {when}, rerun.") from err
+        checkpoint = save_checkpoint_and_release(trainer)
         raise type(err)(
             f"training stopped: {str(err).rstrip('.')}. Saved {checkpoint}; {when}, rerun with "
             f"--resume_from_checkpoint {checkpoint}."
