@@ -98,6 +98,10 @@ class SaveOnSignalCallback(TrainerCallback):
             control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.restore()
+
+    def restore(self) -> None:
+        """Give SIGTERM and SIGINT back their handlers from before training (also when training raised)."""
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}

@@ -267,12 +267,14 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
     from mempo_trl.retrieval import RetrievalError, RetrieverOutage
 
     check_room_to_save(trainer)
+    stop = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SaveOnSignalCallback)), None)
     try:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except (RetrievalError, NonFiniteError) as err:
         when = "once the server answers again" if isinstance(err, RetrieverOutage) else "once that is fixed"
         if trainer.state.global_step == 0:  # nothing trained yet: nothing to save
-            raise type(err)(f"training stopped: {str(err).rstrip('.')}. No step had finished; {when}, rerun.") from err
+            message = f"training stopped: {str(err).rstrip('.')}. No step had finished; {when}, rerun."
+            raise type(err)(message) from err
         checkpoint = save_checkpoint_and_release(trainer)
         raise type(err)(
             f"training stopped: {str(err).rstrip('.')}. Saved {checkpoint}; {when}, rerun with "
@@ -280,11 +282,14 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
         ) from err
     except Exception as err:
         if is_disk_full(err):
-            doing = f"training stopped at step {trainer.state.global_step}: saving"
+            step = trainer.state.global_step
+            doing = f"training stopped at step {step}: saving {Path(training_args.output_dir, f'checkpoint-{step}')}"
             raise disk_full_error(doing, training_args) from err
         raise
-    stop = next(c for c in trainer.callback_handler.callbacks if isinstance(c, SaveOnSignalCallback))
-    if stop.received and trainer.state.global_step < trainer.state.max_steps:
+    finally:
+        if stop is not None:
+            stop.restore()
+    if stop is not None and stop.received and trainer.state.global_step < trainer.state.max_steps:
         release_process_groups(trainer)  # the checkpoint was saved by every process at the last step
         checkpoint = Path(training_args.output_dir, f"checkpoint-{trainer.state.global_step}")
         raise TrainingStopped(
