@@ -98,7 +98,10 @@ def test_a_punctuation_answer_never_matches_a_real_gold():
     assert exact_match("。", ["Ulm"]) == 0.0
 
 
-def test_corpus_with_a_lone_surrogate_is_refused_at_start(tmp_path, capsys):
+def test_corpus_with_a_lone_surrogate_is_refused_at_start(tmp_path, capsys, monkeypatch):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)  # a server that started would return 0 here
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"id": "1", "contents": "\\"A\\"\\nfine"}\n{"id": "2", "contents": "\\"B\\"\\nbad \\ud800"}\n')
     assert main(["serve-retriever", "--corpus", str(corpus), "--retriever_cache_dir", str(tmp_path / "c")]) == 2
