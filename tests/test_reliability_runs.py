@@ -427,3 +427,13 @@ def test_server_closes_idle_and_slow_connections(tmp_path):
             assert [p.id for p in client.search(["hamlet"], topk=1)[0]] == ["1"]
     finally:
         stop(server)
+
+
+def test_an_empty_learner_world_marker_is_rewritten(tmp_path):
+    from mempo_trl.kit.learner import write_learner_world
+
+    world, sizes = {"seed": 1, "num_entities": 60, "num_questions": 90}, {"test": 20, "rl": 30}
+    paths = write_learner_world(tmp_path, world, sizes)
+    (tmp_path / "world.json").write_text("")  # a write cut short
+    assert write_learner_world(tmp_path, world, sizes) == paths
+    assert json.loads((tmp_path / "world.json").read_text()) == {"world": world, "sizes": sizes}
