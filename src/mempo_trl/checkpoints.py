@@ -325,9 +325,16 @@ def disk_full_error(doing: str, training_args) -> CheckpointError:
     return CheckpointError(f"{doing} failed: the disk is full. Free space, then {resume}.")
 
 
+def _save_gathers(trainer) -> bool:
+    """Whether saving gathers sharded weights from every process (ZeRO-3, FSDP): a collective."""
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    return bool(trainer.is_fsdp_enabled or (plugin is not None and plugin.zero_stage == 3))
+
+
 def save_model_or_rescue(trainer, output_dir: str) -> None:
     """`trainer.save_model(output_dir)`; if that write fails (a full disk, say), save the model to a new temporary
-    directory instead and raise `CheckpointError` naming it, so that the trained weights are never lost silently."""
+    directory instead and raise `CheckpointError` naming it, so that the trained weights are never lost silently.
+    Where saving is a collective (ZeRO-3, FSDP) the error names the newest complete checkpoint instead."""
     import tempfile
 
     try:
@@ -336,14 +343,17 @@ def save_model_or_rescue(trainer, output_dir: str) -> None:
         if not (is_disk_full(err) or isinstance(err, OSError)):
             raise
         reason = "the disk is full" if is_disk_full(err) else " ".join(str(err).split())
+        newest = newest_complete_checkpoint(output_dir, trainer.args.world_size)
+        fallback = f"The newest complete checkpoint is {newest or 'none'}: free space and resume from it."
+        if _save_gathers(trainer):  # a second save would wait for processes that have moved on
+            raise CheckpointError(f"saving the trained model to {output_dir} failed ({reason}). {fallback}") from err
         rescue = tempfile.mkdtemp(prefix="mempo-trl-model-")
         try:
             trainer.save_model(rescue)
         except Exception:
-            newest = newest_complete_checkpoint(output_dir, trainer.args.world_size)
             raise CheckpointError(
                 f"saving the trained model to {output_dir} failed ({reason}), and so did saving it to {rescue}. "
-                f"The newest complete checkpoint is {newest or 'none'}: free space and resume from it."
+                f"{fallback}"
             ) from err
         raise CheckpointError(
             f"saving the trained model to {output_dir} failed ({reason}); it was saved to {rescue} instead. Move it "
