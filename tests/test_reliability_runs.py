@@ -171,6 +171,19 @@ def test_newest_complete_checkpoint_is_by_step_number(tmp_path, capsys, tiny_mod
     assert f"Pass --resume_from_checkpoint {run_copy / 'checkpoint-9'} to continue it" in one_error_line(capsys)
 
 
+def test_a_multi_process_checkpoint_needs_every_rank_rng_state(run_copy):
+    from mempo_trl.checkpoints import saved_world_size
+
+    checkpoint = run_copy / "checkpoint-2"
+    for rank in (0, 1):  # as 2 processes save it
+        shutil.copy(checkpoint / "rng_state.pth", checkpoint / f"rng_state_{rank}.pth")
+    (checkpoint / "rng_state.pth").unlink()
+    assert validate_checkpoint(checkpoint)["global_step"] == 2 and saved_world_size(checkpoint) == 2
+    (checkpoint / "rng_state_1.pth").unlink()  # rank 1 was killed before it saved
+    with pytest.raises(ValueError, match="rng_state_1.pth is missing"):
+        validate_checkpoint(checkpoint)
+
+
 def test_resume_true_continues_from_the_newest_complete_checkpoint(tmp_path, capsys, tiny_model_dir, run_copy):
     (run_copy / "checkpoint-2" / "rng_state.pth").unlink()  # incomplete: true must fall back to checkpoint-1
     assert main(recipe(tmp_path, tiny_model_dir, max_steps=3, resume_from_checkpoint="true")) == 0

@@ -19,6 +19,7 @@ from pathlib import Path
 
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+RNG_PATTERN = re.compile(r"^rng_state_(\d+)\.pth$")
 TRAINER_STATE = "trainer_state.json"
 WEIGHT_FILES = (
     "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin",
@@ -109,12 +110,13 @@ def _weight_files(checkpoint: Path) -> list[Path]:
     raise CheckpointError(f"{checkpoint} holds no model weights ({WEIGHT_FILES[0]} or {WEIGHT_FILES[2]} is missing)")
 
 
-def validate_checkpoint(checkpoint: str | os.PathLike, world_size: int = 1) -> dict:
-    """Check that `checkpoint` can be resumed exactly by `world_size` processes; return its trainer state.
+def validate_checkpoint(checkpoint: str | os.PathLike) -> dict:
+    """Check that `checkpoint` can be resumed exactly; return its trainer state.
 
-    Needs `trainer_state.json`, whole weight files, `optimizer.pt`, `scheduler.pt` and the RNG state of every
-    process (`rng_state.pth`, or `rng_state_<rank>.pth` for each rank). DeepSpeed checkpoints (a `latest` file)
-    keep their optimizer state in `global_step*/`, which DeepSpeed checks itself.
+    Needs `trainer_state.json`, whole weight files, `optimizer.pt`, `scheduler.pt` and the RNG states
+    (`rng_state.pth` of a single process, or `rng_state_0.pth` ... `rng_state_<K-1>.pth` of K >= 2 processes, none
+    missing in between). DeepSpeed checkpoints (a `latest` file) keep their optimizer state in `global_step*/`, which
+    DeepSpeed checks itself.
 
     Example:
         >>> validate_checkpoint("out/checkpoint-3")
@@ -134,8 +136,7 @@ def validate_checkpoint(checkpoint: str | os.PathLike, world_size: int = 1) -> d
             else:
                 check_torch_file(weights)
         deepspeed = (path / "latest").is_file()
-        rng = ["rng_state.pth"] if world_size == 1 else [f"rng_state_{rank}.pth" for rank in range(world_size)]
-        for name in ([] if deepspeed else list(TORCH_STATES)) + rng:
+        for name in ([] if deepspeed else list(TORCH_STATES)) + _rng_files(path):
             file = path / name
             if not file.is_file():
                 raise CheckpointError(f"{file} is missing")
@@ -143,40 +144,52 @@ def validate_checkpoint(checkpoint: str | os.PathLike, world_size: int = 1) -> d
     except CheckpointError as e:
         raise CheckpointError(
             f"checkpoint {path} is incomplete: {e}. It cannot be resumed exactly (a save cut short, or saved with "
-            f"save_only_model or by another number of processes); resume from an earlier checkpoint"
-            f"{_newest_hint(path.parent, world_size, before=checkpoint_step(path))}."
+            f"save_only_model); resume from an earlier checkpoint{_newest_hint(path.parent, checkpoint_step(path))}."
         ) from None
     return state
 
 
-def _newest_hint(output_dir: Path, world_size: int, before: int | None) -> str:
+def _rng_files(checkpoint: Path) -> list[str]:
+    """The RNG state files a checkpoint must hold, judged from those it holds (see `validate_checkpoint`)."""
+    ranks = sorted(int(m.group(1)) for p in checkpoint.glob("rng_state_*.pth") if (m := RNG_PATTERN.match(p.name)))
+    if not ranks:
+        return ["rng_state.pth"]
+    return [f"rng_state_{rank}.pth" for rank in range(max(max(ranks) + 1, 2))]
+
+
+def saved_world_size(checkpoint: str | os.PathLike) -> int:
+    """How many processes saved `checkpoint` (from its RNG state files)."""
+    return len(_rng_files(Path(checkpoint)))
+
+
+def _newest_hint(output_dir: Path, before: int | None) -> str:
     older = [p for p in checkpoints_by_step(output_dir) if before is None or checkpoint_step(p) < before]
-    newest = newest_complete_checkpoint_of(older, world_size)
+    newest = newest_complete_checkpoint_of(older)
     return f" ({newest})" if newest else ""
 
 
-def newest_complete_checkpoint_of(candidates: list[Path], world_size: int = 1) -> Path | None:
+def newest_complete_checkpoint_of(candidates: list[Path]) -> Path | None:
     """The last of `candidates` (ordered by step) that `validate_checkpoint` accepts, or None."""
     for candidate in reversed(candidates):
         try:
-            validate_checkpoint(candidate, world_size)
+            validate_checkpoint(candidate)
         except CheckpointError:
             continue
         return candidate
     return None
 
 
-def newest_complete_checkpoint(output_dir: str | os.PathLike, world_size: int = 1) -> Path | None:
+def newest_complete_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """The complete checkpoint of `output_dir` with the highest step number, or None.
 
     Example:
         >>> newest_complete_checkpoint("out")  # checkpoint-9 complete, checkpoint-10 cut short by a kill
         PosixPath('out/checkpoint-9')
     """
-    return newest_complete_checkpoint_of(checkpoints_by_step(output_dir), world_size)
+    return newest_complete_checkpoint_of(checkpoints_by_step(output_dir))
 
 
-def resolve_resume(resume: str | bool | None, output_dir: str | os.PathLike, world_size: int = 1) -> str | None:
+def resolve_resume(resume: str | bool | None, output_dir: str | os.PathLike) -> str | None:
     """The checkpoint directory to resume from, validated: `True`/`"true"` means the newest complete one of
     `output_dir` (transformers' convention), `None`/`False`/`"false"` means none.
 
@@ -187,7 +200,7 @@ def resolve_resume(resume: str | bool | None, output_dir: str | os.PathLike, wor
     if resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false")):
         return None
     if resume is True or (isinstance(resume, str) and resume.lower() == "true"):
-        newest = newest_complete_checkpoint(output_dir, world_size)
+        newest = newest_complete_checkpoint(output_dir)
         if newest is None:
             found = ", ".join(p.name for p in checkpoints_by_step(output_dir)) or "none"
             raise CheckpointError(
@@ -195,7 +208,7 @@ def resolve_resume(resume: str | bool | None, output_dir: str | os.PathLike, wor
                 f"directories: {found}). Start without --resume_from_checkpoint, or pass a checkpoint path."
             )
         resume = newest
-    validate_checkpoint(resume, world_size)
+    validate_checkpoint(resume)
     return str(resume)
 
 
@@ -284,11 +297,16 @@ def format_bytes(size: int) -> str:
 def prepare_resume(training_args) -> str | None:
     """Resolve and validate `training_args.resume_from_checkpoint` in place (before any model is loaded); return
     `finished_message` when that checkpoint already ends the run, else None."""
-    world_size = training_args.world_size
-    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, world_size)
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     training_args.resume_from_checkpoint = resume
     if resume is None:
         return None
+    saved = saved_world_size(resume)
+    if saved != training_args.world_size and training_args.process_index == 0:
+        print(
+            f"mempo-trl: WARNING: {resume} was saved by {saved} process(es), this run has {training_args.world_size}: "
+            "training continues from its weights and optimizer, but the sampling RNG does not continue exactly."
+        )
     return finished_message(resume, read_trainer_state(resume), training_args.max_steps)
 
 
@@ -316,7 +334,7 @@ def save_checkpoint_now(trainer) -> Path:
 
 def disk_full_error(doing: str, training_args) -> CheckpointError:
     """The error for a save that ran out of space: where to resume from."""
-    newest = newest_complete_checkpoint(training_args.output_dir, training_args.world_size)
+    newest = newest_complete_checkpoint(training_args.output_dir)
     resume = (
         f"rerun with --resume_from_checkpoint {newest} (the newest complete checkpoint; a partial one is ignored)"
         if newest
@@ -343,7 +361,7 @@ def save_model_or_rescue(trainer, output_dir: str) -> None:
         if not (is_disk_full(err) or isinstance(err, OSError)):
             raise
         reason = "the disk is full" if is_disk_full(err) else " ".join(str(err).split())
-        newest = newest_complete_checkpoint(output_dir, trainer.args.world_size)
+        newest = newest_complete_checkpoint(output_dir)
         fallback = f"The newest complete checkpoint is {newest or 'none'}: free space and resume from it."
         if _save_gathers(trainer):  # a second save would wait for processes that have moved on
             raise CheckpointError(f"saving the trained model to {output_dir} failed ({reason}). {fallback}") from err
