@@ -233,6 +233,33 @@ def test_sigterm_saves_a_complete_checkpoint_and_says_how_to_resume(tmp_path, ti
     assert not (tmp_path / "out" / "model.safetensors").exists()  # not mistaken for a finished run
 
 
+def test_sigint_is_caught_once_and_a_forwarded_repeat_is_ignored(capsys):
+    from transformers import TrainerControl
+
+    from mempo_trl.interruptions import SaveOnSignalCallback
+
+    accelerator = SimpleNamespace(num_processes=1, device="cpu")
+    trainer = SimpleNamespace(
+        accelerator=accelerator, state=SimpleNamespace(global_step=6), is_world_process_zero=lambda: True
+    )
+    callback, control = SaveOnSignalCallback(trainer), TrainerControl()
+    before = signal.getsignal(signal.SIGINT)
+    callback.on_train_begin(None, None, control)
+    try:
+        callback.on_step_end(None, None, control)
+        assert not control.should_save and callback.received is None
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C: no KeyboardInterrupt in the middle of the step ...
+        signal.raise_signal(signal.SIGINT)  # ... nor when the launcher forwards it again
+        callback.on_step_end(None, None, control)
+    finally:
+        callback.on_train_end(None, None, control)
+    assert control.should_save and control.should_training_stop and callback.received == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is before
+    assert capsys.readouterr().out == (
+        "mempo-trl: SIGINT received: finishing step 7, then saving a checkpoint and stopping.\n"
+    )
+
+
 # ------------------------------------------------------------------------------------------ non-finite values (5)
 
 
