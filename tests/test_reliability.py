@@ -127,7 +127,7 @@ def test_client_deadline_stops_a_trickling_server(bad_server):
     with pytest.raises(RetrieverOutage) as info:
         client.search(["hamlet"], topk=1)
     assert time.monotonic() - start < 3
-    assert "was still sending its answer after 1s" in str(info.value)
+    assert "did not send its whole answer within 1s" in str(info.value)
 
 
 @pytest.mark.parametrize(("mode", "what"), [("huge", "sent more than"), ("huge_declared", "announced 1073741824")])
@@ -309,13 +309,12 @@ def test_train_refuses_an_output_dir_it_cannot_write_before_any_work(tmp_path, c
 
 def test_train_refuses_to_overwrite_earlier_results_unless_told(tmp_path, capsys, tiny_model_dir):
     out = tmp_path / "out"
-    (out / "checkpoint-3").mkdir(parents=True)
+    (out / "checkpoint-3").mkdir(parents=True)  # empty: not a checkpoint to resume (test_reliability_runs.py)
     (out / "model.safetensors").write_text("an earlier model")
     assert main(train_settings(tmp_path, tiny_model_dir)) == 2
     assert one_error_line(capsys) == (
         f"error: output directory {out} already holds results (checkpoint-3, model.safetensors). Pass "
-        f"--resume_from_checkpoint {out / 'checkpoint-3'} to continue it, --overwrite_output_dir to replace them, "
-        "or choose another output directory."
+        "--overwrite_output_dir to replace them, or choose another output directory."
     )
     assert (out / "model.safetensors").read_text() == "an earlier model"
     assert main([*train_settings(tmp_path, tiny_model_dir), "--overwrite_output_dir", "true"]) == 0

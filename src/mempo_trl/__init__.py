@@ -43,6 +43,12 @@ _EXPORTS = {
     "MemPOAgent": "mempo_trl.agent",
     "AgentSettings": "mempo_trl.agent",
     "AgentResult": "mempo_trl.agent",
+    "CheckpointError": "mempo_trl.checkpoints",
+    "validate_checkpoint": "mempo_trl.checkpoints",
+    "newest_complete_checkpoint": "mempo_trl.checkpoints",
+    "SaveOnSignalCallback": "mempo_trl.interruptions",
+    "TrainingStopped": "mempo_trl.interruptions",
+    "NonFiniteError": "mempo_trl.interruptions",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -12,10 +12,12 @@ from the last user message of `prompt` (the text after its last `Question:`).
 """
 
 import json
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
+import pyarrow
 
 from mempo_trl.rewards import normalize_answer
 
@@ -109,15 +111,54 @@ def _check_strings(value, source_name: str, line: int, field: str, what: str) ->
                 f"must be a non-empty string, got {alias!r}",
                 "Remove the empty entry or write the answer text.",
             )
-        if not normalize_answer(alias):
+        if not has_answer_text(alias):
             raise _fail(
                 source_name,
                 line,
                 f"{field}[{k}]",
-                f"is {alias!r}, which normalises to an empty answer (only articles, punctuation or spaces), so any "
-                "answer made of punctuation would score as correct",
+                f"is {alias!r}, which normalises to an empty answer (only articles, punctuation, spaces or invisible "
+                "characters), so any answer made of punctuation would score as correct",
                 "Write the answer text, or remove the entry.",
             )
+
+
+def has_answer_text(alias: str) -> bool:
+    """Whether `alias` keeps a character after `normalize_answer` that is not punctuation, space or invisible (any
+    script: "。", "—" and zero-width spaces are not answers).
+
+    Example:
+        >>> [has_answer_text(a) for a in ("Ulm", "the", "。", "—", "\u200b", "1874")]
+        [True, False, False, False, False, True]
+    """
+    return any(unicodedata.category(ch)[0] not in "PZC" for ch in normalize_answer(alias))
+
+
+def _json_kind(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return {str: "string", list: "list", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _check_column_kinds(rows: list[dict], source_name: str, lines) -> None:
+    """Each column holds one JSON kind (string, number, ...) on every row, or null: Arrow stores one type per column.
+    `id` is exempt (ids become strings)."""
+    first: dict[str, tuple[str, int]] = {}
+    for line, row in zip(lines, rows):
+        for name, value in row.items():
+            if value is None or name == "id":
+                continue
+            kind = _json_kind(value)
+            seen = first.setdefault(name, (kind, line))
+            if seen[0] != kind:
+                raise _fail(
+                    source_name,
+                    line,
+                    name,
+                    f"is a {kind} ({value!r:.80}) but a {seen[0]} on line {seen[1]}",
+                    "A column must hold one type on every row: convert the values (e.g. all strings).",
+                )
 
 
 def _check_row(row: dict, source_name: str, line: int) -> None:
@@ -251,11 +292,18 @@ def validate_qa_rows(
         incomplete = any(name not in names or None in rows[name] for name in ("id", *_DEFAULTS))
         dataset = rows.map(_fill_defaults, with_indices=True) if incomplete else rows
     else:
+        _check_column_kinds(rows, source_name, lines)
         columns = list(dict.fromkeys(["id", "question", "golden_answers", *_DEFAULTS, *(k for r in rows for k in r)]))
         filled = [
             {**{name: row.get(name) for name in columns}, **_fill_defaults(row, i)} for i, row in enumerate(rows)
         ]
-        dataset = datasets.Dataset.from_list(filled)
+        try:
+            dataset = datasets.Dataset.from_list(filled)
+        except (pyarrow.ArrowInvalid, pyarrow.ArrowTypeError) as err:  # nested values of mixed types
+            raise DataError(
+                f"{source_name}: the rows' columns do not have one type each ({err}). Make every value of a column "
+                "the same type (e.g. lists of strings on every row)."
+            ) from None
     features = dataset.features.copy()
     features.update({name: feature for name, feature in _FEATURES.items() if name in features})
     return dataset.cast(features) if features != dataset.features else dataset

@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mempo_trl.checkpoints import newest_complete_checkpoint
+
 
 PROBE_PREFIX = ".mempo-write-probe-"
 REPORT_TO_PACKAGES = {
@@ -84,8 +86,8 @@ def prepare_output_dir(
     existing = sorted(p.name for p in path.iterdir() if not p.name.startswith(PROBE_PREFIX))
     if check_existing and existing and not overwrite and not resume:
         shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
-        checkpoints = sorted(path.glob("checkpoint-*"))
-        resume_hint = f"--resume_from_checkpoint {checkpoints[-1]} to continue it, " if checkpoints else ""
+        newest = newest_complete_checkpoint(path)
+        resume_hint = f"--resume_from_checkpoint {newest} to continue it, " if newest else ""
         raise OutputError(
             f"output directory {path} already holds results ({shown}). Pass {resume_hint}--overwrite_output_dir to "
             "replace them, or choose another output directory."

@@ -20,6 +20,7 @@ from mempo_trl.agent import AgentSettings
 from mempo_trl.config import MemPOConfig
 from mempo_trl.data import validate_qa_rows
 from mempo_trl.generation import action_stopping_criteria
+from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import (
     answer_probability,
     memory_reward,
@@ -348,6 +349,8 @@ class MemPOTrainer(GRPOTrainer):
         score_memory = self.args.context_mode == "memory" and self.args.memory_coef != 0.0
         scored = self._memory_rewards(episodes) if score_memory else {}
         adv = self._advantages(episodes, rows, scored, rewards, output["completion_mask"], mode)
+        if mode == "train":
+            check_finite("advantage", adv.advantages, self.state.global_step + 1, self.accelerator)
         timings_scoring = time.perf_counter() - scoring_start
         output["advantages"] = adv.advantages
         records = [episodes[e].rounds[t] for e, t in rows]
@@ -369,6 +372,13 @@ class MemPOTrainer(GRPOTrainer):
         prompts = [ep.base_messages for ep in episodes]
         self._log_completion_rows(prompts, episodes, rewards_per_func, adv.outcome)
         return output
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """GRPOTrainer's training step, then `check_finite` on its loss: a NaN or infinite loss raises
+        `NonFiniteError` before the optimizer step, so the weights keep their last finite values."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        check_finite("loss", loss, self.state.global_step + 1, self.accelerator)
+        return loss
 
     def _play_episodes(self, inputs: list[dict]) -> tuple[list[Episode], RolloutTimings]:
         """Step 1: one multi-turn episode per input row, all processes stepping together."""

@@ -118,6 +118,11 @@ class ServeArguments:
     max_topk: int = field(default=100, metadata={"help": "Largest topk accepted."})
     max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "Largest request body accepted."})
     max_response_bytes: int = field(default=64 * 2**20, metadata={"help": "Largest answer sent."})
+    request_timeout: float = field(
+        default=10.0,
+        metadata={"help": "Seconds a connection has to send a whole request (after connecting or after its last "
+                  "answer) before it is closed: idle and slow clients cannot hold connections open."},
+    )  # fmt: skip
     api_key: str | None = field(
         default=None, metadata={"help": "Require 'Authorization: Bearer KEY' (default: $MEMPO_RETRIEVER_API_KEY)."}
     )
@@ -157,10 +162,11 @@ def build_index(argv: list[str] | None = None) -> int:
 
 def serve_retriever(argv: list[str] | None = None) -> int:
     """`mempo-trl serve-retriever`: serve a corpus over Search-R1's `POST /retrieve` API."""
-    from mempo_trl.retrieval.server import check_limits, serve
+    from mempo_trl.retrieval.server import check_limits, check_request_timeout, serve
 
     retriever_args, index_args, args = _parse_index("mempo-trl serve-retriever", argv, ServeArguments)
     check_limits(args.max_queries, args.max_topk, args.max_body_bytes, args.max_response_bytes)
+    check_request_timeout(args.request_timeout)
     check_port(args.host, args.port)
     retriever = _build_reporting(retriever_args, index_args)
     print(f"serving on http://{args.host}:{args.port} (POST /retrieve, GET /health)", flush=True)
@@ -174,6 +180,7 @@ def serve_retriever(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_bytes,
         max_response_bytes=args.max_response_bytes,
         api_key=args.api_key,
+        request_timeout=args.request_timeout,
     )
     return 0
 

@@ -175,6 +175,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
 
     from mempo_trl.callbacks import LaunchBannerCallback, use_step_summary
     from mempo_trl.data import load_qa
+    from mempo_trl.interruptions import SaveOnSignalCallback
     from mempo_trl.trainer import MemPOTrainer
 
     world = default_world(model_args.model_name_or_path, training_args)
@@ -209,6 +210,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
         "retriever": retriever_args.retriever_url or retriever_args.corpus or f"BM25 over {world.corpus_name} corpus",
     }
     trainer.add_callback(LaunchBannerCallback(trainer))
+    trainer.add_callback(SaveOnSignalCallback(trainer))
     use_step_summary(trainer)
     if script_args.heldout_questions > 0 and training_args.world_size > 1:
         # The held-out evaluation generates on the main process alone: under ZeRO-3 that forward is a collective the
@@ -254,22 +256,47 @@ def release_process_groups(trainer) -> None:
 def train(trainer, training_args, dataset_name: str | None = None) -> dict:
     """Train, save the model, the metrics and the model card (and push). Returns the final metrics.
 
-    If the retrieval server stays unreachable for the whole retry budget, a checkpoint of the last finished step is
-    saved and `RetrieverOutage` is raised again, naming the checkpoint to resume from.
+    First checks that the disk has room for the final model and a checkpoint. Training that stops early keeps its
+    work: on SIGTERM/SIGINT, a retriever that fails for the whole retry budget (`RetrieverOutage`) or answers
+    wrongly, or a non-finite loss or advantage, a checkpoint of the last finished step is saved and the error is
+    raised again naming it (`--resume_from_checkpoint ...`). A final save that fails keeps the model in a temporary
+    directory named in the error (`save_model_or_rescue`).
     """
-    from mempo_trl.retrieval import RetrieverOutage
+    from mempo_trl.checkpoints import check_room_to_save, disk_full_error, is_disk_full, save_model_or_rescue
+    from mempo_trl.interruptions import NonFiniteError, SaveOnSignalCallback, TrainingStopped
+    from mempo_trl.retrieval import RetrievalError, RetrieverOutage
 
+    check_room_to_save(trainer)
+    stop = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SaveOnSignalCallback)), None)
     try:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except RetrieverOutage as err:
-        trainer._save_checkpoint(trainer.model, trial=None)
-        release_process_groups(trainer)  # no process exits (and gets the others killed) before all saved
-        checkpoint = Path(training_args.output_dir, f"checkpoint-{trainer.state.global_step}")
-        raise RetrieverOutage(
-            f"training stopped: {err} Saved {checkpoint}; once the server answers again, rerun with "
+    except (RetrievalError, NonFiniteError) as err:
+        when = "once the server answers again" if isinstance(err, RetrieverOutage) else "once that is fixed"
+        if trainer.state.global_step == 0:  # nothing trained yet: nothing to save
+            message = f"training stopped: {str(err).rstrip('.')}. No step had finished; {when}, rerun."
+            raise type(err)(message) from err
+        checkpoint = save_checkpoint_and_release(trainer)
+        raise type(err)(
+            f"training stopped: {str(err).rstrip('.')}. Saved {checkpoint}; {when}, rerun with "
             f"--resume_from_checkpoint {checkpoint}."
         ) from err
-    trainer.save_model(training_args.output_dir)
+    except Exception as err:
+        if is_disk_full(err):
+            step = trainer.state.global_step
+            doing = f"training stopped at step {step}: saving {Path(training_args.output_dir, f'checkpoint-{step}')}"
+            raise disk_full_error(doing, training_args) from err
+        raise
+    finally:
+        if stop is not None:
+            stop.restore()
+    if stop is not None and stop.received and trainer.state.global_step < trainer.state.max_steps:
+        release_process_groups(trainer)  # the checkpoint was saved by every process at the last step
+        checkpoint = Path(training_args.output_dir, f"checkpoint-{trainer.state.global_step}")
+        raise TrainingStopped(
+            f"training stopped by {stop.received} after step {trainer.state.global_step}/{trainer.state.max_steps}. "
+            f"Saved {checkpoint}; rerun with --resume_from_checkpoint {checkpoint} to continue."
+        )
+    save_model_or_rescue(trainer, training_args.output_dir)
     metrics = {**result.metrics, **trainer.final_metrics()}
     if trainer.is_world_process_zero():
         Path(training_args.output_dir, "mempo_metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -277,6 +304,16 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=dataset_name)
     return metrics
+
+
+def save_checkpoint_and_release(trainer) -> Path:
+    """Save a checkpoint of the last finished step, then `release_process_groups` (no process exits, and gets the
+    others killed, before all saved)."""
+    from mempo_trl.checkpoints import save_checkpoint_now
+
+    checkpoint = save_checkpoint_now(trainer)
+    release_process_groups(trainer)
+    return checkpoint
 
 
 def parse_args(argv: list[str] | None = None):
@@ -309,8 +346,15 @@ def check_before_training(script_args: ScriptArguments, training_args, model_arg
 
 
 def _main(argv: list[str] | None) -> int:
+    from mempo_trl.checkpoints import prepare_resume
+
     script_args, training_args, model_args, retriever_args = parse_args(argv)
     check_before_training(script_args, training_args, model_args)
+    finished = prepare_resume(training_args)  # validates the checkpoint before any model is loaded
+    if finished:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(finished)
+        return 0
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
     metrics = train(trainer, training_args, script_args.dataset_name)
     if int(os.environ.get("RANK", "0")) == 0:

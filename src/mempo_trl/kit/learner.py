@@ -120,7 +120,11 @@ def write_learner_world(out_dir: str | Path, world: dict | None = None, sizes: d
     paths = LearnerPaths(out / "corpus.jsonl", out / "warm.jsonl", out / "rl.jsonl", out / "test.jsonl")
     marker = out / "world.json"
     settings = {"world": world, "sizes": sizes}
-    if marker.is_file() and json.loads(marker.read_text()) == settings and all(p.is_file() for p in paths):
+    try:
+        saved = json.loads(marker.read_text()) if marker.is_file() else None
+    except ValueError:  # empty or cut short (a kill or a full disk while it was written): write the world again
+        saved = None
+    if saved == settings and all(p.is_file() for p in paths):
         return paths
     generated = generate_world(**world)
     rows = generated.questions

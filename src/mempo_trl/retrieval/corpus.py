@@ -138,7 +138,22 @@ def _passage_from_row(row: Any, where: str) -> Passage:
         raise CorpusError(
             f"{where}: missing field 'contents' (or the pair 'title' and 'text'). Write rows like {EXPECTED_ROW}."
         )
+    texts = {"contents": row["contents"]} if "contents" in row else {"title": title, "text": text}
+    for name, value in {"id": str(pid), **texts}.items():
+        _check_unicode(value, where, name)
     return Passage(id=str(pid), title=title, text=text)
+
+
+def _check_unicode(value: str, where: str, name: str) -> None:
+    """Refuse text that is not proper Unicode (a lone surrogate such as a JSON `"\\ud800"`): it cannot be encoded to
+    UTF-8, so every answer holding it would fail."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise CorpusError(
+            f"{where}: field {name!r} holds {value[err.start]!r} at character {err.start}, a lone surrogate that is "
+            "not valid Unicode. Fix the escape in the file (a surrogate pair must be complete) or drop the row."
+        ) from None
 
 
 def _check_unique(pid: str, number: int, first_seen: dict[str, int], where: str, unit: str) -> None:

@@ -2,18 +2,24 @@
 
 Request: `{"queries": [...], "topk": k, "return_scores": true}`. Response: `{"result": [[{"document": {"id",
 "contents"}, "score": s}, ...], ...]}`, one list per query; servers asked without scores return the documents
-directly. Every attempt has an overall deadline and a response size cap. Connection errors, timeouts and 5xx are
-retried with capped exponential backoff, each logged, until `max_retries` or the `retry_budget` runs out; that ends
-in a `RetrieverOutage`. Every other failure is a `RetrievalError`. Both name the URL, what went wrong and how to fix
-it. An answer is never silently empty.
+directly. Every attempt has an overall deadline (connecting, sending, headers and body together) and a response
+size cap. Connection errors, timeouts, 5xx and 429 are retried with capped exponential backoff (or after the
+server's `Retry-After`, when it sends one), each logged, until `max_retries` or the `retry_budget` runs out; that
+ends in a `RetrieverOutage`. Every other failure (4xx, redirects, which are never followed, oversized, malformed or
+too deeply nested answers) is a `RetrievalError`. Both name the URL, what went wrong and how to fix it. An answer is
+never silently empty.
 """
 
+import email.utils
 import json
 import logging
+import math
 import os
+import threading
 import time
 from typing import Any
 
+import httpcore
 import httpx
 
 from mempo_trl.retrieval.base import Passage, RetrievalError, RetrieverOutage, check_search_args
@@ -27,7 +33,94 @@ API_KEY_ENV = "MEMPO_RETRIEVER_API_KEY"
 
 
 class _Retryable(Exception):
-    """One failed attempt worth retrying; the message completes "the server ..."."""
+    """One failed attempt worth retrying; the message completes "the server ...". `retry_after`: the seconds the
+    server asked the client to wait (`Retry-After`), or None."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+_deadline = threading.local()
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A socket stream whose every read and write waits at most until the calling thread's attempt deadline, so a
+    server trickling header bytes cannot stretch an attempt (httpx's timeouts bound each read, not their sum)."""
+
+    def __init__(self, stream: httpcore.NetworkStream):
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _until_deadline(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _until_deadline(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> "_DeadlineStream":
+        timeout = _until_deadline(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.SyncBackend):
+    """httpcore's socket backend with `_DeadlineStream` connections."""
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        timeout = _until_deadline(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(super().connect_tcp(host, port, timeout, local_address, socket_options))
+
+
+def _until_deadline(timeout: float | None, error: type[Exception]) -> float | None:
+    """`timeout` shortened to the time left before this thread's attempt deadline; `error` once it has passed."""
+    deadline = getattr(_deadline, "value", None)
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise error("the attempt's deadline passed")
+    return left if timeout is None else min(timeout, left)
+
+
+def _deadline_transport(limits: httpx.Limits) -> httpx.HTTPTransport:
+    """httpx's transport over `_DeadlineBackend`. httpx takes no network backend, so this replaces the connection
+    pool it builds (`HTTPTransport._pool`) by the same pool with that backend."""
+    transport = httpx.HTTPTransport(limits=limits)
+    transport._pool = httpcore.ConnectionPool(
+        ssl_context=httpx.create_ssl_context(),
+        max_connections=limits.max_connections,
+        max_keepalive_connections=limits.max_keepalive_connections,
+        keepalive_expiry=limits.keepalive_expiry,
+        network_backend=_DeadlineBackend(),
+    )
+    return transport
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a `Retry-After` header (delay in seconds or an HTTP date); None if absent or unreadable.
+
+    Example:
+        >>> retry_after_seconds("3"), retry_after_seconds("soon")
+        (3.0, None)
+        >>> retry_after_seconds("Wed, 21 Oct 2015 07:28:10 GMT", now=1445412480.0)
+        10.0
+    """
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    seconds = when.timestamp() - (time.time() if now is None else now)
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
 
 
 class HttpRetriever:
@@ -35,10 +128,12 @@ class HttpRetriever:
 
     `url` is the server's base URL or its `/retrieve` endpoint. Each attempt must deliver its whole answer within
     `timeout` seconds (checked as the body arrives, so a server trickling bytes cannot hang the caller) and at most
-    `max_response_bytes`. A failed attempt (refused, dropped, timed out, HTTP 5xx) is retried after
-    `min(backoff * 2**i, max_backoff)` seconds, while fewer than `max_retries` retries were made (`None`: no count
-    limit) and less than `retry_budget` seconds passed since the first failure; then `RetrieverOutage` is raised.
-    4xx answers, oversized and malformed answers are not retried. `api_key` (default: `$MEMPO_RETRIEVER_API_KEY`)
+    `max_response_bytes`. A failed attempt (refused, dropped, timed out, HTTP 5xx or 429) is retried after
+    `min(backoff * 2**i, max_backoff)` seconds, or after the server's `Retry-After`, while fewer than `max_retries`
+    retries were made (`None`: no count limit) and less than `retry_budget` seconds passed since the first failure
+    (a `Retry-After` beyond the budget ends it at once); then `RetrieverOutage` is raised. Other 4xx answers,
+    redirects (never followed: the error names the target), oversized, malformed and too deeply nested answers are
+    not retried. `api_key` (default: `$MEMPO_RETRIEVER_API_KEY`)
     is sent as a bearer token.
 
     Example:
@@ -80,7 +175,9 @@ class HttpRetriever:
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         limits = httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size)
-        self._client = httpx.Client(timeout=timeout, limits=limits, headers=headers)
+        self._client = httpx.Client(
+            timeout=timeout, headers=headers, follow_redirects=False, transport=_deadline_transport(limits)
+        )
 
     def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
         """Ask the server for up to `topk` passages per query.
@@ -155,7 +252,7 @@ class HttpRetriever:
             try:
                 body = self._attempt(method, url, payload)
             except _Retryable as e:
-                problem = str(e)
+                problem, retry_after = str(e), e.retry_after
             else:
                 if first_failure is not None:
                     logger.warning(
@@ -166,12 +263,16 @@ class HttpRetriever:
             now = time.monotonic()
             first_failure = now if first_failure is None else first_failure
             left = self.retry_budget - (now - first_failure)
-            if (retries is not None and attempt > retries) or left <= 0:
+            if (retries is not None and attempt > retries) or left <= 0 or (retry_after or 0) > left:
+                beyond = (
+                    f" It asked to be retried after {retry_after:g}s, beyond the retry budget." if retry_after else ""
+                )
                 raise RetrieverOutage(
                     f"{method} {url} failed after {attempt} attempt(s) over {now - first_failure:.1f}s: the server "
-                    f"{problem}"
+                    f"{problem}{beyond}"
                 )
             delay = min(self.backoff * 2 ** (attempt - 1), self.max_backoff, left)
+            delay = delay if retry_after is None else retry_after
             limit = "" if retries is None else f"/{retries + 1}"
             logger.warning(
                 "%s %s attempt %d%s failed, retrying in %gs (%.0fs of retry budget left): %s",
@@ -182,6 +283,7 @@ class HttpRetriever:
     def _attempt(self, method: str, url: str, payload: dict | None) -> Any:
         """One request: the parsed JSON answer, `_Retryable` for an outage, `RetrievalError` for anything else."""
         deadline = time.monotonic() + self.timeout
+        _deadline.value = deadline
         try:
             with self._client.stream(method, url, json=payload) as response:
                 declared = response.headers.get("content-length", "")
@@ -199,6 +301,7 @@ class HttpRetriever:
                             "the server's load and network, or raise `timeout`."
                         )
                 status, content = response.status_code, b"".join(chunks)
+                headers = response.headers
         except httpx.TimeoutException:
             raise _Retryable(
                 f"did not send its whole answer within {self.timeout:g}s. Raise `timeout`, send smaller batches, or "
@@ -208,9 +311,18 @@ class HttpRetriever:
             raise _Retryable(f"refused the connection ({e}). Is the server running? {START_HINT}") from None
         except httpx.TransportError as e:
             raise _Retryable(f"dropped the connection ({type(e).__name__}: {e}). Check the server's log.") from None
+        finally:
+            _deadline.value = None
         text = content[:300].decode("utf-8", "replace")
-        if status >= 500:
-            raise _Retryable(f"answered HTTP {status}: {text!r}. Check the server's log.")
+        if status >= 500 or status == 429:
+            retry_after = retry_after_seconds(headers.get("retry-after"))
+            busy = "is rate-limiting this client" if status == 429 else "is failing or overloaded"
+            raise _Retryable(f"answered HTTP {status} ({busy}): {text!r}. Check the server's log.", retry_after)
+        if 300 <= status < 400:
+            raise RetrievalError(
+                f"{method} {url} answered HTTP {status}, a redirect to {headers.get('location', '(no Location)')!r}; "
+                "redirects are not followed. Point the retriever URL at the server itself."
+            )
         if status >= 400:
             hint = (
                 "the API key (--api_key / $MEMPO_RETRIEVER_API_KEY)"
@@ -227,6 +339,11 @@ class HttpRetriever:
             raise RetrievalError(
                 f"{method} {url} answered with malformed JSON: {text!r}. Is this a retrieval server speaking "
                 "Search-R1's /retrieve API?"
+            ) from None
+        except RecursionError:
+            raise RetrievalError(
+                f"{method} {url} answered with JSON nested too deeply to read ({text[:60]!r}...). Is this a retrieval "
+                "server speaking Search-R1's /retrieve API?"
             ) from None
 
     def _too_large(self, method: str, url: str, what: str) -> RetrievalError:
@@ -258,4 +375,7 @@ def _parse_hits(hits: Any, url: str, query_index: int) -> list[Passage]:
 
 
 def _excerpt(value: Any) -> str:
-    return repr(value)[:200]
+    try:
+        return repr(value)[:200]
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deeply to show"

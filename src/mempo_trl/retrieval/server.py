@@ -5,7 +5,9 @@
 clients work unchanged. Searches run in FastAPI's thread pool, so one slow batch does not block `/health`.
 
 Limits (checked at start-up, enforced per request): queries per request, topk, request body bytes (a body without
-Content-Length is refused) and response bytes. With an API key (`api_key`, or `$MEMPO_RETRIEVER_API_KEY`),
+Content-Length is refused) and response bytes. A connection must send each whole request within `request_timeout`
+seconds (default 10) of connecting or of its previous answer, or it is closed, so idle and slow (slow-loris) clients
+cannot hold connections; uvicorn also closes keep-alive connections idle for 5 s after an answer. With an API key (`api_key`, or `$MEMPO_RETRIEVER_API_KEY`),
 `/retrieve` needs `Authorization: Bearer <key>`; binding a non-loopback address without one logs a warning.
 """
 
@@ -21,11 +23,13 @@ from mempo_trl.retrieval.http_client import API_KEY_ENV
 
 
 try:
+    import h11
     import uvicorn
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from pydantic import BaseModel, StrictBool, StrictInt, StrictStr
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 except ImportError as e:
     raise ImportError(f"The retrieval server needs fastapi and uvicorn: pip install 'mempo_trl[server]' ({e}).") from e
 
@@ -58,6 +62,58 @@ def check_limits(max_queries: int, max_topk: int, max_body_bytes: int, max_respo
     for name, value in limits.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an integer >= 1, got {value!r}.")
+
+
+def check_request_timeout(request_timeout: float) -> None:
+    """Raise `ValueError` unless `request_timeout` is a positive finite number of seconds.
+
+    Example:
+        >>> check_request_timeout(0)
+        Traceback (most recent call last):
+        ValueError: --request_timeout must be a number of seconds > 0, got 0.
+    """
+    valid = isinstance(request_timeout, int | float) and not isinstance(request_timeout, bool)
+    if not valid or not 0 < request_timeout < float("inf"):
+        raise ValueError(f"--request_timeout must be a number of seconds > 0, got {request_timeout!r}.")
+
+
+class RequestDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol, plus: a connection that has not sent a whole request `request_timeout` seconds after
+    connecting (or after its previous answer) is closed. uvicorn itself only times out idle keep-alive connections
+    after an answer, so a client that connects and sends nothing, or trickles header bytes, would hold a
+    connection forever."""
+
+    request_timeout = 10.0
+    _request_timer = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_request_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY) and self._request_timer is not None:
+            self._request_timer.cancel()  # the request is complete (or the connection is ending)
+            self._request_timer = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_request_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._request_timer is not None:
+            self._request_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_request_timer(self) -> None:
+        if self._request_timer is not None:
+            self._request_timer.cancel()
+        self._request_timer = self.loop.call_later(self.request_timeout, self._close_if_waiting)
+
+    def _close_if_waiting(self) -> None:
+        self._request_timer = None
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            self.transport.close()
 
 
 def create_app(
@@ -164,8 +220,10 @@ def serve(
     max_body_bytes: int = 4 * 2**20,
     max_response_bytes: int = 64 * 2**20,
     api_key: str | None = None,
+    request_timeout: float = 10.0,
 ) -> None:
-    """Serve `retriever` with uvicorn until interrupted (access log off: it costs latency under load).
+    """Serve `retriever` with uvicorn until interrupted (access log off: it costs latency under load); connections
+    that do not send a whole request within `request_timeout` seconds are closed (`RequestDeadlineProtocol`).
 
     Example:
         >>> serve(BM25Retriever.from_corpus("corpus.jsonl"), port=8000)  # then HttpRetriever("http://127.0.0.1:8000")
@@ -178,7 +236,9 @@ def serve(
             host,
             API_KEY_ENV,
         )
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    check_request_timeout(request_timeout)
+    protocol = type("RequestDeadlineProtocol", (RequestDeadlineProtocol,), {"request_timeout": request_timeout})
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, http=protocol)
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,0 +1,379 @@
+"""Checkpoint safety: which `checkpoint-N` directories are complete, what to resume from, and room on the disk.
+
+A checkpoint is *complete* when every file `Trainer` needs to resume it exactly is there and whole: readable
+`trainer_state.json`, the model weights (safetensors files as long as their headers say), and the optimizer,
+scheduler and RNG states (torch zip archives whose index is intact). A save cut short (a kill, a full disk) leaves a
+directory that fails this check; it is never named as the one to resume from, and resuming from it explicitly stops
+before any work with one `CheckpointError` naming the file. "Newest" means the highest step number, not the
+name's sort order (`checkpoint-10` after `checkpoint-9`).
+"""
+
+import errno
+import json
+import os
+import re
+import shutil
+import struct
+import zipfile
+from pathlib import Path
+
+
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+RNG_PATTERN = re.compile(r"^rng_state_(\d+)\.pth$")
+TRAINER_STATE = "trainer_state.json"
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin",
+    "pytorch_model.bin.index.json", "adapter_model.bin",
+)  # fmt: skip
+TORCH_STATES = ("optimizer.pt", "scheduler.pt")
+DISK_FULL_MARKERS = ("No space left on device", "StorageFull", "Disk quota exceeded", "file write failed")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed; the message names the file and what to do."""
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step number of a `checkpoint-N` directory name, or None for any other name.
+
+    Example:
+        >>> checkpoint_step("out/checkpoint-10"), checkpoint_step("out/checkpoint-10.tmp")
+        (10, None)
+    """
+    match = CHECKPOINT_PATTERN.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoints_by_step(output_dir: str | os.PathLike) -> list[Path]:
+    """The `checkpoint-N` directories of `output_dir`, by step number (oldest first)."""
+    directory = Path(output_dir)
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
+    return sorted(found, key=checkpoint_step)
+
+
+def read_trainer_state(checkpoint: str | os.PathLike) -> dict:
+    """The checkpoint's `trainer_state.json` as a dict with an integer `global_step`, or `CheckpointError`."""
+    path = Path(checkpoint, TRAINER_STATE)
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({' '.join(str(e).split()) or 'empty file'})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        raise CheckpointError(f"{path} has no integer 'global_step'")
+    return state
+
+
+def check_safetensors(path: Path) -> None:
+    """Raise `CheckpointError` unless `path` is a whole safetensors file (size = header + the tensors it lists)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        raw = f.read(8)
+        header_size = struct.unpack("<Q", raw)[0] if len(raw) == 8 else None
+        if header_size is None or 8 + header_size > size:
+            raise CheckpointError(f"{path} is truncated ({size} bytes, shorter than its header)")
+        try:
+            header = json.loads(f.read(header_size))
+        except ValueError:
+            raise CheckpointError(f"{path} has an unreadable header (truncated or not a safetensors file)") from None
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    expected = 8 + header_size + max(ends, default=0)
+    if size < expected:
+        raise CheckpointError(f"{path} is truncated ({size} of {expected} bytes)")
+
+
+def check_torch_file(path: Path) -> None:
+    """Raise `CheckpointError` unless `path` is a torch archive whose zip index (written last) is intact."""
+    try:
+        with zipfile.ZipFile(path):
+            pass
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(f"{path} is truncated or corrupt ({e})") from None
+
+
+def _weight_files(checkpoint: Path) -> list[Path]:
+    """The weight files of a checkpoint (shards included), or `CheckpointError` when it has none."""
+    for name in WEIGHT_FILES:
+        path = checkpoint / name
+        if not path.is_file():
+            continue
+        if not name.endswith(".index.json"):
+            return [path]
+        try:
+            shards = sorted(set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{path} is not a valid weight index (truncated?)") from None
+        return [checkpoint / shard for shard in shards]
+    raise CheckpointError(f"{checkpoint} holds no model weights ({WEIGHT_FILES[0]} or {WEIGHT_FILES[2]} is missing)")
+
+
+def validate_checkpoint(checkpoint: str | os.PathLike) -> dict:
+    """Check that `checkpoint` can be resumed exactly; return its trainer state.
+
+    Needs `trainer_state.json`, whole weight files, `optimizer.pt`, `scheduler.pt` and the RNG states
+    (`rng_state.pth` of a single process, or `rng_state_0.pth` ... `rng_state_<K-1>.pth` of K >= 2 processes, none
+    missing in between). DeepSpeed checkpoints (a `latest` file) keep their optimizer state in `global_step*/`, which
+    DeepSpeed checks itself.
+
+    Example:
+        >>> validate_checkpoint("out/checkpoint-3")
+        Traceback (most recent call last):
+        mempo_trl.checkpoints.CheckpointError: checkpoint out/checkpoint-3 is incomplete: out/checkpoint-3/optimizer.pt is missing ...
+    """
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} to resume from does not exist. Pass a checkpoint-N directory.")
+    try:
+        state = read_trainer_state(path)
+        for weights in _weight_files(path):
+            if not weights.is_file():
+                raise CheckpointError(f"{weights} is missing")
+            if weights.suffix == ".safetensors":
+                check_safetensors(weights)
+            else:
+                check_torch_file(weights)
+        deepspeed = (path / "latest").is_file()
+        for name in ([] if deepspeed else list(TORCH_STATES)) + _rng_files(path):
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{file} is missing")
+            check_torch_file(file)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: {e}. It cannot be resumed exactly (a save cut short, or saved with "
+            f"save_only_model); resume from an earlier checkpoint{_newest_hint(path.parent, checkpoint_step(path))}."
+        ) from None
+    return state
+
+
+def _rng_files(checkpoint: Path) -> list[str]:
+    """The RNG state files a checkpoint must hold, judged from those it holds (see `validate_checkpoint`)."""
+    ranks = sorted(int(m.group(1)) for p in checkpoint.glob("rng_state_*.pth") if (m := RNG_PATTERN.match(p.name)))
+    if not ranks:
+        return ["rng_state.pth"]
+    return [f"rng_state_{rank}.pth" for rank in range(max(max(ranks) + 1, 2))]
+
+
+def saved_world_size(checkpoint: str | os.PathLike) -> int:
+    """How many processes saved `checkpoint` (from its RNG state files)."""
+    return len(_rng_files(Path(checkpoint)))
+
+
+def _newest_hint(output_dir: Path, before: int | None) -> str:
+    older = [p for p in checkpoints_by_step(output_dir) if before is None or checkpoint_step(p) < before]
+    newest = newest_complete_checkpoint_of(older)
+    return f" ({newest})" if newest else ""
+
+
+def newest_complete_checkpoint_of(candidates: list[Path]) -> Path | None:
+    """The last of `candidates` (ordered by step) that `validate_checkpoint` accepts, or None."""
+    for candidate in reversed(candidates):
+        try:
+            validate_checkpoint(candidate)
+        except CheckpointError:
+            continue
+        return candidate
+    return None
+
+
+def newest_complete_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint of `output_dir` with the highest step number, or None.
+
+    Example:
+        >>> newest_complete_checkpoint("out")  # checkpoint-9 complete, checkpoint-10 cut short by a kill
+        PosixPath('out/checkpoint-9')
+    """
+    return newest_complete_checkpoint_of(checkpoints_by_step(output_dir))
+
+
+def resolve_resume(resume: str | bool | None, output_dir: str | os.PathLike) -> str | None:
+    """The checkpoint directory to resume from, validated: `True`/`"true"` means the newest complete one of
+    `output_dir` (transformers' convention), `None`/`False`/`"false"` means none.
+
+    Example:
+        >>> resolve_resume("true", "out")
+        'out/checkpoint-9'
+    """
+    if resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false")):
+        return None
+    if resume is True or (isinstance(resume, str) and resume.lower() == "true"):
+        newest = newest_complete_checkpoint(output_dir)
+        if newest is None:
+            found = ", ".join(p.name for p in checkpoints_by_step(output_dir)) or "none"
+            raise CheckpointError(
+                f"--resume_from_checkpoint true found no complete checkpoint in {output_dir} (checkpoint-N "
+                f"directories: {found}). Start without --resume_from_checkpoint, or pass a checkpoint path."
+            )
+        resume = newest
+    validate_checkpoint(resume)
+    return str(resume)
+
+
+def finished_message(checkpoint: str, state: dict, max_steps: int) -> str | None:
+    """What to say when `checkpoint` (trainer state `state`) is already at the end of a `max_steps` run, else None.
+
+    `max_steps` <= 0 (epoch-based runs) uses the run length saved in the checkpoint.
+
+    Example:
+        >>> finished_message("out/checkpoint-6", {"global_step": 6, "max_steps": 6}, 6)[:54]
+        'out/checkpoint-6 is already at the end of training (st'
+    """
+    total = max_steps if max_steps > 0 else state.get("max_steps", 0)
+    if not total or state["global_step"] < total:
+        return None
+    return (
+        f"{checkpoint} is already at the end of training (step {state['global_step']} of {total}): nothing to "
+        "resume, nothing was changed. Its weights are the trained model; raise --max_steps to train further."
+    )
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether `err` (or an exception it was raised from) is a write that failed for lack of space.
+
+    Saving raises `OSError(ENOSPC)`, torch's `RuntimeError("... file write failed")` or safetensors' `StorageFull`.
+
+    Example:
+        >>> is_disk_full(RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0"))
+        False
+        >>> is_disk_full(OSError(28, "No space left on device"))
+        True
+    """
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(marker in str(err) for marker in DISK_FULL_MARKERS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def save_sizes(model) -> tuple[int, int]:
+    """(bytes of the saved model, bytes of one checkpoint): weights as stored (only the trainable ones for a PEFT
+    adapter), plus two fp32 AdamW moments per trainable parameter for a checkpoint."""
+    from accelerate.utils import is_peft_model
+
+    params = list(model.parameters())
+    count = [getattr(p, "ds_numel", p.numel()) for p in params]  # ZeRO-3 partitions parameters: ds_numel is whole
+    trainable = sum(n * p.element_size() for n, p in zip(count, params) if p.requires_grad)
+    weights = trainable if is_peft_model(model) else sum(n * p.element_size() for n, p in zip(count, params))
+    adam_moments = 2 * 4 * sum(n for n, p in zip(count, params) if p.requires_grad)
+    return weights, weights + adam_moments
+
+
+def check_free_space(directory: str | os.PathLike, needed: int, what: str) -> None:
+    """Raise `CheckpointError` unless the file system of `directory` has `needed` bytes free for `what`.
+
+    Example:
+        >>> check_free_space("out", 10 * 2**30, "the final model")
+        Traceback (most recent call last):
+        mempo_trl.checkpoints.CheckpointError: out has 1.2 GiB free but the final model needs 10.0 GiB. Free ...
+    """
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise CheckpointError(
+            f"{directory} has {format_bytes(free)} free but {what} needs {format_bytes(needed)}. Free space or "
+            "choose another output_dir (and lower save_total_limit), before training rather than after."
+        )
+
+
+def format_bytes(size: int) -> str:
+    """`size` in the largest binary unit that keeps it >= 1.
+
+    Example:
+        >>> format_bytes(512), format_bytes(3 * 2**20 + 2**19), format_bytes(10 * 2**30)
+        ('512 B', '3.5 MiB', '10.0 GiB')
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+def prepare_resume(training_args) -> str | None:
+    """Resolve and validate `training_args.resume_from_checkpoint` in place (before any model is loaded); return
+    `finished_message` when that checkpoint already ends the run, else None."""
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    training_args.resume_from_checkpoint = resume
+    if resume is None:
+        return None
+    saved = saved_world_size(resume)
+    if saved != training_args.world_size and training_args.process_index == 0:
+        print(
+            f"mempo-trl: WARNING: {resume} was saved by {saved} process(es), this run has {training_args.world_size}: "
+            "training continues from its weights and optimizer, but the sampling RNG does not continue exactly."
+        )
+    return finished_message(resume, read_trainer_state(resume), training_args.max_steps)
+
+
+def check_room_to_save(trainer) -> None:
+    """`check_free_space` of the output directory for the final model plus one checkpoint (a run saves one when it
+    is stopped early, whatever its `save_strategy`)."""
+    weights, checkpoint = save_sizes(trainer.model)
+    what = f"the final model ({format_bytes(weights)}) and one checkpoint ({format_bytes(checkpoint)})"
+    check_free_space(trainer.args.output_dir, weights + checkpoint, what)
+
+
+def save_checkpoint_now(trainer) -> Path:
+    """Save a checkpoint of the last finished step on every process (`Trainer._save_checkpoint`); return its path.
+
+    A full disk raises `CheckpointError` naming the newest complete checkpoint instead.
+    """
+    try:
+        trainer._save_checkpoint(trainer.model, trial=None)
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        raise disk_full_error(f"saving a checkpoint in {trainer.args.output_dir}", trainer.args) from err
+    return Path(trainer.args.output_dir, f"checkpoint-{trainer.state.global_step}")
+
+
+def disk_full_error(doing: str, training_args) -> CheckpointError:
+    """The error for a save that ran out of space: where to resume from."""
+    newest = newest_complete_checkpoint(training_args.output_dir)
+    resume = (
+        f"rerun with --resume_from_checkpoint {newest} (the newest complete checkpoint; a partial one is ignored)"
+        if newest
+        else "rerun (no complete checkpoint was saved yet)"
+    )
+    return CheckpointError(f"{doing} failed: the disk is full. Free space, then {resume}.")
+
+
+def _save_gathers(trainer) -> bool:
+    """Whether saving gathers sharded weights from every process (ZeRO-3, FSDP): a collective."""
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    return bool(trainer.is_fsdp_enabled or (plugin is not None and plugin.zero_stage == 3))
+
+
+def save_model_or_rescue(trainer, output_dir: str) -> None:
+    """`trainer.save_model(output_dir)`; if that write fails (a full disk, say), save the model to a new temporary
+    directory instead and raise `CheckpointError` naming it, so that the trained weights are never lost silently.
+    Where saving is a collective (ZeRO-3, FSDP) the error names the newest complete checkpoint instead."""
+    import tempfile
+
+    try:
+        trainer.save_model(output_dir)
+    except Exception as err:
+        if not (is_disk_full(err) or isinstance(err, OSError)):
+            raise
+        reason = "the disk is full" if is_disk_full(err) else " ".join(str(err).split())
+        newest = newest_complete_checkpoint(output_dir)
+        fallback = f"The newest complete checkpoint is {newest or 'none'}: free space and resume from it."
+        if _save_gathers(trainer):  # a second save would wait for processes that have moved on
+            raise CheckpointError(f"saving the trained model to {output_dir} failed ({reason}). {fallback}") from err
+        rescue = tempfile.mkdtemp(prefix="mempo-trl-model-")
+        try:
+            trainer.save_model(rescue)
+        except Exception:
+            raise CheckpointError(
+                f"saving the trained model to {output_dir} failed ({reason}), and so did saving it to {rescue}. "
+                f"{fallback}"
+            ) from err
+        raise CheckpointError(
+            f"saving the trained model to {output_dir} failed ({reason}); it was saved to {rescue} instead. Move it "
+            "where it belongs (the metrics and model card were not written)."
+        ) from err
