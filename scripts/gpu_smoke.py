@@ -4,6 +4,9 @@
 
 Stages (each prints one JSON line ``{"stage", "ok", ...}`` and exits 0 when ``ok``):
 
+- ``retriever``: build and query the BM25 retriever in a process where bm25s is not yet imported: the device's free
+  memory must not drop (bm25s starts JAX when it is installed, which preallocates 75% of the GPU; `mempo_trl`
+  imports bm25s with JAX hidden); reports whether JAX is installed.
 - ``model``: build the offline tiny model with head_dim 32 (hidden 128, 4 heads) into ``WORK_DIR/model``.
 - ``scoring``: memory scoring of scripted 4-round episodes in bf16 on CUDA, shared-prefix vs batched: the two schemes
   must agree (answer log-probs within ``0.1``, the bf16 rounding of two different kernels).
@@ -76,6 +79,36 @@ def stage_model(work: Path, cpu: bool) -> dict:
     config = json.loads((work / "model" / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     return {"ok": head_dim >= 32, "head_dim": head_dim}
+
+
+def stage_retriever(work: Path, cpu: bool) -> dict:
+    import importlib.util
+
+    device, _ = _setup(cpu)
+    if "bm25s" in sys.modules:
+        return {"ok": False, "error": "bm25s was imported before the stage began"}
+    free = (lambda: torch.cuda.mem_get_info()[0]) if device == "cuda" else (lambda: 0)
+    if device == "cuda":
+        torch.zeros(1, device=device)  # this process's own CUDA context first
+    before = free()
+    from mempo_trl.kit.demo_world import demo_paths
+    from mempo_trl.retrieval import BM25Retriever
+
+    retriever = BM25Retriever.from_corpus(demo_paths().corpus, cache_dir=work / "bm25")
+    hits = retriever.search(["where did Dethbre Leinhenmor die"], topk=3)[0]
+    after = free()
+    import bm25s
+
+    drop_gib = (before - after) / 2**30
+    jax_started = bool(bm25s.selection.JAX_IS_AVAILABLE)
+    ok = len(hits) == 3 and drop_gib < 0.5 and not jax_started
+    return {
+        "ok": ok,
+        "jax_installed": importlib.util.find_spec("jax") is not None,
+        "bm25s_started_jax": jax_started,
+        "free_gib_before": round(before / 2**30, 2),
+        "free_gib_after": round(after / 2**30, 2),
+    }
 
 
 def stage_scoring(work: Path, cpu: bool) -> dict:
@@ -252,6 +285,7 @@ def stage_quickstart(work: Path, cpu: bool) -> dict:
 
 
 STAGES = {
+    "retriever": stage_retriever,
     "model": stage_model,
     "scoring": stage_scoring,
     "lora": stage_lora,

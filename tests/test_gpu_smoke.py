@@ -24,7 +24,7 @@ def _env(stages: str) -> dict:
 
 @pytest.mark.slow
 def test_gpu_smoke_dry_run_passes_every_stage(tmp_path):
-    stages = ["model", "scoring", "lora", "vllm_emulation", "zero3"]
+    stages = ["retriever", "model", "scoring", "lora", "vllm_emulation", "zero3"]
     env = _env(" ".join(stages))
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_smoke.sh"), "--cpu", str(tmp_path)],
@@ -34,10 +34,12 @@ def test_gpu_smoke_dry_run_passes_every_stage(tmp_path):
     assert result.returncode == 0, (report, result.stderr[-2000:])
     assert report["result"] == "PASS"
     assert [s["stage"] for s in report["stages"]] == stages and all(s["ok"] for s in report["stages"])
-    scoring = report["stages"][1]
+    by_stage = {s["stage"]: s for s in report["stages"]}
+    assert by_stage["retriever"]["bm25s_started_jax"] is False
+    scoring = by_stage["scoring"]
     assert scoring["items"] == 24 and scoring["max_abs_logp_diff"] < 1e-4  # fp32: the two schemes agree closely
-    assert report["stages"][2]["lora_b_max_abs"] > 0  # LoRA trained through the checkpointed forward
-    assert report["stages"][3]["weight_syncs"] == 2
+    assert by_stage["lora"]["lora_b_max_abs"] > 0  # LoRA trained through the checkpointed forward
+    assert by_stage["vllm_emulation"]["weight_syncs"] == 2
 
 
 def test_gpu_smoke_rejects_an_unknown_stage(tmp_path):
