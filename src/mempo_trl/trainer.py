@@ -61,6 +61,10 @@ class MemPOTrainer(GRPOTrainer):
         args: a `MemPOConfig`.
         train_dataset / eval_dataset: QA rows with `question` and `golden_answers` (Search-R1/FlashRAG format).
         processing_class, callbacks, optimizers, peft_config, quantization_config: as for `GRPOTrainer`.
+        tools: not supported (a `ValueError` says so rather than ignoring it): the search tool is `retriever`.
+
+    Reward functions get `GRPOTrainer`'s keyword arguments, `log_metric` and `log_extra` included; what they log
+    reaches the logs and the completions table as in `GRPOTrainer`.
     """
 
     _tag_names = ["trl", "mempo", "grpo", "search-agent"]
@@ -91,7 +95,14 @@ class MemPOTrainer(GRPOTrainer):
         optimizers=(None, None),
         peft_config=None,
         quantization_config=None,
+        tools=None,
     ):
+        if tools:
+            raise ValueError(
+                "MemPOTrainer does not take `tools=`: its rollout plays the `<search>` turn protocol against "
+                "`retriever` (any object with `search(queries, topk)`), and TRL's tool-calling loop, which `tools=` "
+                "drives, never runs. Wrap your search function as a retriever, or use GRPOTrainer for generic tools."
+            )
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MemPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-MemPO")
@@ -367,7 +378,7 @@ class MemPOTrainer(GRPOTrainer):
             timings_scoring,
         )
         prompts = [ep.base_messages for ep in episodes]
-        self._log_completion_rows(prompts, episodes, rewards_per_func, adv.outcome)
+        self._log_completion_rows(mode, prompts, episodes, rewards_per_func, adv.outcome)
         return output
 
     def _play_episodes(self, inputs: list[dict]) -> tuple[list[Episode], RolloutTimings]:
@@ -614,8 +625,9 @@ class MemPOTrainer(GRPOTrainer):
         self._metrics[mode]["reward"].append(torch.nanmean(rewards).item())
         self._metrics[mode]["reward_std"].append(nanstd(rewards).item())
 
-    def _log_completion_rows(self, prompts, episodes, rewards_per_func, all_outcome_adv):
-        """Completion table rows (one per trajectory): the question, the joined turns and their results."""
+    def _log_completion_rows(self, mode, prompts, episodes, rewards_per_func, all_outcome_adv):
+        """Completion table rows (one per trajectory): the question, the joined turns and their results, and the
+        columns and metrics reward functions logged."""
         trajectories = [
             "\n".join(r.text + ("\n" + r.information if r.information else "") for r in ep.rounds) for ep in episodes
         ]
@@ -624,6 +636,24 @@ class MemPOTrainer(GRPOTrainer):
         for i, name in enumerate(self.reward_func_names):
             self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
         self._logs["advantages"].extend(all_outcome_adv.tolist())
+        self._flush_reward_function_logs(mode, len(prompts))
+
+    def _flush_reward_function_logs(self, mode: str, num_local: int) -> None:
+        """Flush what reward functions logged through ``log_extra`` (completions-table columns, one value per
+        trajectory) and ``log_metric`` (scalars averaged over processes): mirrors the flush at the end of
+        `GRPOTrainer._generate_and_score_completions` (TRL 1.16), which this trainer replaces. Names are sorted so
+        that all processes gather in the same order."""
+        device = self.accelerator.device
+        for column in sorted(set(gather_object(list(self._pending_extra_logs)))):
+            values = self._pending_extra_logs.get(column, [None] * num_local)
+            self._logs["extra"][column].extend(gather_object(values))
+        self._pending_extra_logs.clear()
+        for name in sorted(set(gather_object(list(self._pending_metrics)))):
+            values = self._pending_metrics.get(name, [])
+            local_stats = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=device)
+            total, count = self.accelerator.gather(local_stats).view(-1, 2).sum(dim=0).tolist()
+            self._metrics[mode][name].append(total / count)
+        self._pending_metrics.clear()
 
     # ------------------------------------------------------------------ results and model card
 
