@@ -19,7 +19,7 @@ from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
 from mempo_trl.agent import AgentSettings
 from mempo_trl.config import MemPOConfig
 from mempo_trl.data import validate_qa_rows
-from mempo_trl.generation import action_stopping_criteria
+from mempo_trl.generation import ContinuousBatchingStops, action_stopping_criteria
 from mempo_trl.memory import (
     answer_probability,
     memory_reward,
@@ -45,7 +45,8 @@ class MemPOTrainer(GRPOTrainer):
 
     - each question is played as a multi-turn search episode (`mempo_trl.rollout.RolloutEngine`) whose context is
       rebuilt every round from the question, the previous turn and its search result (`context_mode="memory"`),
-      generating each turn with TRL's own `_generate_single_turn` (HF generate, vLLM colocate or server);
+      generating each turn with TRL's own `_generate_single_turn` (HF generate, transformers continuous batching,
+      vLLM colocate or server);
     - every round becomes its own training row (prompt = the context it was sampled from, completion = the turn),
       padded with fully masked rows to the same count on every process;
     - the outcome advantage is GRPO's group-normalised reward of the whole trajectory, copied to all its rows;
@@ -151,8 +152,13 @@ class MemPOTrainer(GRPOTrainer):
                 "memory_full_from_reference=True needs a reference model: set beta > 0 or train a PEFT adapter."
             )
         # HF generation stops on the closing action tags: as strings, per sequence (bound to TRL's `generate` call in
-        # `_generate_turns`), and as eos ids when a tag is one token.
-        self.action_stopping_criteria = None if self.use_vllm else action_stopping_criteria(self._tokenizer)
+        # `_generate_turns`, or patched into continuous batching's completion check), and as eos ids when a tag is one
+        # token.
+        continuous = self.use_transformers_continuous_batching
+        self.action_stopping_criteria = (
+            None if self.use_vllm or continuous else action_stopping_criteria(self._tokenizer)
+        )
+        self.continuous_batching_stops = ContinuousBatchingStops(self._tokenizer) if continuous else None
         for stop in ACTION_STOPS:
             ids = self._tokenizer(stop, add_special_tokens=False)["input_ids"]
             if len(ids) == 1 and ids[0] not in self.eos_token_ids:
@@ -192,7 +198,8 @@ class MemPOTrainer(GRPOTrainer):
         return limit - self.max_completion_length
 
     def _generate_turns(self, prompt_ids: list[list[int]]):
-        """One turn per prompt with TRL's backend (HF generate, vLLM colocate or server).
+        """One turn per prompt with TRL's backend (HF generate, transformers continuous batching, vLLM colocate or
+        server), stopping after the turn's action tag.
 
         TRL's vLLM server mode, and colocate mode with tensor parallelism, gather the prompts of all processes (of a
         TP group) and hand each process the completions at ``process_index * len(prompts)``: right only when every
@@ -203,7 +210,10 @@ class MemPOTrainer(GRPOTrainer):
         if self.use_vllm and (self.vllm_mode == "server" or self.vllm_tensor_parallel_size > 1):
             placeholder = min(prompt_ids, key=len)
             prompt_ids = prompt_ids + [placeholder] * (self._global_max(n) - n)
-        if self.action_stopping_criteria is None:
+        if self.continuous_batching_stops is not None:
+            with self.continuous_batching_stops.active():
+                completions, logprobs = self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+        elif self.action_stopping_criteria is None:
             completions, logprobs = self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
         else:
             # TRL's HF path passes no stopping criteria to `generate`: bind ours for this call.
