@@ -15,8 +15,9 @@ rounds with turns of exactly ``--turn-tokens`` tokens:
   ``max_tool_calling_iterations = rounds - 1``; the context (and the single training row) is the full history, and
   ``max_completion_length`` (its budget over ALL turns) is set high enough that no turn is cut (checked).
 
-Each configuration runs ``--steps`` optimizer steps of `trainer.train()` on the same batch; the table reports the
-median step and its parts, in wall seconds and in process CPU seconds (less sensitive to other jobs on the machine):
+Each configuration runs ``--warmup-steps`` + ``--steps`` optimizer steps of `trainer.train()` on the same batch; the
+warm-up steps (the first steps pay one-off costs: kernel selection, allocator growth, lazy initialisation) are
+reported apart and left out of the table, which reports the median of the other steps and their parts, in wall seconds and in process CPU seconds (less sensitive to other jobs on the machine):
 generation (the wrapped original `_generate_single_turn`), retrieval (MemPO's retriever calls; the stock trainer's
 tool function), memory scoring (MemPO's `_memory_rewards`, what its ``time/memory_scoring`` metric times), loss
 forward+backward (`training_step` minus `_prepare_inputs`), optimizer (the step minus `training_step`) and other
@@ -25,9 +26,20 @@ Run-time checks: every step plays exactly ``rounds`` generation calls, every tra
 (reward 1, so no turn was cut), the stock trainer made ``trajectories x (rounds - 1)`` tool calls and generated
 ``rounds x turn_tokens`` tokens per trajectory, MemPO built ``trajectories x rounds`` training rows.
 
+Workload options: ``--shape qwen2.5-1.5b`` (a random model with that released model's shape and Qwen2.5's real
+tokenizer and 151,936-row vocabulary, built on the device; without it, a random Qwen2 of ``--hidden-size`` /
+``--layers`` with the tiny tokenizer), ``--passage-words 100`` (every passage padded to wiki-length, ~100 words, with
+`bench_context_tokens.wiki_length_corpus`), ``--generation paged`` (TRL's transformers continuous batching,
+``use_transformers_continuous_batching``, for both trainers; ``hf`` is padded ``generate``), ``--grad-accum N``
+(each step's trajectories go through the loss in N micro-batches, one optimizer step) and
+``--activation-checkpointing``.
+
     python bench/bench_train_step.py                 # rounds 2/4/8, 4 trajectories, ~3 min on 2 cores
     python bench/bench_train_step.py --rounds 4 8 --trajectories 8 --steps 3
     python bench/bench_train_step.py --device cuda --hidden-size 1024 --layers 8 --trajectories 8 --steps 3  # GPU
+    # GPU, a realistic batch: >= 1B parameters, 128 trajectories, wiki-length passages, 8 rounds, batching engine
+    python bench/bench_train_step.py --device cuda --shape qwen2.5-1.5b --trajectories 128 --num-generations 4 \
+        --rounds 8 --passage-words 100 --generation paged --grad-accum 8 --activation-checkpointing --steps 2
 """
 
 import argparse
@@ -61,6 +73,58 @@ from mempo_trl.rewards import exact_match  # noqa: E402
 
 TOPK = 3
 PHASES = ("generation", "retrieval", "memory_scoring", "loss_fwd_bwd", "optimizer", "other")
+# Released Qwen2.5 shapes: hidden size, layers, attention heads, KV heads, MLP size, tied embeddings, embedding rows
+# (the 7B config pads the vocabulary to 152,064). "dry-run" keeps Qwen2.5's vocabulary with a tiny body, for CPU dry
+# runs of the real-size scripts.
+QWEN2_5_SHAPES = {
+    "dry-run": (64, 2, 2, 1, 128, True, 151936),
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, True, 151936),
+    "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, True, 151936),
+    "qwen2.5-3b": (2048, 36, 16, 2, 11008, True, 151936),
+    "qwen2.5-7b": (3584, 28, 28, 4, 18944, False, 152064),
+}
+
+
+def qwen2_5_shaped(shape: str, tokenizer, device: str, dtype=torch.float32, seed: int = 0):
+    """A random `Qwen2ForCausalLM` with the shape of a released Qwen2.5 model (`QWEN2_5_SHAPES`, embedding rows
+    included), initialised directly on ``device`` in ``dtype`` with seed ``seed`` (the global RNG is left as is)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    hidden, layers, heads, kv_heads, intermediate, tied, vocab = QWEN2_5_SHAPES[shape]
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32768,
+        tie_word_embeddings=tied,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def wiki_length_retriever(words: int, cache_dir: str | Path | None = None):
+    """BM25 over the demo corpus with every passage padded to ``words`` words (the demo corpus itself at 0)."""
+    if words <= 0:
+        return BM25Retriever.from_corpus(demo_paths().corpus)
+    import json
+
+    from bench_context_tokens import wiki_length_corpus
+
+    passages = [json.loads(line) for line in demo_paths().corpus.read_text(encoding="utf-8").splitlines()]
+    path = Path(cache_dir or tempfile.mkdtemp(prefix="bench_step_corpus_")) / f"corpus_{words}w.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in wiki_length_corpus(passages, words)), encoding="utf-8")
+    return BM25Retriever.from_corpus(path)
 
 
 class Clock:
@@ -139,11 +203,17 @@ def instrument(trainer, policy: ScriptedPolicy, turn_tokens: int, clock: Clock) 
     original_prepare = trainer._prepare_inputs
     original_step = trainer.training_step
 
+    config = trainer.generation_config
+    config.max_new_tokens = config.min_new_tokens = turn_tokens
+    if trainer.use_transformers_continuous_batching:
+        # Continuous batching ends a request only on eos or its budget: no eos, so every turn runs to the budget, as
+        # `min_new_tokens` makes `generate` do; MemPO's stop strings off, as the stock trainer has none.
+        config.eos_token_id = -1
+        trainer.continuous_batching_stops = None
+
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         with clock.measure("script"):
             scripted = [policy.turn(tokenizer.decode(p, skip_special_tokens=False)) for p in prompt_ids]
-        config = trainer.generation_config
-        config.max_new_tokens = config.min_new_tokens = turn_tokens
         with clock.measure("generation"):
             sampled, _ = original_generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if any(len(ids) != turn_tokens for ids in sampled):
@@ -203,16 +273,22 @@ def answer_reward(completions, golden_answers, **kwargs):
     return scores
 
 
-def _common_args(output_dir: str, trajectories: int, num_generations: int, steps: int, device: str) -> dict:
+def _common_args(output_dir: str, cfg: dict) -> dict:
+    if cfg["trajectories"] % cfg["grad_accum"]:
+        raise ValueError(
+            f"trajectories ({cfg['trajectories']}) must be a multiple of grad_accum ({cfg['grad_accum']})"
+        )
     return {
         "output_dir": output_dir,
-        "per_device_train_batch_size": trajectories,
-        "num_generations": num_generations,
-        "max_steps": steps,
+        "per_device_train_batch_size": cfg["trajectories"] // cfg["grad_accum"],
+        "gradient_accumulation_steps": cfg["grad_accum"],
+        "num_generations": cfg["num_generations"],
+        "max_steps": cfg["warmup_steps"] + cfg["steps"],
         "learning_rate": 1e-5,
-        "use_cpu": device == "cpu",
-        "bf16": device == "cuda",  # fp32 weights, bf16 autocast: the GPU recipes' setting
-        "activation_checkpointing": False,
+        "use_cpu": cfg["device"] == "cpu",
+        "bf16": cfg["device"] == "cuda",  # fp32 weights, bf16 autocast: the GPU recipes' setting
+        "activation_checkpointing": cfg["activation_checkpointing"],
+        "use_transformers_continuous_batching": cfg["generation"] == "paged",
         "report_to": "none",
         "save_strategy": "no",
         "logging_steps": 1,
@@ -228,11 +304,17 @@ def run_trainer(kind: str, model_dir: Path, rows: list[dict], retriever, rounds:
 
     from mempo_trl import MemPOConfig, MemPOTrainer
 
-    tokenizer = load_tokenizer(model_dir)
-    model = Qwen2ForCausalLM.from_pretrained(str(model_dir))
+    if cfg.get("shape"):
+        from mempo_trl.kit.qwen import build_qwen2_5_tokenizer
+
+        tokenizer = build_qwen2_5_tokenizer()
+        model = qwen2_5_shaped(cfg["shape"], tokenizer, cfg["device"])
+    else:
+        tokenizer = load_tokenizer(model_dir)
+        model = Qwen2ForCausalLM.from_pretrained(str(model_dir))
     clock = Clock(cfg["device"])
     output_dir = tempfile.mkdtemp(prefix=f"bench_step_{kind}_")
-    common = _common_args(output_dir, cfg["trajectories"], cfg["num_generations"], cfg["steps"], cfg["device"])
+    common = _common_args(output_dir, cfg)
     turn_tokens = cfg["turn_tokens"]
     trainer_ref: list = []
     timer = StepTimer(clock, trainer_ref)
@@ -278,7 +360,8 @@ def run_trainer(kind: str, model_dir: Path, rows: list[dict], retriever, rounds:
     trainer.train()
 
     trajectories = cfg["trajectories"]
-    for step in timer.steps:
+    warmup, timer.steps = timer.steps[: cfg["warmup_steps"]], timer.steps[cfg["warmup_steps"] :]
+    for step in warmup + timer.steps:
         if step.get("generate_calls") != rounds:
             raise AssertionError(f"{kind}: {step.get('generate_calls')} generation calls in a step, wanted {rounds}")
         if kind == "stock" and step.get("tool_calls") != trajectories * (rounds - 1):
@@ -314,8 +397,14 @@ def run_trainer(kind: str, model_dir: Path, rows: list[dict], retriever, rounds:
         loss_tokens=last["loss_tokens"],
         steps=[s["step"] for s in timer.steps],
         steps_cpu=[s["step_cpu"] for s in timer.steps],
+        warmup_steps=[s["step"] for s in warmup],
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cfg["device"] == "cuda" else None,
     )
+    if cfg["device"] == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     del trainer, model
+    if cfg["device"] == "cuda":
+        torch.cuda.empty_cache()
     return median
 
 
@@ -330,14 +419,25 @@ def run(
     dims: dict | None = None,
     model_dir: str | Path | None = None,
     device: str = "cpu",
+    warmup_steps: int = 0,
+    shape: str | None = None,
+    passage_words: int = 0,
+    generation: str = "hf",
+    grad_accum: int = 1,
+    activation_checkpointing: bool = False,
 ) -> list[dict]:
-    """The bench's core: one result per (rounds, trainer kind); see `run_trainer`."""
+    """The bench's core: one result per (rounds, trainer kind); see `run_trainer`. ``warmup_steps`` more steps run
+    first and are reported apart (``warmup_steps`` of each result), not in its medians."""
     if trajectories % num_generations:
         raise ValueError("trajectories must be a multiple of num_generations")
+    if generation not in ("hf", "paged"):
+        raise ValueError(f"generation must be 'hf' or 'paged', got {generation!r}")
+    if shape is not None and shape not in QWEN2_5_SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; use one of {sorted(QWEN2_5_SHAPES)}")
     model_dir = Path(model_dir or tempfile.mkdtemp(prefix="bench_step_model_"))
-    if not (model_dir / "config.json").exists():
+    if shape is None and not (model_dir / "config.json").exists():
         build_tiny_model(model_dir, seed=0, **(dims or MODEL_DIMS))
-    retriever = BM25Retriever.from_corpus(demo_paths().corpus)
+    retriever = wiki_length_retriever(passage_words)
     rows = demo_rows(trajectories // num_generations)
     cfg = {
         "trajectories": trajectories,
@@ -346,6 +446,11 @@ def run(
         "mem_tokens": mem_tokens,
         "steps": steps,
         "device": device,
+        "warmup_steps": warmup_steps,
+        "shape": shape,
+        "generation": generation,
+        "grad_accum": grad_accum,
+        "activation_checkpointing": activation_checkpointing,
     }
     results = []
     with warnings.catch_warnings():
@@ -410,6 +515,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden-size", type=int, default=MODEL_DIMS["hidden_size"])
     parser.add_argument("--layers", type=int, default=MODEL_DIMS["num_layers"])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 autocast, synced timers")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="steps run first and reported apart (median-free)")
+    parser.add_argument("--shape", choices=sorted(QWEN2_5_SHAPES), help="a Qwen2.5 shape with its real tokenizer")
+    parser.add_argument(
+        "--passage-words", type=int, default=0, help="pad every passage to this many words (wiki: 100)"
+    )
+    parser.add_argument("--generation", choices=("hf", "paged"), default="hf", help="paged: continuous batching")
+    parser.add_argument(
+        "--grad-accum", type=int, default=1, help="loss micro-batches per step (gradient accumulation)"
+    )
+    parser.add_argument("--activation-checkpointing", action="store_true")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -427,14 +542,25 @@ def main(argv: list[str] | None = None) -> None:
         args.steps,
         dims=dims,
         device=args.device,
+        warmup_steps=args.warmup_steps,
+        shape=args.shape,
+        passage_words=args.passage_words,
+        generation=args.generation,
+        grad_accum=args.grad_accum,
+        activation_checkpointing=args.activation_checkpointing,
     )
     precision = f"bf16 autocast on {torch.cuda.get_device_name()}" if args.device == "cuda" else "fp32 on the CPU"
+    model = f"{args.shape} shape, Qwen2.5 tokenizer" if args.shape else f"Qwen2 {dims}, tiny tokenizer"
+    passages = f"passages padded to {args.passage_words} words" if args.passage_words else "demo passages"
+    engine = "continuous batching (paged)" if args.generation == "paged" else "HF generate"
     print(
-        f"model: random Qwen2 {dims}, {precision}, sdpa; {args.trajectories} trajectories per step "
+        f"model: random {model}, {precision}, sdpa; {args.trajectories} trajectories per step "
         f"({args.trajectories // args.num_generations} questions x G={args.num_generations}); turns of exactly "
-        f"{args.turn_tokens} generated tokens (MemPO <mem> <= {args.mem_tokens} tokens); BM25 top-{TOPK}; "
-        f"loss dapo, beta 0, no gradient checkpointing; median of {args.steps} steps; torch threads {args.threads}; "
-        f"torch {torch.__version__}, Python {sys.version.split()[0]}"
+        f"{args.turn_tokens} generated tokens (MemPO <mem> <= {args.mem_tokens} tokens) by {engine}; BM25 top-{TOPK}, "
+        f"{passages}; loss dapo, beta 0, {args.grad_accum} micro-batch(es) per step, activation checkpointing "
+        f"{'on' if args.activation_checkpointing else 'off'}; median of {args.steps} warm steps after "
+        f"{args.warmup_steps} warm-up step(s); torch threads {args.threads}; torch {torch.__version__}, "
+        f"Python {sys.version.split()[0]}"
     )
     print()
     print_tables(results)
@@ -442,7 +568,9 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         wall = ", ".join(f"{s:.2f}" for s in r["steps"])
         cpu = ", ".join(f"{s:.2f}" for s in r["steps_cpu"])
-        print(f"rounds {r['rounds']} {r['kind']}: steps {wall} s wall, {cpu} s CPU")
+        warm = ", ".join(f"{s:.2f}" for s in r["warmup_steps"]) or "none"
+        peak = f"; peak {r['peak_gib']:.1f} GiB allocated" if r["peak_gib"] is not None else ""
+        print(f"rounds {r['rounds']} {r['kind']}: warm-up steps {warm} s; steps {wall} s wall, {cpu} s CPU{peak}")
     print(
         "wall seconds per step (median), the bench's scripting excluded; step CPU s = process CPU time of the step "
         "(robust to other jobs on the machine); prefill tokens = prompt tokens given to generate over all rounds; "

@@ -4,6 +4,9 @@
 
 Stages (each prints one JSON line ``{"stage", "ok", ...}`` and exits 0 when ``ok``):
 
+- ``retriever``: build and query the BM25 retriever in a process where bm25s is not yet imported: the device's free
+  memory must not drop (bm25s starts JAX when it is installed, which preallocates 75% of the GPU; `mempo_trl`
+  imports bm25s with JAX hidden); reports whether JAX is installed.
 - ``model``: build the offline tiny model with head_dim 32 (hidden 128, 4 heads) into ``WORK_DIR/model``.
 - ``scoring``: memory scoring of scripted 4-round episodes in bf16 on CUDA, shared-prefix vs batched: the two schemes
   must agree (answer log-probs within ``0.1``, the bf16 rounding of two different kernels).
@@ -18,6 +21,10 @@ Stages (each prints one JSON line ``{"stage", "ok", ...}`` and exits 0 when ``ok
   (multi-token tags: rows, ``<mem>`` spans and P_full / P_mem scored on the device; every episode 4 rounds, EM 1).
 - ``quickstart``: ``mempo-trl train --config examples/configs/quickstart_cpu.yaml`` on the device (fp32, as the
   recipe): its held-out EM line must rise; reports the wall time.
+- ``realsize`` (not in the default list; ``GPU_SMOKE_STAGES=realsize``): Qwen2.5-1.5B and -7B shapes (random weights,
+  the real tokenizer and vocabulary, bf16, activation checkpointing), LoRA and full fine-tuning, 4 and 8 rounds
+  (``GPU_SMOKE_REALSIZE="qwen2.5-7b:lora:8 ..."`` picks configurations), each in its own process (`realsize_one`):
+  peak memory against `REALSIZE_BUDGET_GIB`, warm step time split, memory scoring share, one real generation round.
 
 ``--cpu`` runs the same stages on the CPU in fp32 (a dry run of the script, minutes on a laptop).
 """
@@ -78,6 +85,36 @@ def stage_model(work: Path, cpu: bool) -> dict:
     return {"ok": head_dim >= 32, "head_dim": head_dim}
 
 
+def stage_retriever(work: Path, cpu: bool) -> dict:
+    import importlib.util
+
+    device, _ = _setup(cpu)
+    if "bm25s" in sys.modules:
+        return {"ok": False, "error": "bm25s was imported before the stage began"}
+    free = (lambda: torch.cuda.mem_get_info()[0]) if device == "cuda" else (lambda: 0)
+    if device == "cuda":
+        torch.zeros(1, device=device)  # this process's own CUDA context first
+    before = free()
+    from mempo_trl.kit.demo_world import demo_paths
+    from mempo_trl.retrieval import BM25Retriever
+
+    retriever = BM25Retriever.from_corpus(demo_paths().corpus, cache_dir=work / "bm25")
+    hits = retriever.search(["where did Dethbre Leinhenmor die"], topk=3)[0]
+    after = free()
+    import bm25s
+
+    drop_gib = (before - after) / 2**30
+    jax_started = bool(bm25s.selection.JAX_IS_AVAILABLE)
+    ok = len(hits) == 3 and drop_gib < 0.5 and not jax_started
+    return {
+        "ok": ok,
+        "jax_installed": importlib.util.find_spec("jax") is not None,
+        "bm25s_started_jax": jax_started,
+        "free_gib_before": round(before / 2**30, 2),
+        "free_gib_after": round(after / 2**30, 2),
+    }
+
+
 def stage_scoring(work: Path, cpu: bool) -> dict:
     from bench_memory_scoring import demo_rows, play_episodes
 
@@ -110,11 +147,13 @@ def _agreement(model, tokenizer, episodes) -> dict:
     return {"ok": ok, "items": len(items), "max_abs_logp_diff": diff, "max_abs_p_diff": p_diff}
 
 
-def _scripted_trainer(model, tokenizer, retriever, work: Path, cpu: bool, steps: int, turn_tokens: int, **config):
-    """A MemPOTrainer on the 8 first demo questions whose turns are scripted 4-round turns of ``turn_tokens`` tokens
-    (`bench_memory_scoring.ScriptedPolicy`): a random model's own turns are invalid, so they would leave every
+def _scripted_trainer(
+    model, tokenizer, retriever, work: Path, cpu: bool, steps: int, turn_tokens: int, rounds: int = 4, **config
+):
+    """A MemPOTrainer on the 8 first demo questions whose turns are scripted ``rounds``-round turns of ``turn_tokens``
+    tokens (`bench_memory_scoring.ScriptedPolicy`): a random model's own turns are invalid, so they would leave every
     advantage, and the loss's gradient, at zero. No confidence filter: a random model's P is far below 0.5.
-    ``config``: more `MemPOConfig` fields, and ``peft_config``."""
+    ``config``: more `MemPOConfig` fields (they win over the defaults), ``peft_config`` and ``callbacks``."""
     from bench_memory_scoring import ScriptedPolicy, demo_rows
     from datasets import Dataset
 
@@ -122,17 +161,24 @@ def _scripted_trainer(model, tokenizer, retriever, work: Path, cpu: bool, steps:
 
     rows = demo_rows(8)
     peft_config = config.pop("peft_config", None)
-    common = {**_common_args(work, cpu, steps), "max_completion_length": turn_tokens, "memory_threshold": None}
+    callbacks = config.pop("callbacks", None)
+    common = {
+        **_common_args(work, cpu, steps),
+        "max_completion_length": turn_tokens,
+        "memory_threshold": None,
+        "max_turns": rounds,
+    }
     trainer = MemPOTrainer(
         model,
         retriever,
         reward_funcs=[mempo_outcome_reward, mempo_format_reward],
-        args=MemPOConfig(**common, **config),
+        args=MemPOConfig(**{**common, **config}),
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         peft_config=peft_config,
+        callbacks=callbacks,
     )
-    policy = ScriptedPolicy(tokenizer, rows, rounds=4, turn_tokens=turn_tokens, mem_tokens=32)
+    policy = ScriptedPolicy(tokenizer, rows, rounds=rounds, turn_tokens=turn_tokens, mem_tokens=32)
     trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: policy(prompt_ids)
     return trainer
 
@@ -236,6 +282,141 @@ def stage_qwen(work: Path, cpu: bool) -> dict:
     return {**agreement, "ok": ok, "dtype": str(dtype), "steps": [{k: e[k] for k in keep} for e in logs]}
 
 
+# Peak-memory budget (GiB, `torch.cuda.max_memory_allocated`) of each real-size configuration: the GPU class it must
+# fit on (24 / 40 / 80 GiB), with room for the CUDA context and fragmentation. Rounds 4 and 8 share a budget.
+REALSIZE_BUDGET_GIB = {
+    ("qwen2.5-1.5b", "lora"): 20,
+    ("qwen2.5-1.5b", "full"): 20,
+    ("qwen2.5-7b", "lora"): 36,
+    ("qwen2.5-7b", "full"): 72,
+}
+REALSIZE_GPU = " ".join(
+    f"{shape}:{mode}:{rounds}"
+    for shape in ("qwen2.5-1.5b", "qwen2.5-7b")
+    for mode in ("lora", "full")
+    for rounds in (4, 8)
+)
+REALSIZE_CPU = "dry-run:lora:2 dry-run:full:2"
+
+
+def stage_realsize(work: Path, cpu: bool) -> dict:
+    """Every configuration of ``$GPU_SMOKE_REALSIZE`` (``shape:mode:rounds``, default `REALSIZE_GPU`, or
+    `REALSIZE_CPU` with ``--cpu``) in its own process (`realsize_one`), so that each starts from an empty device."""
+    configs = os.environ.get("GPU_SMOKE_REALSIZE") or (REALSIZE_CPU if cpu else REALSIZE_GPU)
+    results = []
+    for config in configs.split():
+        cmd = [sys.executable, __file__, "realsize_one", str(work), config, *(["--cpu"] if cpu else [])]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        lines = result.stdout.strip().splitlines()
+        try:
+            report = json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            report = {"ok": False, "error": f"exit {result.returncode}: {(result.stdout + result.stderr)[-1500:]}"}
+        results.append({"config": config, **{k: v for k, v in report.items() if k != "stage"}})
+        print(json.dumps(results[-1]), file=sys.stderr)
+    return {"ok": bool(results) and all(r["ok"] for r in results), "configs": results}
+
+
+def realsize_one(work: Path, config: str, cpu: bool) -> dict:
+    """One real-size configuration: a random model of a released Qwen2.5 shape with the real tokenizer and its
+    151,936-row vocabulary, built on the device in bf16 (fp32 on the CPU), activation checkpointing, LoRA (r 16,
+    all-linear) or full fine-tuning, 16 trajectories (8 questions x G=2) of scripted ``rounds``-round turns of 96
+    tokens (the CPU dry run: 2 trajectories, 1 timed step). One warm-up step, then 2 timed steps: peak memory, step time split (memory scoring, loss forward+backward,
+    optimizer, the rest of batch preparation), scoring share, and the time of one real forced-length ``generate`` of
+    a round (16 prompts x 96 tokens), which scripted steps do not pay. Fails on a non-finite loss or a peak over
+    `REALSIZE_BUDGET_GIB`."""
+    import statistics
+
+    from bench_train_step import Clock, StepTimer, qwen2_5_shaped, wiki_length_retriever
+    from peft import LoraConfig
+
+    from mempo_trl.kit.qwen import build_qwen2_5_tokenizer
+
+    shape, mode, rounds = config.split(":")
+    rounds = int(rounds)
+    device, dtype = _setup(cpu)
+    tokenizer = build_qwen2_5_tokenizer()
+    model = qwen2_5_shaped(shape, tokenizer, device, dtype)
+    params = sum(p.numel() for p in model.parameters())
+    lora = (
+        LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM") if mode == "lora" else None
+    )
+    clock = Clock(device)
+    trainer_ref: list = []
+    timer = StepTimer(clock, trainer_ref)
+    steps, trajectories = (2, 2) if cpu else (3, 16)  # the CPU dry run: 1 warm step, 1 question
+    trainer = _scripted_trainer(
+        model, tokenizer, wiki_length_retriever(0, work), work, cpu, steps, 96, rounds=rounds,
+        per_device_train_batch_size=trajectories, activation_checkpointing=True, peft_config=lora, callbacks=[timer],
+    )  # fmt: skip
+    trainer_ref.append(trainer)
+    for name, key in (
+        ("_prepare_inputs", "prepare"),
+        ("training_step", "training_step"),
+        ("_memory_rewards", "scoring"),
+    ):
+        original = getattr(trainer, name)
+
+        def timed(*args, _original=original, _key=key, **kwargs):
+            with clock.measure(_key):
+                return _original(*args, **kwargs)
+
+        setattr(trainer, name, timed)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    warm = timer.steps[1:]
+    split = {
+        "step": statistics.median(s["step"] for s in warm),
+        "memory_scoring": statistics.median(s.get("scoring", 0.0) for s in warm),
+        "loss_fwd_bwd": statistics.median(s["training_step"] - s["prepare"] for s in warm),
+        "optimizer": statistics.median(s["step"] - s["training_step"] for s in warm),
+        "other_preparation": statistics.median(s["prepare"] - s.get("scoring", 0.0) for s in warm),
+    }
+    # One real round of generation at this size: the first round's 16 prompts, exactly 96 new tokens each.
+    engine = trainer.rollout_engine
+    questions = trajectories // 2
+    prompts = [engine.fit_prompt(engine.new_episode(row)) for row in trainer.train_dataset.select(range(questions))]
+    generation_round = _time_generate(trainer, prompts * 2, 96, clock)
+    budget = REALSIZE_BUDGET_GIB.get((shape, mode))
+    ok = (
+        len(losses) == steps
+        and all(math.isfinite(x) for x in losses)
+        and all(entry["episode/turns"] == rounds for entry in trainer.state.log_history if "loss" in entry)
+        and (peak is None or budget is None or peak <= budget)
+    )
+    return {
+        "ok": ok,
+        "parameters_b": round(params / 1e9, 3),
+        "peak_gib": None if peak is None else round(peak, 2),
+        "budget_gib": budget,
+        "losses": losses,
+        "warmup_step_s": round(timer.steps[0]["step"], 3),
+        "warm_steps_s": [round(s["step"], 3) for s in warm],
+        **{f"{k}_s": round(v, 3) for k, v in split.items()},
+        "memory_scoring_share": round(split["memory_scoring"] / split["step"], 4),
+        "generate_round_s": round(generation_round, 3),
+    }
+
+
+def _time_generate(trainer, prompts: list[list[int]], new_tokens: int, clock) -> float:
+    """Seconds of one `generate` of ``new_tokens`` tokens (forced: min = max) for ``prompts``, TRL's HF path."""
+    config = trainer.generation_config
+    saved = config.max_new_tokens, config.min_new_tokens
+    config.max_new_tokens = config.min_new_tokens = new_tokens
+    original = type(trainer)._generate_single_turn
+    trainer.model.eval()
+    try:
+        with clock.measure("generate_round"):
+            original(trainer, prompts, None, {}, num_generations=1)
+    finally:
+        config.max_new_tokens, config.min_new_tokens = saved
+        trainer.model.train()
+    return clock.values["generate_round"]
+
+
 def stage_quickstart(work: Path, cpu: bool) -> dict:
     cmd = [
         sys.executable, "-m", "mempo_trl", "train", "--config", str(ROOT / "examples" / "configs" / "quickstart_cpu.yaml"),
@@ -252,6 +433,7 @@ def stage_quickstart(work: Path, cpu: bool) -> dict:
 
 
 STAGES = {
+    "retriever": stage_retriever,
     "model": stage_model,
     "scoring": stage_scoring,
     "lora": stage_lora,
@@ -259,14 +441,18 @@ STAGES = {
     "zero3": stage_zero3,
     "qwen": stage_qwen,
     "quickstart": stage_quickstart,
+    "realsize": stage_realsize,
 }
 
 
 def main(argv: list[str]) -> int:
     cpu = "--cpu" in argv
-    stage, work = [a for a in argv if a != "--cpu"][:2]
+    stage, work, *rest = [a for a in argv if a != "--cpu"]
     try:
-        report = STAGES[stage](Path(work), cpu)
+        if stage == "realsize_one":
+            report = realsize_one(Path(work), rest[0], cpu)
+        else:
+            report = STAGES[stage](Path(work), cpu)
     except Exception as error:  # noqa: BLE001 - the smoke reports every failure as one JSON line
         report = {"ok": False, "error": f"{type(error).__name__}: {error}"[-1500:]}
     print(json.dumps({"stage": stage, **report}))

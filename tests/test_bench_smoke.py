@@ -103,3 +103,37 @@ def test_turn_boundaries_bench(qwen_model_dir):
     )
     assert result["valid_turn_rate"] == 1.0 and result["episodes_valid"] == 1.0
     assert result["generated_tokens_per_turn"] == result["kept_tokens_per_turn"]
+
+
+def test_qwen2_5_shapes_have_the_released_sizes():
+    """Parameter counts of the released Qwen2.5 models (494,032,768 / 1,543,714,304 / 3,085,938,688 / 7,615,616,512),
+    built on the meta device."""
+    from mempo_trl.kit.qwen import build_qwen2_5_tokenizer
+
+    bench = _load("bench_train_step")
+    tokenizer = build_qwen2_5_tokenizer()
+    sizes = {
+        shape: sum(p.numel() for p in bench.qwen2_5_shaped(shape, tokenizer, "meta").parameters())
+        for shape in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")
+    }
+    assert sizes == {
+        "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
+        "qwen2.5-7b": 7_615_616_512,
+    }  # fmt: skip
+
+
+def test_train_step_bench_realistic_batch_options(tiny_model_dir, one_thread):
+    """The realistic-batch workload's options at the smallest size: warm-up steps reported apart, wiki-length
+    passages, gradient accumulation and activation checkpointing."""
+    bench = _load("bench_train_step")
+    results = bench.run(
+        rounds_list=(2,), trajectories=4, num_generations=2, steps=1, warmup_steps=1, kinds=("stock", "shared_prefix"),
+        model_dir=tiny_model_dir, passage_words=100, grad_accum=2, activation_checkpointing=True,
+    )  # fmt: skip
+    for r in results:
+        assert len(r["warmup_steps"]) == 1 and len(r["steps"]) == 1 and r["step"] == r["steps"][0]
+    stock, shared = results
+    assert shared["loss_rows"] == 4 * 2 and stock["loss_rows"] == 4
+    # wiki-length passages: MemPO's round-2 prompts hold three ~100-word passages
+    assert shared["prefill_tokens"] > 4 * 3 * 100
+    bench.print_tables(results)

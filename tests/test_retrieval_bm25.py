@@ -5,6 +5,9 @@ Run: pytest tests/test_retrieval_bm25.py
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import bm25s
@@ -184,3 +187,74 @@ def test_demo_hop_queries_find_their_gold_passage_in_top3(tmp_path):
     results = retriever.search([query for query, _ in hops], topk=3)
     misses = [(query, gold) for (query, gold), hits in zip(hops, results) if gold not in [p.id for p in hits]]
     assert len(hops) > 0 and misses == []
+
+
+# A stand-in `jax` that records what is done with it: bm25s imports `jax.lax` and calls `top_k` at import time, which
+# with a real JAX starts its GPU client and preallocates 75% of every GPU.
+FAKE_JAX = {
+    "jax/__init__.py": "import os\nopen(os.environ['FAKE_JAX_LOG'], 'a').write('import jax\\n')\n",
+    "jax/lax.py": (
+        "import os\n"
+        "def top_k(x, k):\n"
+        "    open(os.environ['FAKE_JAX_LOG'], 'a').write('top_k\\n')\n"
+        "    raise RuntimeError('JAX started')\n"
+    ),
+}
+
+
+def _run_with_fake_jax(tmp_path, code: str) -> tuple[str, str]:
+    """Run ``code`` in a fresh interpreter whose ``jax`` is the stand-in; return (stdout, what jax recorded)."""
+    for name, text in FAKE_JAX.items():
+        (tmp_path / "fake" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fake" / name).write_text(text)
+    log = tmp_path / "jax.log"
+    env = {
+        **os.environ,
+        "FAKE_JAX_LOG": str(log),
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), *sys.path]),
+    }
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout, log.read_text() if log.exists() else ""
+
+
+def test_building_and_querying_never_starts_jax(tmp_path):
+    code = (
+        "import sys\n"
+        "from mempo_trl.retrieval import BM25Retriever\n"
+        f"r = BM25Retriever.from_corpus({str(DEMO_CORPUS)!r}, cache_dir={str(tmp_path / 'cache')!r})\n"
+        "hits = r.search(['where did Dethbre Leinhenmor die'], topk=3)[0]\n"
+        "import bm25s\n"
+        "print(len(hits), 'jax' in sys.modules, bm25s.selection.JAX_IS_AVAILABLE)\n"
+    )
+    stdout, jax_log = _run_with_fake_jax(tmp_path, code)
+    assert stdout.split() == ["3", "False", "False"]
+    assert jax_log == ""  # never imported, let alone started
+
+
+def test_a_jax_the_caller_imported_is_left_alone_and_not_started(tmp_path):
+    code = (
+        "import sys, jax, jax.lax\n"
+        "before = sys.modules['jax'], sys.modules['jax.lax']\n"
+        "from mempo_trl.retrieval import BM25Retriever\n"
+        f"BM25Retriever.from_corpus({str(DEMO_CORPUS)!r}, cache_dir={str(tmp_path / 'cache')!r}).search(['x'], 1)\n"
+        "print((sys.modules['jax'], sys.modules['jax.lax']) == before)\n"
+    )
+    stdout, jax_log = _run_with_fake_jax(tmp_path, code)
+    assert stdout.split() == ["True"]
+    assert jax_log == "import jax\n"  # the caller's import only: no top_k
+
+
+def test_bm25s_imported_first_with_jax_warns_how_to_fix(tmp_path):
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "import jax.lax\n"
+        "jax.lax.top_k = lambda x, k: (x, k)  # a JAX that starts\n"
+        "import bm25s\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    import mempo_trl.retrieval\n"
+        "print([str(w.message) for w in caught])\n"
+    )
+    stdout, _ = _run_with_fake_jax(tmp_path, code)
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in stdout and "import mempo_trl before bm25s" in stdout

@@ -220,7 +220,8 @@ def test_scoring_forwards_keep_no_cache_and_feed_the_head_each_rows_own_position
     prefix_pass, block_pass = calls[1:]
     assert prefix_pass["input_ids"].shape[0] == 2 and prefix_pass["logits_to_keep"] == 1
     assert "attention_mask" not in prefix_pass  # plain causal attention
-    assert block_pass["cache"] is prefix_pass["cache"]
+    cache = next(k for k in ("cache", "past_key_values") if k in prefix_pass)  # transformers >= 5.24: `cache`
+    assert block_pass[cache] is prefix_pass[cache]
     assert head_outputs[1] == (2, 1, model.config.vocab_size)
     # ... pass 2 the answer blocks over it, the head seeing exactly one position per answer token.
     answer_tokens = sum(len(it.answer_ids) for it in items)

@@ -19,7 +19,7 @@ from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
 from mempo_trl.agent import AgentSettings
 from mempo_trl.config import MemPOConfig
 from mempo_trl.data import validate_qa_rows
-from mempo_trl.generation import action_stopping_criteria
+from mempo_trl.generation import ContinuousBatchingStops, action_stopping_criteria
 from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import (
     answer_probability,
@@ -46,7 +46,8 @@ class MemPOTrainer(GRPOTrainer):
 
     - each question is played as a multi-turn search episode (`mempo_trl.rollout.RolloutEngine`) whose context is
       rebuilt every round from the question, the previous turn and its search result (`context_mode="memory"`),
-      generating each turn with TRL's own `_generate_single_turn` (HF generate, vLLM colocate or server);
+      generating each turn with TRL's own `_generate_single_turn` (HF generate, transformers continuous batching,
+      vLLM colocate or server);
     - every round becomes its own training row (prompt = the context it was sampled from, completion = the turn),
       padded with fully masked rows to the same count on every process;
     - the outcome advantage is GRPO's group-normalised reward of the whole trajectory, copied to all its rows;
@@ -62,6 +63,10 @@ class MemPOTrainer(GRPOTrainer):
         args: a `MemPOConfig`.
         train_dataset / eval_dataset: QA rows with `question` and `golden_answers` (Search-R1/FlashRAG format).
         processing_class, callbacks, optimizers, peft_config, quantization_config: as for `GRPOTrainer`.
+        tools: not supported (a `ValueError` says so rather than ignoring it): the search tool is `retriever`.
+
+    Reward functions get `GRPOTrainer`'s keyword arguments, `log_metric` and `log_extra` included; what they log
+    reaches the logs and the completions table as in `GRPOTrainer`.
     """
 
     _tag_names = ["trl", "mempo", "grpo", "search-agent"]
@@ -92,7 +97,14 @@ class MemPOTrainer(GRPOTrainer):
         optimizers=(None, None),
         peft_config=None,
         quantization_config=None,
+        tools=None,
     ):
+        if tools:
+            raise ValueError(
+                "MemPOTrainer does not take `tools=`: its rollout plays the `<search>` turn protocol against "
+                "`retriever` (any object with `search(queries, topk)`), and TRL's tool-calling loop, which `tools=` "
+                "drives, never runs. Wrap your search function as a retriever, or use GRPOTrainer for generic tools."
+            )
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MemPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-MemPO")
@@ -141,8 +153,13 @@ class MemPOTrainer(GRPOTrainer):
                 "memory_full_from_reference=True needs a reference model: set beta > 0 or train a PEFT adapter."
             )
         # HF generation stops on the closing action tags: as strings, per sequence (bound to TRL's `generate` call in
-        # `_generate_turns`), and as eos ids when a tag is one token.
-        self.action_stopping_criteria = None if self.use_vllm else action_stopping_criteria(self._tokenizer)
+        # `_generate_turns`, or patched into continuous batching's completion check), and as eos ids when a tag is one
+        # token.
+        continuous = self.use_transformers_continuous_batching
+        self.action_stopping_criteria = (
+            None if self.use_vllm or continuous else action_stopping_criteria(self._tokenizer)
+        )
+        self.continuous_batching_stops = ContinuousBatchingStops(self._tokenizer) if continuous else None
         for stop in ACTION_STOPS:
             ids = self._tokenizer(stop, add_special_tokens=False)["input_ids"]
             if len(ids) == 1 and ids[0] not in self.eos_token_ids:
@@ -182,7 +199,8 @@ class MemPOTrainer(GRPOTrainer):
         return limit - self.max_completion_length
 
     def _generate_turns(self, prompt_ids: list[list[int]]):
-        """One turn per prompt with TRL's backend (HF generate, vLLM colocate or server).
+        """One turn per prompt with TRL's backend (HF generate, transformers continuous batching, vLLM colocate or
+        server), stopping after the turn's action tag.
 
         TRL's vLLM server mode, and colocate mode with tensor parallelism, gather the prompts of all processes (of a
         TP group) and hand each process the completions at ``process_index * len(prompts)``: right only when every
@@ -193,7 +211,10 @@ class MemPOTrainer(GRPOTrainer):
         if self.use_vllm and (self.vllm_mode == "server" or self.vllm_tensor_parallel_size > 1):
             placeholder = min(prompt_ids, key=len)
             prompt_ids = prompt_ids + [placeholder] * (self._global_max(n) - n)
-        if self.action_stopping_criteria is None:
+        if self.continuous_batching_stops is not None:
+            with self.continuous_batching_stops.active():
+                completions, logprobs = self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+        elif self.action_stopping_criteria is None:
             completions, logprobs = self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
         else:
             # TRL's HF path passes no stopping criteria to `generate`: bind ours for this call.
@@ -370,7 +391,7 @@ class MemPOTrainer(GRPOTrainer):
             timings_scoring,
         )
         prompts = [ep.base_messages for ep in episodes]
-        self._log_completion_rows(prompts, episodes, rewards_per_func, adv.outcome)
+        self._log_completion_rows(mode, prompts, episodes, rewards_per_func, adv.outcome)
         return output
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -624,8 +645,9 @@ class MemPOTrainer(GRPOTrainer):
         self._metrics[mode]["reward"].append(torch.nanmean(rewards).item())
         self._metrics[mode]["reward_std"].append(nanstd(rewards).item())
 
-    def _log_completion_rows(self, prompts, episodes, rewards_per_func, all_outcome_adv):
-        """Completion table rows (one per trajectory): the question, the joined turns and their results."""
+    def _log_completion_rows(self, mode, prompts, episodes, rewards_per_func, all_outcome_adv):
+        """Completion table rows (one per trajectory): the question, the joined turns and their results, and the
+        columns and metrics reward functions logged."""
         trajectories = [
             "\n".join(r.text + ("\n" + r.information if r.information else "") for r in ep.rounds) for ep in episodes
         ]
@@ -634,6 +656,24 @@ class MemPOTrainer(GRPOTrainer):
         for i, name in enumerate(self.reward_func_names):
             self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
         self._logs["advantages"].extend(all_outcome_adv.tolist())
+        self._flush_reward_function_logs(mode, len(prompts))
+
+    def _flush_reward_function_logs(self, mode: str, num_local: int) -> None:
+        """Flush what reward functions logged through ``log_extra`` (completions-table columns, one value per
+        trajectory) and ``log_metric`` (scalars averaged over processes): mirrors the flush at the end of
+        `GRPOTrainer._generate_and_score_completions` (TRL 1.16), which this trainer replaces. Names are sorted so
+        that all processes gather in the same order."""
+        device = self.accelerator.device
+        for column in sorted(set(gather_object(list(self._pending_extra_logs)))):
+            values = self._pending_extra_logs.get(column, [None] * num_local)
+            self._logs["extra"][column].extend(gather_object(values))
+        self._pending_extra_logs.clear()
+        for name in sorted(set(gather_object(list(self._pending_metrics)))):
+            values = self._pending_metrics.get(name, [])
+            local_stats = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=device)
+            total, count = self.accelerator.gather(local_stats).view(-1, 2).sum(dim=0).tolist()
+            self._metrics[mode][name].append(total / count)
+        self._pending_metrics.clear()
 
     # ------------------------------------------------------------------ results and model card
 

@@ -4,11 +4,12 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
-import bm25s
 import numpy as np
 import Stemmer
 
@@ -16,6 +17,41 @@ from mempo_trl.retrieval.base import Passage, check_search_args
 from mempo_trl.retrieval.cache import CachedIndex, cache_root, load_or_build
 from mempo_trl.retrieval.corpus import fingerprint, load_corpus
 
+
+def _import_bm25s():
+    """Import bm25s as if JAX were not installed, so that building or querying a retriever never starts JAX.
+
+    When JAX is installed, bm25s imports ``jax.lax`` and calls ``jax.lax.top_k`` at import time: that starts JAX's GPU
+    client, which by default preallocates 75% of every visible GPU's memory before training has begun. The retriever
+    ranks scores with numpy and never uses bm25s's JAX top-k, so ``jax`` is hidden from bm25s while it is imported; a
+    ``jax`` the caller imported is put back untouched. If bm25s was imported earlier with JAX available, it is too late:
+    that is warned about, naming the fix.
+    """
+    if "bm25s" in sys.modules:
+        module = sys.modules["bm25s"]
+        if getattr(getattr(module, "selection", None), "JAX_IS_AVAILABLE", False):
+            warnings.warn(
+                "bm25s was imported before mempo_trl with JAX installed, and started JAX, which by default takes 75% "
+                "of every visible GPU's memory: import mempo_trl before bm25s, or set "
+                "XLA_PYTHON_CLIENT_PREALLOCATE=false in the environment.",
+                stacklevel=3,
+            )
+        return module
+    hidden = ("jax", "jax.lax")
+    saved = {name: sys.modules[name] for name in hidden if name in sys.modules}
+    sys.modules.update(dict.fromkeys(hidden))  # None: `import jax.lax` raises ImportError
+    try:
+        import bm25s
+    finally:
+        for name in hidden:
+            if name in saved:
+                sys.modules[name] = saved[name]
+            else:
+                del sys.modules[name]
+    return bm25s
+
+
+bm25s = _import_bm25s()
 
 INDEX_FORMAT = 1
 META_FILE = "mempo_bm25.json"

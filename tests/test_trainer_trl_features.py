@@ -1,0 +1,110 @@
+"""What `GRPOTrainer` offers that `MemPOTrainer`'s override must keep, or refuse loudly.
+
+- Reward functions' ``log_metric`` / ``log_extra`` values reach the logged metrics and the completions table, as in
+  `GRPOTrainer` (whose flush sits in the `_generate_and_score_completions` that MemPO replaces).
+- ``tools=`` is an error that names the alternative, never silently ignored.
+"""
+
+import pytest
+from datasets import Dataset
+from helpers import EchoRetriever
+
+from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl.kit.tiny import load_tiny
+
+
+def turn(mem, action, content):
+    return f"<mem>{mem}</mem><think>t</think><{action}>{content}</{action}>"
+
+
+# question -> the scripted turns of its G = 2 trajectories: 2, 1, 1 and 3 rounds
+SCRIPT = {
+    "Where is Alpha?": [
+        [turn("a1", "search", "alpha"), turn("a1b", "answer", "Paris")],
+        [turn("a2", "answer", "Lyon")],
+    ],
+    "Where is Beta?": [
+        [turn("b1", "answer", "Rome")],
+        [turn("b2", "search", "beta"), turn("b2b", "search", "beta 2"), turn("b2c", "answer", "Rome")],
+    ],
+}
+GOLDS = {"Where is Alpha?": ["Paris"], "Where is Beta?": ["Rome"]}
+
+
+def turns_reward(completions, trajectory, log_metric, log_extra, **kwargs):
+    """Reward 1; logs the mean number of turns (a metric) and every trajectory's turns (a table column)."""
+    turns = [len(t) for t in trajectory]
+    log_metric("custom/turns", sum(turns) / len(turns))
+    log_extra("turns", turns)
+    return [1.0] * len(completions)
+
+
+def make_trainer(model_dir, output_dir, monkeypatch):
+    model, tokenizer = load_tiny(model_dir)
+    args = MemPOConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=32,
+        max_turns=3,
+        use_cpu=True,
+        activation_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=1,
+        seed=0,
+    )
+    dataset = Dataset.from_list([{"question": q, "golden_answers": GOLDS[q]} for q in SCRIPT])
+    trainer = MemPOTrainer(
+        model,
+        EchoRetriever(),
+        reward_funcs=[turns_reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    started: dict[str, int] = {}
+
+    def scripted_generate(prompt_ids, *args, **kwargs):
+        outs = []
+        for ids in prompt_ids:
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            question = next(q for q in SCRIPT if q in text)
+            seen = [(k, j) for k, script in enumerate(SCRIPT[question]) for j, t in enumerate(script) if t in text]
+            if seen:
+                ((k, j),) = seen
+            else:
+                k, j = started.setdefault(question, -1) + 1, -1
+                started[question] = k
+            outs.append(tokenizer(SCRIPT[question][k][j + 1], add_special_tokens=False)["input_ids"])
+        return outs, None
+
+    monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
+    return trainer
+
+
+def test_reward_function_metrics_and_columns_reach_the_logs(tiny_model_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_model_dir, tmp_path, monkeypatch)
+    trainer.train()
+    (step,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert step["custom/turns"] == pytest.approx((2 + 1 + 1 + 3) / 4)
+    assert sorted(trainer._logs["extra"]["turns"]) == [1, 1, 2, 3]
+    assert len(trainer._logs["extra"]["turns"]) == len(trainer._logs["prompt"])  # one value per table row
+    assert not trainer._pending_metrics and not trainer._pending_extra_logs  # flushed, not piling up
+
+
+def test_tools_are_refused_with_the_alternative(tiny_model_dir, tmp_path):
+    model, tokenizer = load_tiny(tiny_model_dir)
+
+    def search(query: str) -> str:
+        """Search.
+
+        Args:
+            query: the query.
+        """
+        return query
+
+    args = MemPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=r"does not take `tools=`.*as a retriever"):
+        MemPOTrainer(model, EchoRetriever(), args=args, processing_class=tokenizer, tools=[search])
