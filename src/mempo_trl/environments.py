@@ -180,3 +180,30 @@ def call_tool(environment, name: str, arguments: dict) -> str:
     except Exception as err:  # noqa: BLE001 - any tool failure is reported to the model, as TRL does
         result = {"error": str(err)}
     return str(result)
+
+
+def load_environment(spec: str) -> EnvironmentFactory:
+    """The environment class a recipe or command line names: a kit environment (``keyvault``, ``safe``;
+    `mempo_trl.kit.envs.KIT_ENVIRONMENTS`) or an import path (``my_pkg.envs.MyEnv`` or ``my_pkg.envs:MyEnv``).
+
+    Raises:
+        EnvironmentConventionError: nothing importable by that name (the message says what is accepted).
+
+    Example:
+        >>> load_environment("keyvault").__name__
+        'KeyVaultEnv'
+    """
+    import importlib
+
+    from mempo_trl.kit.envs import KIT_ENVIRONMENTS
+
+    if spec in KIT_ENVIRONMENTS:
+        return KIT_ENVIRONMENTS[spec][0]
+    module, _, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        raise EnvironmentConventionError(
+            f"unknown environment {spec!r}: use one of {sorted(KIT_ENVIRONMENTS)} or an import path "
+            "(`my_pkg.envs.MyEnv`)."
+        ) from None
