@@ -336,3 +336,22 @@ def test_an_environment_trainer_fails_fast_on_bad_rows_and_missing_rewards(tiny_
         make_trainer(tiny_model_dir, tmp_path, monkeypatch, Quiet, [{"start": 1}])
     with pytest.raises(ValueError, match="exactly one of `retriever`"):
         MemPOTrainer(load_tiny(tiny_model_dir)[0], object(), environment_factory=KeyVaultEnv)
+
+
+def test_the_docs_example_environment_follows_the_convention(tiny):
+    from pathlib import Path
+
+    text = Path(__file__).parents[1].joinpath("docs", "environments.md").read_text(encoding="utf-8")
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(code.split("rows = ")[0], namespace)  # the imports and the class, not the training run
+    notebook = check_environment(namespace["NotebookEnv"])
+    assert [schema["function"]["name"] for schema in tool_schemas(notebook)] == ["read_page"]
+    _, tokenizer = tiny
+
+    def generate(prompts):
+        turn = '<mem>m</mem><think>t</think><tool_call>{"name": "read_page", "arguments": {"page": 2}}</tool_call>'
+        return [tokenizer(turn, add_special_tokens=False)["input_ids"] for _ in prompts], None
+
+    (ep,), _ = engine(tokenizer, namespace["NotebookEnv"], max_turns=2).run([{"pages": [3, 8, 5]}], generate)
+    assert ep.golden_answers == ["16"] and ep.rounds[0].information == "Page 2 says 8."

@@ -183,27 +183,22 @@ def call_tool(environment, name: str, arguments: dict) -> str:
 
 
 def load_environment(spec: str) -> EnvironmentFactory:
-    """The environment class a recipe or command line names: a kit environment (``keyvault``, ``safe``;
-    `mempo_trl.kit.envs.KIT_ENVIRONMENTS`) or an import path (``my_pkg.envs.MyEnv`` or ``my_pkg.envs:MyEnv``).
+    """The environment class an import path names (``my_pkg.envs.MyEnv`` or ``my_pkg.envs:MyEnv``); the command
+    line also takes kit names (`mempo_trl.kit.envs.resolve_environment`).
 
     Raises:
-        EnvironmentConventionError: nothing importable by that name (the message says what is accepted).
+        EnvironmentConventionError: nothing importable by that name.
 
     Example:
-        >>> load_environment("keyvault").__name__
-        'KeyVaultEnv'
+        >>> load_environment("mempo_trl.environments:EnvironmentConventionError").__name__
+        'EnvironmentConventionError'
     """
     import importlib
 
-    from mempo_trl.kit.envs import KIT_ENVIRONMENTS
-
-    if spec in KIT_ENVIRONMENTS:
-        return KIT_ENVIRONMENTS[spec][0]
     module, _, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError):
         raise EnvironmentConventionError(
-            f"unknown environment {spec!r}: use one of {sorted(KIT_ENVIRONMENTS)} or an import path "
-            "(`my_pkg.envs.MyEnv`)."
+            f"unknown environment {spec!r}: give an import path (`my_pkg.envs.MyEnv`) or a kit environment name."
         ) from None

@@ -174,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     context_mode = None if agent_args.context_mode == "both" else agent_args.context_mode
     if eval_args.environment:
-        from mempo_trl.environments import check_environment, load_environment
+        from mempo_trl.environments import check_environment
+        from mempo_trl.kit.envs import resolve_environment
 
-        environment_factory = load_environment(eval_args.environment)
+        environment_factory = resolve_environment(eval_args.environment)
         check_environment(environment_factory)
         rows, retriever_info = _environment_rows(eval_args), {"environment": eval_args.environment}
         agent = load_agent(agent_args, None, context_mode, environment_factory=environment_factory)

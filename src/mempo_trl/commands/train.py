@@ -189,11 +189,11 @@ def build_environment_trainer(script_args: ScriptArguments, training_args, model
 
     from mempo_trl.callbacks import LaunchBannerCallback, use_step_summary
     from mempo_trl.data import read_jsonl
-    from mempo_trl.environments import check_environment, load_environment
-    from mempo_trl.kit.envs import KIT_ENVIRONMENTS
+    from mempo_trl.environments import check_environment
+    from mempo_trl.kit.envs import KIT_ENVIRONMENTS, resolve_environment
     from mempo_trl.trainer import MemPOTrainer
 
-    environment_factory = load_environment(script_args.environment)
+    environment_factory = resolve_environment(script_args.environment)
     check_environment(environment_factory)
     if script_args.dataset_name:
         rows = read_jsonl(script_args.dataset_name)
