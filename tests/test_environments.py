@@ -276,7 +276,9 @@ def test_mempo_on_key_vault_scores_the_memory_against_the_environments_gold(tiny
     gold_ids = tokenizer(f"<answer> {env.golden_answers[0]} </answer>", add_special_tokens=False)["input_ids"]
     assert scored_items[0].answer_ids == gold_ids and len(scored_items) == 2 * 4 * 3
     # Both scoring contexts render the tools, as the generation contexts do.
-    assert all(tokenizer.decode(item.context_ids).count('{"name": "open_box"') == 1 for item in scored_items)
+    assert all(
+        tokenizer.decode(item.context_ids).count("Open a box and read the code inside") == 1 for item in scored_items
+    )
     metrics = trainer._metrics["train"]
     assert metrics["episode/em"][-1] == 1.0 and metrics["rewards/mempo_outcome_reward/mean"][-1] == 1.0
     assert metrics["memory/scored_rounds"][-1] == 12
