@@ -117,6 +117,9 @@ def test_train_cli_trains_on_a_kit_environment(recipe, tmp_path, capsys, name, c
     assert ("episode/em" in metrics) == (name == "keyvault")
     saved = json.loads((tmp_path / "out" / "mempo_agent.json").read_text())
     assert saved["instruction"] == ENVIRONMENT_INSTRUCTION and saved["context_mode"] == context_mode
+    card = (tmp_path / "out" / "README.md").read_text()
+    cls = KIT_ENVIRONMENTS[name][0].__name__
+    assert f"from mempo_trl.kit.envs import {cls}" in card and f"environment_factory={cls})" in card
 
 
 def test_train_cli_refuses_bad_environment_recipes_before_training(recipe, tmp_path, capsys):

@@ -748,8 +748,9 @@ class MemPOTrainer(GRPOTrainer):
         # TRL links the base model to the Hub; a local base model would render as "[None](https://huggingface.co/None)".
         text = text.replace("[None](https://huggingface.co/None)", f"`{info['base_model']}`")
         hub_id = self.args.hub_model_id or model_name
+        usage = _usage(hub_id, self.rollout_engine.environment_factory)
         text = re.sub(
-            r"(## Quick start\n\n)```python\n.*?```", lambda m: m.group(1) + _usage(hub_id), text, count=1, flags=re.S
+            r"(## Quick start\n\n)```python\n.*?```", lambda m: m.group(1) + usage, text, count=1, flags=re.S
         )
         own_fields = [name for name in MemPOConfig.__annotations__ if name not in ("system_prompt", "instruction")]
         recipe = {name: getattr(self.args, name) for name in own_fields}
@@ -763,7 +764,7 @@ class MemPOTrainer(GRPOTrainer):
             "",
             "Trained with [MemPO](https://arxiv.org/abs/2603.00680) (Self-Memory Policy Optimization) using "
             "`mempo_trl` on [TRL](https://github.com/huggingface/trl): every turn the agent "
-            "writes a `<mem>` summary, the next turn sees only that turn and its search result, and a memory-level "
+            "writes a `<mem>` summary, the next turn sees only that turn and its search or tool result, and a memory-level "
             "advantage (P_mem - P_full of the gold answer) is added on the `<mem>` tokens.",
             "",
             *[f"- **{key.replace('_', ' ')}**: {value}" for key, value in info.items() if value],
@@ -787,8 +788,24 @@ class MemPOTrainer(GRPOTrainer):
         card.write_text(text + "\n".join(lines), encoding="utf-8")
 
 
-def _usage(hub_id: str) -> str:
+def _usage(hub_id: str, environment_factory=None) -> str:
     """The model card's quick start: the agent API, with the settings saved next to the weights."""
+    if environment_factory is not None:
+        module, name = environment_factory.__module__, environment_factory.__qualname__
+        return textwrap.dedent(
+            f"""\
+            ```python
+            from mempo_trl import MemPOAgent
+            from {module} import {name}
+
+            agent = MemPOAgent.from_pretrained("{hub_id}", environment_factory={name})
+            result = agent.run({{...}})  # a row: the keyword arguments of {name}.reset
+            print(result.answer, result.num_turns, result.memories)
+            ```
+
+            The agent reads its turn protocol (prompt, instruction, max turns) from `mempo_agent.json`, saved with
+            the weights."""
+        )
     return textwrap.dedent(
         f"""\
         ```python
