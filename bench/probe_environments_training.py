@@ -1,24 +1,25 @@
 """Probe for the closing note of issue 25: a short `mempo-trl train` run on each kit environment in both context modes.
 
-keyvault: the model `probe_environments_warm.py` warm-started (/tmp/envs_warm_kv); safe: the tiny model as built
-(/tmp/envs_tiny, `build_tiny_model(seed=0)`). Per-step metrics go to /tmp/envs_closing/closing.json (committed as
+Each environment trains the model `probe_environments_warm.py` warm-started on its oracle turns (/tmp/envs_warm_kv,
+/tmp/envs_warm_safe). Per-step metrics are merged into /tmp/envs_closing/closing.json (committed as
 bench/results/environments_training.json).
 
-    python bench/probe_environments_training.py 10
+    python bench/probe_environments_training.py 10 keyvault safe
 """
 
 import json
 import sys
 import time
+from pathlib import Path
 
 from mempo_trl.commands.train import build_trainer, parse_args
 
 
-out = {}
-for env, model, recipe in [
-    ("keyvault", "/tmp/envs_warm_kv", "examples/configs/keyvault_cpu.yaml"),
-    ("safe", "/tmp/envs_tiny", "examples/configs/safe_cpu.yaml"),
-]:
+RESULTS = Path("/tmp/envs_closing/closing.json")
+MODELS = {"keyvault": "/tmp/envs_warm_kv", "safe": "/tmp/envs_warm_safe"}
+out = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+for env in sys.argv[2:]:
+    model, recipe = MODELS[env], f"examples/configs/{env}_cpu.yaml"
     for mode in ("memory", "full_history"):
         argv = [
             "--config",
@@ -66,4 +67,4 @@ for env, model, recipe in [
             ),
             flush=True,
         )
-json.dump(out, open("/tmp/envs_closing/closing.json", "w"), indent=1)
+RESULTS.write_text(json.dumps(out, indent=1))
