@@ -106,5 +106,5 @@ def test_tools_are_refused_with_the_alternative(tiny_model_dir, tmp_path):
         return query
 
     args = MemPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    with pytest.raises(ValueError, match=r"does not take `tools=`.*as a retriever"):
+    with pytest.raises(ValueError, match=r"does not take `tools=`.*as an environment"):
         MemPOTrainer(model, EchoRetriever(), args=args, processing_class=tokenizer, tools=[search])

@@ -1,4 +1,4 @@
-"""A trained MemPO search agent, ready to answer questions: `MemPOAgent` and the settings it travels with.
+"""A trained MemPO agent, ready to answer questions or play an environment: `MemPOAgent` and its settings.
 
 Training writes `AgentSettings` (system prompt, instruction, max turns, top-k, context mode, turn budget) next to
 the weights as ``mempo_agent.json`` (and pushes it to the Hub with them). `MemPOAgent.from_pretrained` reads them,
@@ -10,6 +10,13 @@ Example:
     >>> agent = MemPOAgent.from_pretrained("outputs/quickstart", retriever="data/corpus.jsonl")  # doctest: +SKIP
     >>> result = agent.run("Who founded the company that built the Orbix tower?")  # doctest: +SKIP
     >>> result.answer, result.num_turns, result.memories[-1]  # doctest: +SKIP
+
+With a TRL-style environment (`mempo_trl.environments`) instead of a retriever, `MemPOAgent.run` takes the row its
+``reset`` is called with:
+
+    >>> from mempo_trl.kit.envs import KeyVaultEnv
+    >>> agent = MemPOAgent.from_pretrained("outputs/keyvault", environment_factory=KeyVaultEnv)  # doctest: +SKIP
+    >>> agent.run({"seed": 7, "num_boxes": 4}).answer  # doctest: +SKIP
 """
 
 import json
@@ -20,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from mempo_trl.context import CONTEXT_MODES, DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
-from mempo_trl.rollout import Episode, GenerateFn, RolloutEngine, RolloutTimings
+from mempo_trl.environments import ENVIRONMENT_INSTRUCTION, TOOL_STOPS, EnvironmentFactory
+from mempo_trl.rollout import ACTION_STOPS, Episode, GenerateFn, RolloutEngine, RolloutTimings
 
 
 AGENT_FILE = "mempo_agent.json"
@@ -111,7 +119,7 @@ def _short(value: Any) -> str:
 
 @dataclass
 class AgentResult:
-    """One answered question: the answer, every turn, the memories written and the token cost.
+    """One answered question (or played environment task): the answer, every turn, the memories and the token cost.
 
     ``turns`` holds one dict per round (``mem``, ``action``, ``content``, ``information``, ``valid``,
     ``prompt_tokens``, ``completion_tokens``); ``memories`` the ``<mem>`` text of every round. A round's prompt
@@ -155,7 +163,7 @@ class AgentResult:
         ]
         processed = [t["prompt_tokens"] + t["completion_tokens"] for t in turns]
         return cls(
-            question=episode.row["question"],
+            question=episode.question,
             answer=episode.answer,
             turns=turns,
             memories=[r.turn.mem for r in episode.rounds if r.turn.mem is not None],
@@ -169,34 +177,50 @@ class AgentResult:
 
 
 class MemPOAgent:
-    """A policy, its tokenizer, a retriever and the turn protocol: plays MemPO episodes to an answer.
+    """A policy, its tokenizer, a retriever or an environment, and the turn protocol: plays MemPO episodes.
 
     Args:
         tokenizer: the policy's tokenizer (with a chat template).
         retriever: anything with ``search(queries, topk)``, or a `load_retriever` spec (``corpus.jsonl``,
-            ``http://host:port``, ...).
+            ``http://host:port``, ...); None with an ``environment_factory``.
         generator: a `GenerateFn` (`HFGenerator`, `VLLMGenerator` or your own). Its ``eos_token_ids`` attribute,
             if any, tells the rollout which ids end a turn.
-        settings: the turn protocol (default: `AgentSettings()`).
+        settings: the turn protocol (default: `AgentSettings()`; with an environment, a search-task instruction
+            becomes `ENVIRONMENT_INSTRUCTION`).
+        environment_factory: a TRL-style environment class (`mempo_trl.environments`) to play instead of searching.
     """
 
-    def __init__(self, tokenizer, retriever, generator: GenerateFn, settings: AgentSettings | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        retriever,
+        generator: GenerateFn,
+        settings: AgentSettings | None = None,
+        environment_factory: EnvironmentFactory | None = None,
+    ):
+        if (retriever is None) == (environment_factory is None):
+            raise AgentError("a MemPOAgent needs exactly one of a retriever (search) and an environment_factory")
         if isinstance(retriever, str):
             from mempo_trl.retrieval import load_retriever
 
             retriever = load_retriever(retriever)
+        settings = settings or AgentSettings()
+        if environment_factory is not None and settings.instruction == DEFAULT_INSTRUCTION:
+            settings = replace(settings, instruction=ENVIRONMENT_INSTRUCTION)
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.generator = generator
-        self.settings = settings or AgentSettings()
+        self.settings = settings
+        self.environment_factory = environment_factory
         self.saved_settings: AgentSettings | None = None  # what `from_pretrained` found, before overrides
 
     @classmethod
     def from_pretrained(
         cls,
         path_or_hub_id: str | Path,
-        retriever,
+        retriever=None,
         *,
+        environment_factory: EnvironmentFactory | None = None,
         use_vllm: bool = False,
         revision: str | None = None,
         device: str | None = None,
@@ -211,7 +235,8 @@ class MemPOAgent:
 
         `overrides` (``max_turns=4``, ``context_mode="full_history"``, ...) replace saved settings; each change is
         logged. A model without ``mempo_agent.json`` (e.g. a base model) runs with the defaults. ``use_vllm``
-        generates with vLLM's offline engine (``vllm_kwargs`` go to `vllm.LLM`), else with transformers.
+        generates with vLLM's offline engine (``vllm_kwargs`` go to `vllm.LLM`), else with transformers. Pass an
+        ``environment_factory`` instead of a ``retriever`` to play a TRL-style environment.
 
         Example:
             >>> agent = MemPOAgent.from_pretrained("user/qwen2.5-3b-mempo", "http://127.0.0.1:8000")  # doctest: +SKIP
@@ -227,11 +252,18 @@ class MemPOAgent:
         for message in messages if saved is not None else []:
             logger.warning("%s (%s of %s)", message, AGENT_FILE, path)
         tokenizer = load_chat_tokenizer(path, revision=revision)
+        stops = ACTION_STOPS if environment_factory is None else TOOL_STOPS
         if use_vllm:
             from mempo_trl.generation import VLLMGenerator
 
             generator = VLLMGenerator(
-                path, tokenizer, settings.max_completion_length, temperature, seed=seed, **(vllm_kwargs or {})
+                path,
+                tokenizer,
+                settings.max_completion_length,
+                temperature,
+                seed=seed,
+                stops=stops,
+                **(vllm_kwargs or {}),
             )
         else:
             import torch
@@ -241,16 +273,17 @@ class MemPOAgent:
             torch.manual_seed(seed)
             model = load_model(path, device=device, dtype=dtype, revision=revision)
             generator = HFGenerator(
-                model, tokenizer, settings.max_completion_length, temperature, batch_size=batch_size
+                model, tokenizer, settings.max_completion_length, temperature, batch_size=batch_size, stops=stops
             )
-        agent = cls(tokenizer, retriever, generator, settings)
+        agent = cls(tokenizer, retriever, generator, settings, environment_factory)
         agent.saved_settings = saved
         return agent
 
     def play(
         self, rows: Sequence[dict], generate: GenerateFn | None = None, context_mode: str | None = None
     ) -> tuple[list[Episode], RolloutTimings]:
-        """Play one episode per row (``question`` and any other keys, kept in ``episode.row``)."""
+        """Play one episode per row (``question`` and any other keys, kept in ``episode.row``; with an environment,
+        the keyword arguments of its ``reset``)."""
         generate = generate or self.generator
         eos = getattr(self.generator, "eos_token_ids", None)
         engine = RolloutEngine(
@@ -262,16 +295,18 @@ class MemPOAgent:
             system_prompt=self.settings.system_prompt,
             instruction=self.settings.instruction,
             eos_token_ids=eos if eos is not None else [self.tokenizer.eos_token_id],
+            environment_factory=self.environment_factory,
         )
         return engine.run([dict(row) for row in rows], generate)
 
-    def run_batch(self, questions: Sequence[str]) -> list[AgentResult]:
-        """Answer every question; their rounds are generated together, in batches."""
-        episodes, _ = self.play([{"question": q} for q in questions])
+    def run_batch(self, questions: Sequence[str | dict]) -> list[AgentResult]:
+        """Answer every question (a string, or a row dict: an environment's ``reset`` arguments); their rounds are
+        generated together, in batches."""
+        episodes, _ = self.play([{"question": q} if isinstance(q, str) else q for q in questions])
         return [AgentResult.from_episode(episode) for episode in episodes]
 
-    def run(self, question: str) -> AgentResult:
-        """Answer one question."""
+    def run(self, question: str | dict) -> AgentResult:
+        """Answer one question, or play one environment episode from its row."""
         return self.run_batch([question])[0]
 
 

@@ -7,6 +7,9 @@ Round t of an episode is generated from:
   tool(<information> of round t-1)``. Nothing older is kept: what the model still needs must be in its ``<mem>``;
 - t > 1, ``context_mode="full_history"`` (Search-R1 baseline): every earlier round's output and result.
 
+With a TRL-style environment (`mempo_trl.environments`) the question is the task text its ``reset`` returned and the
+result of round t-1 is its tool's result; the rebuild is the same.
+
 The same builder renders the two scoring contexts of the memory reward: ``full_traj_t`` is the
 full-history context of round t and ``mem_traj_t`` is ``system + user(question)`` followed by round t's ``<mem>``
 block at the start of the assistant turn.
@@ -71,7 +74,13 @@ def round_messages(
     return messages
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template and the generation prompt."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+def render_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template and the generation prompt.
+
+    ``tools``: the JSON schemas of an environment's tools (`mempo_trl.environments.tool_schemas`), rendered by the
+    chat template (Qwen2.5's: in the system message); None for the search task, whose instruction teaches its action.
+    """
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     return list(ids["input_ids"])

@@ -21,6 +21,7 @@ from typing import Any
 
 from mempo_trl.agent import AgentResult, MemPOAgent
 from mempo_trl.context import ContextMode
+from mempo_trl.environments import has_own_reward
 from mempo_trl.rollout import Episode, GenerateFn
 
 
@@ -42,6 +43,9 @@ class EvalResult:
 
 def episode_record(episode: Episode) -> dict:
     """Scores, token counts and rounds of one finished episode, as a JSON-ready dict.
+
+    With an environment, ``question`` is its task, ``golden_answers`` its gold (``em``/``f1``/``sub_em`` are None
+    without one), ``reward`` its ``get_reward()`` (when it has one) and ``num_searches`` counts its tool calls.
 
     Example:
         >>> record = episode_record(episodes[0])  # doctest: +SKIP
@@ -66,16 +70,19 @@ def episode_record(episode: Episode) -> dict:
         }
         for r in episode.rounds
     ]
+    environment = episode.environment
+    reward = {"reward": float(environment.get_reward())} if has_own_reward(environment) else {}
     return {
         "id": row.get("id"),
         "data_source": row.get("data_source", "unknown"),
-        "question": row["question"],
-        "golden_answers": list(row["golden_answers"]),
+        "question": episode.question,
+        "golden_answers": list(episode.golden_answers or []),
         "sub_answers": list(row.get("sub_answers") or []),
         "answer": episode.answer,
-        "em": metrics["em"],
-        "f1": metrics["f1"],
-        "sub_em": metrics["sub_em"],
+        "em": metrics.get("em"),
+        "f1": metrics.get("f1"),
+        "sub_em": metrics.get("sub_em"),
+        **reward,
         "format_valid": episode.format_valid,
         "turns_valid": all(r.turn.valid for r in episode.rounds),
         "num_turns": result.num_turns,
@@ -86,14 +93,18 @@ def episode_record(episode: Episode) -> dict:
     }
 
 
-def _mean(values: Sequence[float]) -> float:
+def _mean(values: Sequence[float | None]) -> float:
+    """Mean of the values that are not None; NaN when none is."""
+    values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else math.nan
 
 
 def _summary(records: Sequence[dict]) -> dict[str, Any]:
     max_rounds = max((r["num_turns"] for r in records), default=0)
     per_round = [[r["rounds"][k]["prompt_tokens"] for r in records if r["num_turns"] > k] for k in range(max_rounds)]
+    reward = {"reward": _mean([r["reward"] for r in records])} if any("reward" in r for r in records) else {}
     return {
+        **reward,
         "num_questions": len(records),
         "em": _mean([r["em"] for r in records]),
         "f1": _mean([r["f1"] for r in records]),

@@ -15,9 +15,10 @@ from mempo_trl.padding import pad_ids
 from mempo_trl.rollout import ACTION_STOPS
 
 
-def action_stopping_criteria(tokenizer):
+def action_stopping_criteria(tokenizer, stops: Sequence[str] = ACTION_STOPS):
     """Stopping criteria for `model.generate` that end each sequence on its own once it has written ``</search>`` or
-    ``</answer>``, whatever their tokenization (the token completing the tag may also hold what follows, e.g. ``><``).
+    ``</answer>`` (``stops``; an environment's are `mempo_trl.environments.TOOL_STOPS`), whatever their tokenization
+    (the token completing the tag may also hold what follows, e.g. ``><``).
 
     Built once per tokenizer (it indexes the vocabulary: ~0.5 s for Qwen2.5's) and passed as
     ``generate(..., stopping_criteria=...)``.
@@ -27,7 +28,7 @@ def action_stopping_criteria(tokenizer):
     """
     from transformers import StoppingCriteriaList, StopStringCriteria
 
-    return StoppingCriteriaList([StopStringCriteria(tokenizer, list(ACTION_STOPS))])
+    return StoppingCriteriaList([StopStringCriteria(tokenizer, list(stops))])
 
 
 class ContinuousBatchingStops:
@@ -86,8 +87,10 @@ class ContinuousBatchingStops:
             RequestState.update_and_check_completion = original
 
 
-def stop_token_ids(tokenizer, model_eos: int | Sequence[int] | None = None) -> list[int]:
-    """Ids that end a turn: the model's and tokenizer's eos, plus each action tag that is one token.
+def stop_token_ids(
+    tokenizer, model_eos: int | Sequence[int] | None = None, stops: Sequence[str] = ACTION_STOPS
+) -> list[int]:
+    """Ids that end a turn: the model's and tokenizer's eos, plus each action stop tag (``stops``) that is one token.
 
     Example:
         >>> ids = stop_token_ids(tokenizer)  # doctest: +SKIP
@@ -99,7 +102,7 @@ def stop_token_ids(tokenizer, model_eos: int | Sequence[int] | None = None) -> l
     ids = [model_eos] if isinstance(model_eos, int) else list(model_eos)
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
-    for stop in ACTION_STOPS:
+    for stop in stops:
         tag_ids = tokenizer(stop, add_special_tokens=False)["input_ids"]
         if len(tag_ids) == 1:
             ids.append(tag_ids[0])
@@ -123,7 +126,7 @@ class HFGenerator:
     """`GenerateFn` over a transformers causal LM: `model.generate` on left-padded batches of `batch_size` prompts.
 
     Greedy when `temperature == 0`, else sampling with `temperature`/`top_p`. Each sequence stops on eos or once it
-    has written ``</search>``/``</answer>`` (as strings, `action_stopping_criteria`). The model is put in eval mode during a call
+    has written ``</search>``/``</answer>`` (``stops``, as strings, `action_stopping_criteria`). The model is put in eval mode during a call
     and restored afterwards. Returns no log-probs.
 
     Example:
@@ -141,6 +144,7 @@ class HFGenerator:
         temperature: float = 0.0,
         top_p: float = 1.0,
         batch_size: int = 16,
+        stops: Sequence[str] = ACTION_STOPS,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -149,8 +153,8 @@ class HFGenerator:
         self.temperature = temperature
         self.top_p = top_p
         self.batch_size = batch_size
-        self.eos_token_ids = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
-        self.stopping_criteria = action_stopping_criteria(tokenizer)
+        self.eos_token_ids = stop_token_ids(tokenizer, model.generation_config.eos_token_id, stops)
+        self.stopping_criteria = action_stopping_criteria(tokenizer, stops)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
 
@@ -211,6 +215,7 @@ class VLLMGenerator:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int = 0,
+        stops: Sequence[str] = ACTION_STOPS,
         **llm_kwargs,
     ):
         try:
@@ -227,11 +232,11 @@ class VLLMGenerator:
             temperature=temperature,
             top_p=top_p,
             max_tokens=max_new_tokens,
-            stop=list(ACTION_STOPS),
+            stop=list(stops),
             include_stop_str_in_output=True,
             seed=seed,
         )
-        self.eos_token_ids = stop_token_ids(tokenizer)
+        self.eos_token_ids = stop_token_ids(tokenizer, stops=stops)
 
     def __call__(self, prompts: list[list[int]]) -> tuple[list[list[int]], None]:
         inputs = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]

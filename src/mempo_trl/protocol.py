@@ -1,7 +1,9 @@
 """The MemPO turn protocol: parse one assistant turn, render environment and gold texts, locate token spans.
 
 One assistant turn is ``<mem>…</mem>``, ``<think>…</think>``, then exactly one of ``<search>…</search>`` or
-``<answer>…</answer>``, with nothing but whitespace outside the tags (docs/algorithm.md, "Turn protocol").
+``<answer>…</answer>``, with nothing but whitespace outside the tags (docs/algorithm.md, "Turn protocol"). With a
+TRL-style environment (`mempo_trl.environments`) the tool action is ``<tool_call>…</tool_call>`` instead of
+``<search>``: the tool-call tags of Qwen2.5 / Hermes chat templates, holding ``{"name": ..., "arguments": {...}}``.
 """
 
 import os
@@ -29,8 +31,17 @@ MEMPO_TAGS: tuple[str, ...] = (
 
 NO_RESULTS = "No results."
 
-_TAG_RE = re.compile(r"<(/?)(mem|think|search|answer|information)>")
-_ACTIONS = ("search", "answer")
+SEARCH_ACTIONS = ("search", "answer")
+"""The actions of the search task."""
+TOOL_ACTIONS = ("tool_call", "answer")
+"""The actions of a TRL-style environment: a call of one of its tools, or the final answer."""
+
+
+def _tag_re(actions: Sequence[str]) -> re.Pattern[str]:
+    return re.compile(r"<(/?)(" + "|".join(("mem", "think", *actions, "information")) + r")>")
+
+
+_TAG_RES = {actions: _tag_re(actions) for actions in (SEARCH_ACTIONS, TOOL_ACTIONS)}
 
 
 @dataclass(frozen=True)
@@ -46,7 +57,7 @@ class Turn:
     reason: str | None
     mem: str | None
     think: str | None
-    action: Literal["search", "answer"] | None
+    action: Literal["search", "tool_call", "answer"] | None
     content: str | None
     mem_span: tuple[int, int] | None
 
@@ -62,19 +73,23 @@ def _first_mem_block(text: str, tags: list[re.Match[str]]) -> tuple[str, tuple[i
     return None
 
 
-def parse_turn(text: str) -> Turn:
+def parse_turn(text: str, actions: tuple[str, ...] = SEARCH_ACTIONS) -> Turn:
     """Parse one assistant turn; never raises.
 
     Invalid on missing, unclosed, nested, repeated or out-of-order tags, no action, two actions, non-whitespace text
-    outside the tags, an ``<information>`` tag written by the model, or an empty query/answer.
+    outside the tags, an ``<information>`` tag written by the model, or an empty query/answer. ``actions`` are the
+    action tags (`SEARCH_ACTIONS`, or `TOOL_ACTIONS` for an environment); other tags are plain text.
 
     >>> t = parse_turn("<mem>m</mem> <think>t</think> <answer> Paris </answer>")
     >>> (t.valid, t.action, t.content, t.mem_span)
     (True, 'answer', 'Paris', (0, 12))
     >>> parse_turn("<mem>m</mem><answer>x</answer>").reason
     'missing <think> block'
+    >>> parse_turn('<mem>m</mem><think>t</think><tool_call>{"name": "f"}</tool_call>', TOOL_ACTIONS).action
+    'tool_call'
     """
-    tags = list(_TAG_RE.finditer(text))
+    pattern = _TAG_RES.get(actions) or _tag_re(actions)
+    tags = list(pattern.finditer(text))
     mem_block = _first_mem_block(text, tags)
     mem, mem_span = mem_block if mem_block is not None else (None, None)
 
@@ -114,17 +129,17 @@ def parse_turn(text: str) -> Turn:
             return invalid(f"missing <{name}> block")
         if names.count(name) > 1:
             return invalid(f"repeated <{name}> block")
-    actions = [name for name in names if name in _ACTIONS]
-    if not actions:
-        return invalid("no action: expected <search> or <answer>")
-    if len(actions) > 1:
+    written = [name for name in names if name in actions]
+    if not written:
+        return invalid("no action: expected " + " or ".join(f"<{a}>" for a in actions))
+    if len(written) > 1:
         return invalid("more than one action")
-    if names != ["mem", "think", actions[0]]:
+    if names != ["mem", "think", written[0]]:
         return invalid("tags out of order: expected <mem>, <think>, then the action")
     content = blocks[2][1]
     if not content:
-        return invalid(f"empty <{actions[0]}>")
-    return Turn(True, None, mem, blocks[1][1], actions[0], content, mem_span)
+        return invalid(f"empty <{written[0]}>")
+    return Turn(True, None, mem, blocks[1][1], written[0], content, mem_span)
 
 
 def extract_answer(turn_texts: Sequence[str]) -> str | None:
@@ -278,7 +293,9 @@ def token_char_offsets(token_ids: Sequence[int], tokenizer: Any) -> tuple[str, l
     return text, list(zip(bounds[:-1], bounds[1:]))[: len(ids)]
 
 
-def locate_mem_span(token_ids: Sequence[int], tokenizer: Any) -> tuple[int, int] | None:
+def locate_mem_span(
+    token_ids: Sequence[int], tokenizer: Any, actions: tuple[str, ...] = SEARCH_ACTIONS
+) -> tuple[int, int] | None:
     """Inclusive token indices from the first token of ``<mem>`` to the last of ``</mem>`` in one turn's ids.
 
     Uses the well-formed mem block of :func:`parse_turn` on the decoded text; exact whether a tag is one token or
@@ -288,5 +305,5 @@ def locate_mem_span(token_ids: Sequence[int], tokenizer: Any) -> tuple[int, int]
     (0, 2)
     """
     text, offsets = token_char_offsets(token_ids, tokenizer)
-    span = parse_turn(text).mem_span
+    span = parse_turn(text, actions).mem_span
     return None if span is None else locate_char_span(offsets, *span)

@@ -1,17 +1,19 @@
-"""Multi-turn search episodes with the MemPO context rebuild (docs/algorithm.md, "Turn protocol",
-"Context rebuild").
+"""Multi-turn episodes with the MemPO context rebuild (docs/algorithm.md, "Turn protocol", "Context rebuild").
 
 `RolloutEngine.run` plays a batch of episodes round by round: it renders each active episode's context with
 `mempo_trl.context`, asks a generation function for one turn per episode, cuts each turn after its action,
-parses it with `mempo_trl.protocol.parse_turn`, answers all ``<search>`` actions of the round with one batched
-retriever call, and ends an episode on ``<answer>``, on an invalid turn, or at ``max_turns``. The generation
-function is the only backend-specific piece: the trainer passes TRL's generation (HF or vLLM), the evaluator its
-own, so that training, evaluation and inference see exactly the same contexts.
+parses it with `mempo_trl.protocol.parse_turn`, runs the round's tool actions, and ends an episode on ``<answer>``,
+on an invalid turn, or at ``max_turns``. The environment is either the built-in search task (``<search>`` actions,
+all of a round answered with one batched retriever call) or a TRL-style environment (`mempo_trl.environments`: one
+instance per episode, ``reset(**row)``, one ``<tool_call>`` per turn run on that instance). The generation function
+is the only backend-specific piece: the trainer passes TRL's generation (HF or vLLM), the evaluator its own, so that
+training, evaluation and inference see exactly the same contexts.
 """
 
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -23,7 +25,24 @@ from mempo_trl.context import (
     render_prompt,
     round_messages,
 )
-from mempo_trl.protocol import Turn, locate_mem_span, parse_turn, render_information, token_char_offsets
+from mempo_trl.environments import (
+    TOOL_STOPS,
+    EnvironmentFactory,
+    call_tool,
+    check_environment,
+    parse_tool_call,
+    task_text,
+    tool_schemas,
+)
+from mempo_trl.protocol import (
+    SEARCH_ACTIONS,
+    TOOL_ACTIONS,
+    Turn,
+    locate_mem_span,
+    parse_turn,
+    render_information,
+    token_char_offsets,
+)
 from mempo_trl.retrieval.base import RetrieverOutage
 from mempo_trl.rewards import outcome_score
 
@@ -38,7 +57,9 @@ GenerateFn = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]
 class RoundRecord:
     """One generated turn: the context it was sampled from and what came out.
 
-    ``mem_span`` holds the inclusive token indices of the ``<mem>...</mem>`` block inside ``completion_ids``.
+    ``mem_span`` holds the inclusive token indices of the ``<mem>...</mem>`` block inside ``completion_ids``;
+    ``information`` is the result message of the round's tool action (the ``<information>`` block of a search, the
+    text a tool returned), None when the round ran none.
     """
 
     prompt_ids: list[int]
@@ -53,13 +74,31 @@ class RoundRecord:
 
 @dataclass
 class Episode:
-    """A question and the rounds played on it so far."""
+    """A question (or an environment's task) and the rounds played on it so far.
+
+    ``environment`` is the TRL-style environment instance the episode plays (None for the search task) and ``tools``
+    the JSON schemas of its tools, rendered in every context of the episode.
+    """
 
     row: dict
     base_messages: list[dict[str, str]]
     rounds: list[RoundRecord] = field(default_factory=list)
     finished: bool = False
     context_overflow: bool = False
+    question: str = ""
+    environment: Any = None
+    tools: list[dict] | None = None
+
+    @property
+    def golden_answers(self) -> list[str] | None:
+        """The gold answers: the row's ``golden_answers``, else the environment's ``golden_answers`` attribute (read
+        after ``reset``), else None (no target: no exact match, no memory reward)."""
+        golds = self.row.get("golden_answers")
+        if golds is None and self.environment is not None:
+            golds = getattr(self.environment, "golden_answers", None)
+        if golds is None:
+            return None
+        return [golds] if isinstance(golds, str) else list(golds)
 
     @property
     def format_valid(self) -> bool:
@@ -74,27 +113,29 @@ class Episode:
 
     @property
     def num_searches(self) -> int:
-        """Searches the retriever answered (a search written in the last allowed round is never run)."""
+        """Tool actions that were run: searches the retriever answered, or environment tool calls (an action written
+        in the last allowed round is never run)."""
         return sum(1 for r in self.rounds if r.information is not None)
 
     def metrics(self) -> dict[str, float]:
         """The numbers training logs (as ``episode/<name>``) and evaluation reports for one finished episode.
 
-        ``em``/``f1``/``sub_em`` score the answer against the row's golds (0 unless format-valid,
-        `mempo_trl.rewards.outcome_score`); ``format_valid``, ``answer_rate``, ``context_overflow`` are 0/1;
-        ``turns`` counts rounds and ``searches`` the searches the retriever answered.
+        ``em``/``f1``/``sub_em`` score the answer against the golds (0 unless format-valid,
+        `mempo_trl.rewards.outcome_score`; absent when there is no gold); ``format_valid``, ``answer_rate``,
+        ``context_overflow`` are 0/1; ``turns`` counts rounds, and ``searches`` (search task) or ``tool_calls``
+        (environment) the tool actions that were run.
         """
-        score = outcome_score(
-            self.answer, self.row["golden_answers"], self.row.get("sub_answers") or None, self.format_valid
-        )
+        golds = self.golden_answers
+        scores = {}
+        if golds is not None:
+            score = outcome_score(self.answer, golds, self.row.get("sub_answers") or None, self.format_valid)
+            scores = {"em": score.em, "f1": score.f1, "sub_em": score.sub_em}
         return {
-            "em": score.em,
-            "f1": score.f1,
-            "sub_em": score.sub_em,
+            **scores,
             "format_valid": float(self.format_valid),
             "answer_rate": float(self.answer is not None),
             "turns": float(len(self.rounds)),
-            "searches": float(self.num_searches),
+            "searches" if self.environment is None else "tool_calls": float(self.num_searches),
             "context_overflow": float(self.context_overflow),
         }
 
@@ -118,11 +159,11 @@ def _special_ids(tokenizer) -> set[int]:
 
 
 def cut_after_action(
-    completion_ids: list[int], tokenizer, eos_token_ids: Sequence[int]
+    completion_ids: list[int], tokenizer, eos_token_ids: Sequence[int], stops: Sequence[str] = ACTION_STOPS
 ) -> tuple[list[int], str, bool]:
     """Apply the turn boundary policy: ``(kept ids, turn text, truncated)``.
 
-    A turn ends after its first ``</search>`` or ``</answer>``. The kept ids run up to and including the token that
+    A turn ends after its first action stop (``</search>`` or ``</answer>``; an environment's are `TOOL_STOPS`). The kept ids run up to and including the token that
     completes the tag: when that token also holds what follows (``>`` + ``<`` is one Qwen token ``><``), it stays, as
     sampled, so that the training row keeps on-policy log-probs. The turn text (what is parsed, rebuilt into later
     contexts and rewarded) is the decoded text (special tokens skipped) cut exactly at the tag, so a turn is never
@@ -138,7 +179,7 @@ def cut_after_action(
     special = _special_ids(tokenizer)
     plain = [i for i, token in enumerate(completion_ids) if token not in special]
     text, offsets = token_char_offsets([completion_ids[i] for i in plain], tokenizer)
-    ends = [text.find(stop) + len(stop) for stop in ACTION_STOPS if stop in text]
+    ends = [text.find(stop) + len(stop) for stop in stops if stop in text]
     if not ends:
         truncated = not completion_ids or completion_ids[-1] not in eos_token_ids
         return completion_ids, text, truncated
@@ -148,14 +189,16 @@ def cut_after_action(
 
 
 class RolloutEngine:
-    """Plays MemPO episodes with a retriever; generation is delegated to a `GenerateFn`.
+    """Plays MemPO episodes with a retriever or a TRL-style environment; generation is delegated to a `GenerateFn`.
 
     Args:
         tokenizer: the policy's tokenizer (with a chat template).
-        retriever: any object with ``search(queries: list[str], topk: int) -> list[list[Passage]]``.
+        retriever: any object with ``search(queries: list[str], topk: int) -> list[list[Passage]]`` (search task).
+        environment_factory: instead of a retriever, a TRL-style environment class or factory
+            (`mempo_trl.environments`): one instance per concurrent episode, built once and reset for each row.
         max_turns: rounds per episode at most.
         topk: passages per search.
-        context_mode: ``"memory"`` (MemPO) or ``"full_history"`` (Search-R1 baseline).
+        context_mode: ``"memory"`` (MemPO) or ``"full_history"`` (Search-R1 baseline, TRL's append-only context).
         max_prompt_length: the longest context (tokens) the generation backend takes; ``None``: no limit.
         context_overflow: what happens to a longer context: ``"end_episode"`` ends the episode before the round
             (``Episode.context_overflow``); ``"truncate_information"`` first cuts the tail of the ``<information>``
@@ -166,7 +209,7 @@ class RolloutEngine:
     def __init__(
         self,
         tokenizer,
-        retriever,
+        retriever=None,
         max_turns: int = 8,
         topk: int = 3,
         context_mode: ContextMode = "memory",
@@ -175,7 +218,10 @@ class RolloutEngine:
         eos_token_ids: Sequence[int] = (),
         max_prompt_length: int | None = None,
         context_overflow: str = "end_episode",
+        environment_factory: EnvironmentFactory | None = None,
     ):
+        if (retriever is None) == (environment_factory is None):
+            raise ValueError("RolloutEngine needs exactly one of `retriever` (search) and `environment_factory`.")
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.max_turns = max_turns
@@ -186,9 +232,28 @@ class RolloutEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.max_prompt_length = max_prompt_length
         self.context_overflow = context_overflow
+        self.environment_factory = environment_factory
+        self.environment_pool = [] if environment_factory is None else [check_environment(environment_factory)]
+        self.actions = SEARCH_ACTIONS if environment_factory is None else TOOL_ACTIONS
+        self.stops = ACTION_STOPS if environment_factory is None else TOOL_STOPS
 
-    def new_episode(self, row: dict) -> Episode:
-        return Episode(row=row, base_messages=initial_messages(row["question"], self.system_prompt, self.instruction))
+    def new_episode(self, row: dict, index: int = 0) -> Episode:
+        """The episode of ``row``; with an environment, instance ``index`` of the pool is reset with the row (TRL's
+        pooling: built once, reset for every episode; the pool grows when a batch needs more instances)."""
+        if self.environment_factory is None:
+            question = row["question"]
+            return Episode(row, initial_messages(question, self.system_prompt, self.instruction), question=question)
+        while len(self.environment_pool) <= index:
+            self.environment_pool.append(self.environment_factory())
+        environment = self.environment_pool[index]
+        question = task_text(row, environment.reset(**row))
+        return Episode(
+            row,
+            initial_messages(question, self.system_prompt, self.instruction),
+            question=question,
+            environment=environment,
+            tools=tool_schemas(environment),
+        )
 
     def context_messages(self, episode: Episode) -> list[dict[str, str]]:
         """Messages of the episode's next round (docs/algorithm.md, "Context rebuild")."""
@@ -199,13 +264,13 @@ class RolloutEngine:
 
         See ``context_overflow`` in the class docstring.
         """
-        ids = render_prompt(self.tokenizer, self.context_messages(episode))
+        ids = render_prompt(self.tokenizer, self.context_messages(episode), episode.tools)
         limit = self.max_prompt_length
         if limit is None or len(ids) <= limit:
             return ids
         if not episode.rounds:
             raise ValueError(
-                f"The first context of question {episode.row['question'][:80]!r} is {len(ids)} tokens, more than the "
+                f"The first context of question {episode.question[:80]!r} is {len(ids)} tokens, more than the "
                 f"{limit} the generation backend takes (vllm_max_model_length or max_position_embeddings, minus "
                 "max_completion_length): raise the limit or lower max_completion_length."
             )
@@ -217,7 +282,7 @@ class RolloutEngine:
                 while len(ids) > limit and body:
                     body = body[: max(0, len(body) - (len(ids) - limit))]
                     record.information = f"<information>{self.tokenizer.decode(body)} ...</information>"
-                    ids = render_prompt(self.tokenizer, self.context_messages(episode))
+                    ids = render_prompt(self.tokenizer, self.context_messages(episode), episode.tools)
                 if len(ids) <= limit:
                     return ids
         episode.finished = episode.context_overflow = True
@@ -232,7 +297,8 @@ class RolloutEngine:
         """Play one episode per row to the end.
 
         Args:
-            rows: dicts with at least ``question``.
+            rows: dicts with at least ``question`` (search task), or the keyword arguments of the environment's
+                ``reset``.
             generate: the generation backend.
             global_active: for multi-process runs, maps this process's number of active episodes to the number over
                 all processes; while it is positive, a process without active episodes still calls ``generate`` (on
@@ -244,7 +310,7 @@ class RolloutEngine:
                 taking part in the rounds; after the last one, every process learns (through ``global_active``)
                 whether any process lost it, and all of them raise together, so a caller can save a checkpoint.
         """
-        episodes = [self.new_episode(dict(row)) for row in rows]
+        episodes = [self.new_episode(dict(row), i) for i, row in enumerate(rows)]
         timings = RolloutTimings()
         outage: RetrieverOutage | None = None
         for round_index in range(self.max_turns):
@@ -260,18 +326,24 @@ class RolloutEngine:
             elif not active:
                 break
             start = time.perf_counter()
-            completions, logprobs = generate(prompts or [render_prompt(self.tokenizer, episodes[0].base_messages)])
+            placeholder = [render_prompt(self.tokenizer, episodes[0].base_messages, episodes[0].tools)]
+            completions, logprobs = generate(prompts or placeholder)
             timings.generation += time.perf_counter() - start
             searches: list[tuple[Episode, str]] = []
             for i, (ep, prompt_ids) in enumerate(zip(active, prompts)):
                 record = self._make_record(prompt_ids, completions[i], None if logprobs is None else logprobs[i])
                 ep.rounds.append(record)
                 last_round = round_index + 1 == self.max_turns
-                if record.turn.valid and record.turn.action == "search" and not last_round:
+                if record.turn.valid and record.turn.action in ("search", "tool_call") and not last_round:
                     searches.append((ep, record.turn.content))
                 else:
                     ep.finished = True
-            if searches:
+            if searches and self.environment_factory is not None:
+                start = time.perf_counter()
+                for ep, content in searches:
+                    ep.rounds[-1].information = call_tool(ep.environment, *parse_tool_call(content))
+                timings.retrieval += time.perf_counter() - start
+            elif searches:
                 start = time.perf_counter()
                 try:
                     results = self.retriever.search([query for _, query in searches], self.topk)
@@ -290,11 +362,16 @@ class RolloutEngine:
         return episodes, timings
 
     def _make_record(self, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float] | None):
-        completion_ids, text, truncated = cut_after_action(list(completion_ids), self.tokenizer, self.eos_token_ids)
+        completion_ids, text, truncated = cut_after_action(
+            list(completion_ids), self.tokenizer, self.eos_token_ids, self.stops
+        )
         if logprobs is not None:
             logprobs = list(logprobs[: len(completion_ids)])
-        turn = parse_turn(text)
-        mem_span = locate_mem_span(completion_ids, self.tokenizer) if turn.mem_span is not None else None
+        turn = parse_turn(text, self.actions)
+        if turn.valid and turn.action == "tool_call" and parse_tool_call(turn.content) is None:
+            turn = Turn(False, "<tool_call> is not a JSON call {\"name\": ..., \"arguments\": {...}}", turn.mem,
+                        None, None, None, turn.mem_span)  # fmt: skip
+        mem_span = locate_mem_span(completion_ids, self.tokenizer, self.actions) if turn.mem_span is not None else None
         return RoundRecord(
             prompt_ids=prompt_ids,
             completion_ids=completion_ids,

@@ -70,16 +70,20 @@ def memory_context_ids(tokenizer, base_ids: list[int], mem_block: str) -> list[i
 
 
 def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]:
-    """The (full, mem) scoring pair of every round t >= 2 of ``episode`` that wrote a well-formed ``<mem>``."""
-    row = episode.row
-    answer_ids, answer_mask = gold_answer_tokens(tokenizer, row["golden_answers"], row.get("sub_answers") or None)
-    base_ids = render_prompt(tokenizer, episode.base_messages)
+    """The (full, mem) scoring pair of every round t >= 2 of ``episode`` that wrote a well-formed ``<mem>``; none
+    when the episode has no gold answer (`Episode.golden_answers`). Contexts render the episode's tools, if any."""
+    golds = episode.golden_answers
+    if golds is None:
+        return []
+    answer_ids, answer_mask = gold_answer_tokens(tokenizer, golds, episode.row.get("sub_answers") or None)
+    base_ids = render_prompt(tokenizer, episode.base_messages, episode.tools)
     history = episode.history()
     pairs = []
     for t, record in enumerate(episode.rounds):
         if t == 0 or record.turn.mem_span is None or len(history) < t:
             continue
-        full_ids = render_prompt(tokenizer, round_messages(episode.base_messages, history[:t], "full_history"))
+        full_messages = round_messages(episode.base_messages, history[:t], "full_history")
+        full_ids = render_prompt(tokenizer, full_messages, episode.tools)
         start, end = record.turn.mem_span
         mem_ids = memory_context_ids(tokenizer, base_ids, record.text[start:end])
         pairs.append(

@@ -1,6 +1,7 @@
 """`MemPOTrainer`: TRL's `GRPOTrainer` with a multi-turn search rollout and the MemPO memory advantage."""
 
 import functools
+import logging
 import math
 import re
 import textwrap
@@ -18,7 +19,15 @@ from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
 from mempo_trl.agent import AgentSettings
 from mempo_trl.config import MemPOConfig
+from mempo_trl.context import DEFAULT_INSTRUCTION
 from mempo_trl.data import validate_qa_rows
+from mempo_trl.environments import (
+    ENVIRONMENT_INSTRUCTION,
+    TOOL_STOPS,
+    check_environment,
+    environment_reward_func,
+    has_own_reward,
+)
 from mempo_trl.generation import ContinuousBatchingStops, action_stopping_criteria
 from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import (
@@ -35,6 +44,9 @@ from mempo_trl.scoring import (
     pack_shared_prefix,
     shared_prefix_answer_logps,
 )
+
+
+logger = logging.getLogger(__name__)
 
 
 class MemPOTrainer(GRPOTrainer):
@@ -61,9 +73,18 @@ class MemPOTrainer(GRPOTrainer):
         reward_funcs: outcome reward functions; defaults to `mempo_outcome_reward` (exact match, 0 on bad format).
             They receive the final turn as `completions` plus `trajectory` (all turn texts) and `format_valid`.
         args: a `MemPOConfig`.
-        train_dataset / eval_dataset: QA rows with `question` and `golden_answers` (Search-R1/FlashRAG format).
+        train_dataset / eval_dataset: QA rows with `question` and `golden_answers` (Search-R1/FlashRAG format); with
+            an `environment_factory`, the keyword arguments of its `reset`.
+        environment_factory: instead of a retriever, a TRL-style environment class (`reset(**row)`, public methods as
+            tools, optional `get_reward()`; docs/environments.md): the agent calls one tool per turn, with the same
+            context rebuild. As in TRL, a `get_reward` is one more reward source (weight 1, named after the class); the
+            default `reward_funcs` are then none, else `mempo_outcome_reward`. The memory reward needs a gold answer
+            (the row's `golden_answers` or the environment's attribute of that name); episodes without one get the
+            outcome advantage only (with a warning). A search-task `instruction` is replaced by
+            `ENVIRONMENT_INSTRUCTION`.
         processing_class, callbacks, optimizers, peft_config, quantization_config: as for `GRPOTrainer`.
-        tools: not supported (a `ValueError` says so rather than ignoring it): the search tool is `retriever`.
+        tools: not supported (a `ValueError` says so rather than ignoring it): tools are `retriever` (search) or the
+            methods of `environment_factory`.
 
     Reward functions get `GRPOTrainer`'s keyword arguments, `log_metric` and `log_extra` included; what they log
     reaches the logs and the completions table as in `GRPOTrainer`.
@@ -87,7 +108,7 @@ class MemPOTrainer(GRPOTrainer):
     def __init__(
         self,
         model,
-        retriever,
+        retriever=None,
         reward_funcs=None,
         args: MemPOConfig | None = None,
         train_dataset=None,
@@ -97,14 +118,18 @@ class MemPOTrainer(GRPOTrainer):
         optimizers=(None, None),
         peft_config=None,
         quantization_config=None,
+        environment_factory=None,
         tools=None,
     ):
         if tools:
             raise ValueError(
                 "MemPOTrainer does not take `tools=`: its rollout plays the `<search>` turn protocol against "
-                "`retriever` (any object with `search(queries, topk)`), and TRL's tool-calling loop, which `tools=` "
-                "drives, never runs. Wrap your search function as a retriever, or use GRPOTrainer for generic tools."
+                "`retriever` (any object with `search(queries, topk)`), or calls the public methods of "
+                "`environment_factory` (a TRL-style environment class) as tools; TRL's tool-calling loop, which "
+                "`tools=` drives, never runs. Wrap your tools as an environment (docs/environments.md)."
             )
+        if (retriever is None) == (environment_factory is None):
+            raise ValueError("MemPOTrainer needs exactly one of `retriever` (search) and `environment_factory`.")
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MemPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-MemPO")
@@ -114,16 +139,21 @@ class MemPOTrainer(GRPOTrainer):
             raise ValueError(
                 "MemPOTrainer reads the `question`/`golden_answers` columns: set remove_unused_columns=False."
             )
-        if train_dataset is not None:
-            train_dataset = validate_qa_rows(train_dataset, "train_dataset")
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {name: validate_qa_rows(ds, f"eval_dataset[{name}]") for name, ds in eval_dataset.items()}
-        elif eval_dataset is not None:
-            eval_dataset = validate_qa_rows(eval_dataset, "eval_dataset")
+        stops = ACTION_STOPS
+        if environment_factory is not None:
+            reward_funcs = self._environment_setup(environment_factory, reward_funcs, args, train_dataset)
+            stops = TOOL_STOPS
+        else:
+            if train_dataset is not None:
+                train_dataset = validate_qa_rows(train_dataset, "train_dataset")
+            if isinstance(eval_dataset, dict):
+                eval_dataset = {n: validate_qa_rows(ds, f"eval_dataset[{n}]") for n, ds in eval_dataset.items()}
+            elif eval_dataset is not None:
+                eval_dataset = validate_qa_rows(eval_dataset, "eval_dataset")
         if args.use_vllm:
             # vLLM stops on the closing action tags as strings, whatever their tokenisation.
             args.generation_kwargs = {
-                "stop": list(ACTION_STOPS),
+                "stop": list(stops),
                 "include_stop_str_in_output": True,
                 **(args.generation_kwargs or {}),
             }
@@ -157,10 +187,10 @@ class MemPOTrainer(GRPOTrainer):
         # token.
         continuous = self.use_transformers_continuous_batching
         self.action_stopping_criteria = (
-            None if self.use_vllm or continuous else action_stopping_criteria(self._tokenizer)
+            None if self.use_vllm or continuous else action_stopping_criteria(self._tokenizer, stops)
         )
-        self.continuous_batching_stops = ContinuousBatchingStops(self._tokenizer) if continuous else None
-        for stop in ACTION_STOPS:
+        self.continuous_batching_stops = ContinuousBatchingStops(self._tokenizer, stops) if continuous else None
+        for stop in stops:
             ids = self._tokenizer(stop, add_special_tokens=False)["input_ids"]
             if len(ids) == 1 and ids[0] not in self.eos_token_ids:
                 self.eos_token_ids.append(ids[0])
@@ -180,7 +210,44 @@ class MemPOTrainer(GRPOTrainer):
             eos_token_ids=self.eos_token_ids,
             max_prompt_length=self._max_prompt_length(),
             context_overflow=args.context_overflow,
+            environment_factory=environment_factory,
         )
+        self._warned_no_target = False
+
+    @staticmethod
+    def _environment_setup(environment_factory, reward_funcs, args, train_dataset) -> list:
+        """Check the environment and the first row before any model is loaded; return the reward functions.
+
+        A `get_reward` environment adds `environment_reward_func` (TRL's rule); without it and without
+        `reward_funcs`, the default is `mempo_outcome_reward`, which needs a gold answer on the first row.
+        """
+        environment = check_environment(environment_factory)
+        name = type(environment).__name__
+        if args.instruction == DEFAULT_INSTRUCTION:
+            args.instruction = ENVIRONMENT_INSTRUCTION
+        if reward_funcs is None:
+            reward_funcs = [] if has_own_reward(environment) else [mempo_outcome_reward]
+        elif not isinstance(reward_funcs, list):
+            reward_funcs = [reward_funcs]
+        if has_own_reward(environment):
+            reward_funcs = [*reward_funcs, environment_reward_func(type(environment))]
+        if train_dataset is None or len(train_dataset) == 0:
+            raise ValueError(f"MemPOTrainer with {name} needs a train_dataset: one row of `reset` arguments per task.")
+        row = dict(train_dataset[0])
+        try:
+            environment.reset(**row)
+        except Exception as err:
+            raise ValueError(
+                f"train_dataset row 0: {name}.reset(**row) failed: {err!r}. Fix the row's fields."
+            ) from err
+        gold = row.get("golden_answers", getattr(environment, "golden_answers", None))
+        if gold is None and mempo_outcome_reward in reward_funcs:
+            raise ValueError(
+                f"train_dataset row 0 has no `golden_answers` and {name} sets none, but `mempo_outcome_reward` "
+                "scores the answer against them: add the column, set `self.golden_answers` in `reset`, or define "
+                "`get_reward()` / pass your own `reward_funcs`."
+            )
+        return reward_funcs
 
     # ------------------------------------------------------------------ generation helpers
 
@@ -364,6 +431,7 @@ class MemPOTrainer(GRPOTrainer):
         """
         mode = "train" if self.model.training else "eval"
         episodes, timings = self._play_episodes(inputs)
+        self._warn_no_memory_target(episodes)
         rewards_per_func, rewards = self._outcome_rewards(inputs, episodes)
         rows, output = self._round_rows(episodes, mode)
         scoring_start = time.perf_counter()
@@ -407,11 +475,26 @@ class MemPOTrainer(GRPOTrainer):
         with self._rollout_context():
             return self.rollout_engine.run(inputs, self._generate_turns, global_active)
 
+    def _warn_no_memory_target(self, episodes: list[Episode]) -> None:
+        """Warn once when environment episodes have no gold answer: their rounds get the outcome advantage only."""
+        if self._warned_no_target or self.rollout_engine.environment_factory is None:
+            return
+        if any(ep.golden_answers is None for ep in episodes):
+            self._warned_no_target = True
+            logger.warning(
+                "Some episodes of %s have no gold answer (no `golden_answers` in the row or on the environment): "
+                "their rounds get no memory reward, only the outcome advantage (memory/scored_rounds counts the "
+                "rounds that do).",
+                type(episodes[0].environment).__name__,
+            )
+
     def _outcome_rewards(self, inputs: list[dict], episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 2: per-function ``(N, F)`` and weighted ``(N,)`` rewards of the trajectories of ALL processes.
 
         The reward functions see the final turn as ``completions`` plus ``trajectory`` (all turn texts) and
-        ``format_valid``; TRL's `_calculate_rewards` gathers them over processes.
+        ``format_valid``; TRL's `_calculate_rewards` gathers them over processes. With an environment they also get
+        ``environments`` (one instance per episode, as in TRL) and the environment's ``golden_answers`` when the row
+        has none.
         """
         prompts = [ep.base_messages for ep in episodes]
         completions = [[{"role": "assistant", "content": ep.rounds[-1].text}] for ep in episodes]
@@ -419,6 +502,11 @@ class MemPOTrainer(GRPOTrainer):
             {**row, "trajectory": [r.text for r in ep.rounds], "format_valid": ep.format_valid}
             for row, ep in zip(inputs, episodes)
         ]
+        if self.rollout_engine.environment_factory is not None:
+            self.environments = [ep.environment for ep in episodes]
+            for reward_input, ep in zip(reward_inputs, episodes):
+                if "golden_answers" not in reward_input and ep.golden_answers is not None:
+                    reward_input["golden_answers"] = ep.golden_answers
         rewards_per_func = self._calculate_rewards(
             reward_inputs, prompts, completions, [ep.rounds[-1].completion_ids for ep in episodes]
         )
@@ -584,7 +672,8 @@ class MemPOTrainer(GRPOTrainer):
     def _metric_names(self) -> list[str]:
         names = [
             "episode/em", "episode/f1", "episode/sub_em", "episode/format_valid", "episode/answer_rate",
-            "episode/turns", "episode/searches", "episode/truncated_turns", "episode/context_overflow",
+            "episode/turns", "episode/searches", "episode/tool_calls", "episode/truncated_turns",
+            "episode/context_overflow",
             "tokens/prompt_per_round", "tokens/mem_length",
             "memory/p_full", "memory/p_mem", "memory/reward", "memory/advantage", "memory/scored_rounds",
         ]  # fmt: skip
@@ -711,8 +800,9 @@ class MemPOTrainer(GRPOTrainer):
         # TRL links the base model to the Hub; a local base model would render as "[None](https://huggingface.co/None)".
         text = text.replace("[None](https://huggingface.co/None)", f"`{info['base_model']}`")
         hub_id = self.args.hub_model_id or model_name
+        usage = _usage(hub_id, self.rollout_engine.environment_factory)
         text = re.sub(
-            r"(## Quick start\n\n)```python\n.*?```", lambda m: m.group(1) + _usage(hub_id), text, count=1, flags=re.S
+            r"(## Quick start\n\n)```python\n.*?```", lambda m: m.group(1) + usage, text, count=1, flags=re.S
         )
         own_fields = [name for name in MemPOConfig.__annotations__ if name not in ("system_prompt", "instruction")]
         recipe = {name: getattr(self.args, name) for name in own_fields}
@@ -726,7 +816,7 @@ class MemPOTrainer(GRPOTrainer):
             "",
             "Trained with [MemPO](https://arxiv.org/abs/2603.00680) (Self-Memory Policy Optimization) using "
             "`mempo_trl` on [TRL](https://github.com/huggingface/trl): every turn the agent "
-            "writes a `<mem>` summary, the next turn sees only that turn and its search result, and a memory-level "
+            "writes a `<mem>` summary, the next turn sees only that turn and its search or tool result, and a memory-level "
             "advantage (P_mem - P_full of the gold answer) is added on the `<mem>` tokens.",
             "",
             *[f"- **{key.replace('_', ' ')}**: {value}" for key, value in info.items() if value],
@@ -750,8 +840,24 @@ class MemPOTrainer(GRPOTrainer):
         card.write_text(text + "\n".join(lines), encoding="utf-8")
 
 
-def _usage(hub_id: str) -> str:
+def _usage(hub_id: str, environment_factory=None) -> str:
     """The model card's quick start: the agent API, with the settings saved next to the weights."""
+    if environment_factory is not None:
+        module, name = environment_factory.__module__, environment_factory.__qualname__
+        return textwrap.dedent(
+            f"""\
+            ```python
+            from mempo_trl import MemPOAgent
+            from {module} import {name}
+
+            agent = MemPOAgent.from_pretrained("{hub_id}", environment_factory={name})
+            result = agent.run({{...}})  # a row: the keyword arguments of {name}.reset
+            print(result.answer, result.num_turns, result.memories)
+            ```
+
+            The agent reads its turn protocol (prompt, instruction, max turns) from `mempo_agent.json`, saved with
+            the weights."""
+        )
     return textwrap.dedent(
         f"""\
         ```python

@@ -49,13 +49,14 @@ class AgentArguments:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
 
 
-def load_agent(args: AgentArguments, retriever, context_mode: str | None = None):
+def load_agent(args: AgentArguments, retriever, context_mode: str | None = None, environment_factory=None):
     """`MemPOAgent.from_pretrained` with the arguments; an override of a saved setting prints one line."""
     from mempo_trl.agent import MemPOAgent
 
     return MemPOAgent.from_pretrained(
         args.model_name_or_path,
         retriever,
+        environment_factory=environment_factory,
         use_vllm=args.use_vllm,
         revision=args.model_revision,
         device=args.device,

@@ -3,6 +3,10 @@
     mempo-trl eval --model_name_or_path outputs/quickstart --dataset_name outputs/quickstart/learner_world/test.jsonl \\
         --corpus outputs/quickstart/learner_world/corpus.jsonl --output_dir eval_out --context_mode both
 
+With `--environment keyvault` (a kit environment, or an import path `my_pkg.envs.MyEnv`) the agent plays that
+TRL-style environment instead of searching; `--dataset_name` then holds its `reset` rows (.jsonl), by default 50
+held-out kit rows (seed 1; the recipes train on seed 0).
+
 The agent runs with the settings saved with it (`mempo_agent.json`); a flag such as `--max_turns 4` overrides them
 and says so. Writes ``results.json`` (metrics, settings, versions), ``trajectories.jsonl`` (one line per question
 and mode) and ``context_tokens.png`` (mean prompt tokens per round) into `output_dir`.
@@ -46,6 +50,12 @@ class EvalArguments:
         default=None, metadata={"help": "`datasets` config name, e.g. nq for FlashRAG_datasets."}
     )
     max_eval_samples: int | None = field(default=None, metadata={"help": "First N questions of every source."})
+    environment: str | None = field(
+        default=None,
+        metadata={"help": "Play a TRL-style environment instead of searching: a kit environment (keyvault, safe) or "
+                  "an import path (my_pkg.envs.MyEnv). dataset_name then holds its reset rows (.jsonl); default: "
+                  "max_eval_samples (50) held-out kit rows."},
+    )  # fmt: skip
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
 
     def __post_init__(self):
@@ -98,6 +108,23 @@ def _load_rows(args: EvalArguments) -> list[dict]:
     return rows
 
 
+def _environment_rows(args: EvalArguments) -> list[dict]:
+    """The rows an environment is evaluated on: the `dataset_name` .jsonl files (every row as `reset` arguments), or
+    held-out rows of a kit environment (seed 1)."""
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.kit.envs import KIT_ENVIRONMENTS
+
+    if not args.dataset_name:
+        if args.environment not in KIT_ENVIRONMENTS:
+            raise ValueError(f"--environment {args.environment} needs --dataset_name: a .jsonl of its reset rows.")
+        return KIT_ENVIRONMENTS[args.environment][1](args.max_eval_samples or 50, seed=1)
+    rows = []
+    for source in args.dataset_name:
+        found = read_jsonl(source)
+        rows += [{"data_source": Path(source).stem, **row} for row in found[: args.max_eval_samples or len(found)]]
+    return rows
+
+
 def _probe_retriever(retriever, args: RetrieverArguments, probe: str) -> dict:
     """Search once (a dead server fails here, not mid-run) and describe the retriever for results.json."""
     from mempo_trl.retrieval import RetrievalError
@@ -121,7 +148,7 @@ def _probe_retriever(retriever, args: RetrieverArguments, probe: str) -> dict:
 def _print_summary(results: Sequence[EvalResult], comparison: dict | None) -> None:
     print(
         f"{'mode':<13} {'n':>5} {'EM':>6} {'F1':>6} {'subEM':>6} {'format':>6} {'turns':>5} {'search':>6} "
-        f"{'peak ctx':>8} {'tokens/q':>9}"
+        f"{'peak ctx':>8} {'tokens/q':>9}" + (f" {'reward':>6}" if "reward" in results[0].metrics["overall"] else "")
     )
     for result in results:
         m = result.metrics["overall"]
@@ -129,6 +156,7 @@ def _print_summary(results: Sequence[EvalResult], comparison: dict | None) -> No
             f"{result.context_mode:<13} {m['num_questions']:>5} {m['em']:>6.3f} {m['f1']:>6.3f} {m['sub_em']:>6.3f} "
             f"{m['format_valid']:>6.3f} {m['turns_per_question']:>5.2f} {m['searches_per_question']:>6.2f} "
             f"{m['peak_context_tokens']:>8.1f} {m['total_tokens_per_question']:>9.1f}"
+            + (f" {m['reward']:>6.3f}" if "reward" in m else "")
         )
     if comparison is not None:
         print(
@@ -144,10 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     agent_args, eval_args, retriever_args = parse(
         "mempo-trl eval", [AgentArguments, EvalArguments, RetrieverArguments], argv
     )
-    rows = _load_rows(eval_args)
-    retriever = build_retriever(retriever_args, default_corpus=demo_corpus())
-    retriever_info = _probe_retriever(retriever, retriever_args, rows[0]["question"])
-    agent = load_agent(agent_args, retriever, None if agent_args.context_mode == "both" else agent_args.context_mode)
+    context_mode = None if agent_args.context_mode == "both" else agent_args.context_mode
+    if eval_args.environment:
+        from mempo_trl.environments import check_environment
+        from mempo_trl.kit.envs import resolve_environment
+
+        environment_factory = resolve_environment(eval_args.environment)
+        check_environment(environment_factory)
+        rows, retriever_info = _environment_rows(eval_args), {"environment": eval_args.environment}
+        agent = load_agent(agent_args, None, context_mode, environment_factory=environment_factory)
+    else:
+        rows = _load_rows(eval_args)
+        retriever = build_retriever(retriever_args, default_corpus=demo_corpus())
+        retriever_info = _probe_retriever(retriever, retriever_args, rows[0]["question"])
+        agent = load_agent(agent_args, retriever, context_mode)
 
     modes = list(CONTEXT_MODES) if agent_args.context_mode == "both" else [agent.settings.context_mode]
     out = Path(eval_args.output_dir)
@@ -162,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     plot_context_tokens(results, out / PLOT_FILE)
     settings = {
         "model_name_or_path": agent_args.model_name_or_path,
-        "dataset_name": eval_args.dataset_name or ["demo test split"],
+        "dataset_name": eval_args.dataset_name
+        or [f"{eval_args.environment} kit rows" if eval_args.environment else "demo test split"],
         "dataset_split": eval_args.dataset_split,
         "dataset_config": eval_args.dataset_config,
         "max_eval_samples": eval_args.max_eval_samples,

@@ -5,6 +5,9 @@
 
 Arguments are parsed TRL-style (`TrlParser`) over `ScriptArguments`, `RetrieverArguments`, `MemPOConfig` and TRL's
 `ModelConfig` (LoRA, quantisation); any of them may come from `--config recipe.yaml` and be overridden on the command line.
+`environment: keyvault` (a kit environment, `mempo_trl.kit.envs`) or an import path (`my_pkg.envs.MyEnv`) trains on
+that TRL-style environment instead of search (docs/environments.md); `dataset_name` then holds its `reset` rows.
+
 `model_name_or_path: tiny` builds the offline tiny model (`mempo_trl.kit.tiny`) into `<output_dir>/base_model`;
 `model_name_or_path: learner` trains the learner shipped with the package (`mempo_trl.kit.learner.shipped_learner`)
 on its own world, written to `<output_dir>/learner_world`, whose RL rows, held-out rows and corpus are then the
@@ -53,6 +56,15 @@ class ScriptArguments:
                   "(`my_lib.rewards.custom_reward`); weigh them with `reward_weights`. `mempo_format_reward` helps a "
                   "small model that rarely answers right."},
     )  # fmt: skip
+    environment: str | None = field(
+        default=None,
+        metadata={"help": "Train on a TRL-style environment instead of search: a kit environment (keyvault, safe) or "
+                  "an import path (my_pkg.envs.MyEnv). dataset_name is then a .jsonl of its reset rows (default for a "
+                  "kit environment: environment_rows seeded rows); the reward is its get_reward() and/or reward_funcs."},
+    )  # fmt: skip
+    environment_rows: int = field(
+        default=1000, metadata={"help": "Rows of a kit environment to train on when dataset_name is not set."}
+    )
     heldout_questions: int = field(
         default=0,
         metadata={"help": "Evaluate greedily on this many held-out questions (`eval_dataset_name`, default the demo "
@@ -169,8 +181,52 @@ def _load_retriever(retriever_args: RetrieverArguments, default_corpus: Path):
     return retriever
 
 
+def build_environment_trainer(script_args: ScriptArguments, training_args, model_args):
+    """A `MemPOTrainer` on the recipe's environment: its rows (`dataset_name` .jsonl, or seeded kit rows), the
+    reward functions the recipe names (none by default: the trainer's default, `get_reward` or exact match)."""
+    from datasets import Dataset
+    from trl import get_peft_config
+
+    from mempo_trl.callbacks import LaunchBannerCallback, use_step_summary
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.environments import check_environment
+    from mempo_trl.kit.envs import KIT_ENVIRONMENTS, resolve_environment
+    from mempo_trl.trainer import MemPOTrainer
+
+    environment_factory = resolve_environment(script_args.environment)
+    check_environment(environment_factory)
+    if script_args.dataset_name:
+        rows = read_jsonl(script_args.dataset_name)
+    elif script_args.environment in KIT_ENVIRONMENTS:
+        rows = KIT_ENVIRONMENTS[script_args.environment][1](script_args.environment_rows, seed=0)
+    else:
+        raise ValueError(f"environment={script_args.environment} needs dataset_name: a .jsonl of its reset rows.")
+    default = ScriptArguments.__dataclass_fields__["reward_funcs"].default_factory()
+    reward_funcs = None if script_args.reward_funcs == default else load_reward_funcs(script_args.reward_funcs)
+    model, tokenizer = _load_model_and_tokenizer(model_args, training_args)
+    trainer = MemPOTrainer(
+        model=model,
+        environment_factory=environment_factory,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.model_card_info = {
+        "base_model": model_args.model_name_or_path,
+        "dataset": script_args.dataset_name or f"{script_args.environment} kit rows (seed 0)",
+        "environment": script_args.environment,
+    }
+    trainer.add_callback(LaunchBannerCallback(trainer))
+    use_step_summary(trainer)
+    return trainer
+
+
 def build_trainer(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments):
     """Load and validate the data, the retriever and the model; return a ready `MemPOTrainer`."""
+    if script_args.environment:
+        return build_environment_trainer(script_args, training_args, model_args)
     from trl import get_peft_config
 
     from mempo_trl.callbacks import LaunchBannerCallback, use_step_summary
@@ -336,6 +392,11 @@ def check_before_training(script_args: ScriptArguments, training_args, model_arg
 
     if model_args.model_name_or_path not in (TINY_MODEL, LEARNER_MODEL):
         check_model_path(model_args.model_name_or_path)
+    if script_args.environment and script_args.heldout_questions > 0:
+        raise ValueError(
+            "heldout_questions evaluates the search task; evaluate an environment agent with "
+            f"`mempo-trl eval --environment {script_args.environment}` instead (set heldout_questions: 0)."
+        )
     check_report_to(training_args.report_to)
     prepare_output_dir(
         training_args.output_dir,
