@@ -86,6 +86,61 @@ def load_reward_funcs(names: list[str]) -> list:
     return funcs
 
 
+LAUNCHER_ENV_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "DEEPSPEED_")
+LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}  # fmt: skip
+
+
+def without_launcher_env(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` without what `accelerate launch` / torchrun set for their processes (rank, world, DeepSpeed).
+
+    Example:
+        >>> without_launcher_env({"RANK": "1", "ACCELERATE_USE_DEEPSPEED": "true", "PATH": "/bin"})
+        {'PATH': '/bin'}
+    """
+    return {
+        key: value
+        for key, value in environ.items()
+        if key not in LAUNCHER_ENV and not key.startswith(LAUNCHER_ENV_PREFIXES)
+    }
+
+
+def build_tiny_base_model(training_args) -> Path:
+    """`model_name_or_path: tiny`: the tiny model SFT-warm-started on the MemPO format, copied into
+    ``<output_dir>/base_model`` (so that the run's directory holds everything it needs) and returned.
+
+    It is built once per seed under ``$MEMPO_CACHE/tiny_warm/seed<seed>`` (1-2 min on CPU) and reused by later runs,
+    on the main process while the others wait. The build runs in a fresh Python process without the launcher's
+    environment: in this one, under DeepSpeed ZeRO-3, `from_pretrained` runs inside `deepspeed.zero.Init` and the
+    warm start's trainer would join the launched world, collectives the waiting processes never enter (a deadlock).
+    """
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from mempo_trl.retrieval.cache import cache_root
+
+    out = Path(training_args.output_dir) / "base_model"
+    cached = cache_root() / "tiny_warm" / f"seed{training_args.seed}"
+    code = (
+        "import sys; from mempo_trl.kit.warmstart import build_warm_tiny_model; "
+        "build_warm_tiny_model(sys.argv[1], seed=int(sys.argv[2]))"
+    )
+    with training_args.main_process_first(desc="building the tiny model"):
+        if training_args.local_process_index == 0:
+            print(f"tiny model: building and SFT-warm-starting it in {cached} (1-2 min on CPU once; then reused)")
+            start = time.perf_counter()
+            subprocess.run(
+                [sys.executable, "-c", code, str(cached), str(training_args.seed)],
+                env=without_launcher_env(dict(os.environ)),
+                check=True,
+            )
+            shutil.copytree(cached, out, dirs_exist_ok=True)
+            print(f"tiny model: ready in {time.perf_counter() - start:.0f} s, copied to {out}")
+    return out
+
+
 def _load_model_and_tokenizer(model_args, training_args):
     import torch
     from transformers import AutoModelForCausalLM
@@ -94,11 +149,8 @@ def _load_model_and_tokenizer(model_args, training_args):
     from mempo_trl.loading import load_tokenizer
 
     path = model_args.model_name_or_path
-    if path == TINY_MODEL:  # built and SFT-warm-started on the MemPO format, reused from an earlier run if unchanged
-        from mempo_trl.kit.warmstart import build_warm_tiny_model
-
-        with training_args.main_process_first(desc="building the tiny model"):  # one process builds, the rest reuse
-            path = str(build_warm_tiny_model(Path(training_args.output_dir) / "base_model", seed=training_args.seed))
+    if path == TINY_MODEL:
+        path = str(build_tiny_base_model(training_args))
         tokenizer = load_tokenizer(path)
     elif path == LEARNER_MODEL:
         from mempo_trl.kit.learner import shipped_learner
@@ -289,6 +341,10 @@ def parse_args(argv: list[str] | None = None):
     script_args, retriever_args, training_args, model_args = parse("mempo-trl train", types, argv)
     if model_args.model_name_or_path is None:
         model_args.model_name_or_path = TINY_MODEL
+    if training_args.ddp_find_unused_parameters is None:
+        # Trainer's default without activation checkpointing is True, and DDP then warns every run that it found none:
+        # every parameter of a MemPO policy (full or LoRA) gets a gradient.
+        training_args.ddp_find_unused_parameters = False
     return script_args, training_args, model_args, retriever_args
 
 
@@ -306,6 +362,49 @@ def check_before_training(script_args: ScriptArguments, training_args, model_arg
         resume=training_args.resume_from_checkpoint,
         check_existing=int(os.environ.get("RANK", "0")) == 0,  # before rank 0 writes base_model there
     )
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """The last value of `--name value` / `--name=value` in `argv` ("true" for a bare boolean flag)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}":
+            following = argv[i + 1] if i + 1 < len(argv) else "--"
+            value = "true" if following.startswith("--") else following
+        elif arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def check_output_dir_early(argv: list[str]) -> int:
+    """Refuse an `output_dir` that already holds results in a second, before torch and TRL are imported.
+
+    Reads `output_dir`, `overwrite_output_dir` and `resume_from_checkpoint` from the recipe and the command line the
+    way the full parse will (command line wins); anything it cannot read is left to that parse.
+    """
+    import yaml
+
+    from mempo_trl.outputs import prepare_output_dir
+
+    settings = {}
+    config = _flag_value(argv, "config")
+    if config and Path(config).is_file():
+        try:
+            loaded = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
+        except yaml.YAMLError:
+            loaded = None
+        settings = loaded if isinstance(loaded, dict) else {}
+    for name in ("output_dir", "overwrite_output_dir", "resume_from_checkpoint"):
+        value = _flag_value(argv, name)
+        if value is not None:
+            settings[name] = value
+    output_dir = settings.get("output_dir")
+    if not isinstance(output_dir, str) or int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    overwrite = str(settings.get("overwrite_output_dir", False)).lower() in ("true", "1", "yes")
+    resume = settings.get("resume_from_checkpoint")
+    prepare_output_dir(output_dir, overwrite=overwrite, resume=str(resume) if resume else None)
+    return 0
 
 
 def _main(argv: list[str] | None) -> int:
@@ -344,7 +443,29 @@ def leave_launched_process(rc: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: a bad recipe, path or data stops before training with one `error:` line (exit 2)."""
+    """Entry point: a bad recipe, path or data stops before training with one `error:` line (exit 2).
+
+    With `--accelerate_config` / `--num_processes` (and not yet launched) it starts the processes itself
+    (`mempo_trl.commands.launch`)."""
+    import sys
+
+    from mempo_trl.cli import quiet_upstream_noise
+    from mempo_trl.commands.launch import LAUNCH_FLAGS, launch
+
+    quiet_upstream_noise()  # examples/train_mempo.py comes here without `mempo_trl.cli.main`
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        from mempo_trl.commands.train_help import short_help
+
+        print(short_help())
+        return 0
+    argv = ["--help" if arg == "--help_all" else arg for arg in argv]
+    rc = run(check_output_dir_early, argv)
+    if rc:
+        return rc
+    if "WORLD_SIZE" not in os.environ and any(arg.split("=")[0] in LAUNCH_FLAGS for arg in argv):
+        return run(launch, argv)
     rc = run(_main, argv)
     leave_launched_process(rc)
     return rc
