@@ -44,8 +44,9 @@ class ScriptArguments:
     eval_dataset_split: str = field(default="test", metadata={"help": "Split of `eval_dataset_name`."})
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Write into an `output_dir` that already holds results; without it (or "
-                  "`resume_from_checkpoint`) such a directory is refused before anything is loaded."},
+        metadata={"help": "Replace the results in an `output_dir` that already holds some: everything there but "
+                  "base_model/ and learner_world/ is deleted first. Without it (or `resume_from_checkpoint`) such a "
+                  "directory is refused before anything is loaded."},
     )  # fmt: skip
     reward_funcs: list[str] = field(
         default_factory=lambda: ["mempo_outcome_reward"],
@@ -150,7 +151,7 @@ def _load_model_and_tokenizer(model_args, training_args):
 
     path = model_args.model_name_or_path
     if path == TINY_MODEL:
-        path = str(build_tiny_base_model(training_args))
+        path = str(build_tiny_base_model(training_args).resolve())  # what a LoRA adapter records as its base
         tokenizer = load_tokenizer(path)
     elif path == LEARNER_MODEL:
         from mempo_trl.kit.learner import shipped_learner
@@ -225,7 +226,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     """Load and validate the data, the retriever and the model; return a ready `MemPOTrainer`."""
     from trl import get_peft_config
 
-    from mempo_trl.callbacks import LaunchBannerCallback, use_step_summary
+    from mempo_trl.callbacks import HeldOutProgressCallback, LaunchBannerCallback, use_step_summary
     from mempo_trl.data import load_qa
     from mempo_trl.trainer import MemPOTrainer
 
@@ -259,6 +260,8 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
         "base_model": model_args.model_name_or_path,
         "dataset": script_args.dataset_name or world.name,
         "retriever": retriever_args.retriever_url or retriever_args.corpus or f"BM25 over {world.corpus_name} corpus",
+        "retriever_arg": retriever_args.retriever_url or retriever_args.corpus or str(world.corpus),
+        "example_question": train_dataset[0]["question"],
     }
     trainer.add_callback(LaunchBannerCallback(trainer))
     use_step_summary(trainer)
@@ -273,11 +276,14 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
 
         heldout = eval_dataset if eval_dataset is not None else load_qa(str(world.test), split="test")
         rows = list(heldout.select(range(min(script_args.heldout_questions, len(heldout)))))
+        progress = HeldOutProgressCallback(len(rows))
+        trainer.add_callback(progress)
         trainer.add_callback(
             HeldOutEvalCallback(
                 tokenizer,
                 rows,
                 retriever,
+                on_result=progress.report,
                 max_turns=training_args.max_turns,
                 topk=training_args.retrieval_topk,
                 max_new_tokens=training_args.max_completion_length,
@@ -309,6 +315,7 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
     If the retrieval server stays unreachable for the whole retry budget, a checkpoint of the last finished step is
     saved and `RetrieverOutage` is raised again, naming the checkpoint to resume from.
     """
+    from mempo_trl.model_card import heldout_summary
     from mempo_trl.retrieval import RetrieverOutage
 
     try:
@@ -323,6 +330,7 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
         ) from err
     trainer.save_model(training_args.output_dir)
     metrics = {**result.metrics, **trainer.final_metrics()}
+    metrics.update(heldout_summary(trainer.callback_handler.callbacks) or {})
     if trainer.is_world_process_zero():
         Path(training_args.output_dir, "mempo_metrics.json").write_text(json.dumps(metrics, indent=2))
         trainer.create_model_card(dataset_name=dataset_name)
@@ -348,6 +356,32 @@ def parse_args(argv: list[str] | None = None):
     return script_args, training_args, model_args, retriever_args
 
 
+KEPT_ON_OVERWRITE = ("base_model", "learner_world")
+"""What `--overwrite_output_dir` keeps in the output directory: the inputs a run writes there and reuses."""
+
+
+def remove_previous_results(output_dir: str | Path) -> list[str]:
+    """Delete everything in ``output_dir`` but `KEPT_ON_OVERWRITE` (weights or adapter, card, metrics, checkpoints,
+    logs of the previous run), so that nothing stale of another kind (full weights beside a new adapter) stays
+    there. Returns the names removed.
+
+    Example:
+        >>> remove_previous_results("outputs/tiny")  # doctest: +SKIP
+        ['README.md', 'adapter_config.json', 'adapter_model.safetensors', 'mempo_metrics.json', ...]
+    """
+    import shutil
+
+    from mempo_trl.outputs import PROBE_PREFIX
+
+    removed = []
+    for entry in sorted(Path(output_dir).iterdir()):
+        if entry.name in KEPT_ON_OVERWRITE or entry.name.startswith(PROBE_PREFIX):  # another process's probe
+            continue
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        removed.append(entry.name)
+    return removed
+
+
 def check_before_training(script_args: ScriptArguments, training_args, model_args) -> None:
     """Fail in seconds, not after training: model path, logging backends, a writable and unused `output_dir`."""
     from mempo_trl.loading import check_model_path
@@ -356,12 +390,19 @@ def check_before_training(script_args: ScriptArguments, training_args, model_arg
     if model_args.model_name_or_path not in (TINY_MODEL, LEARNER_MODEL):
         check_model_path(model_args.model_name_or_path)
     check_report_to(training_args.report_to)
+    first = int(os.environ.get("RANK", "0")) == 0
     prepare_output_dir(
         training_args.output_dir,
         overwrite=script_args.overwrite_output_dir,
         resume=training_args.resume_from_checkpoint,
-        check_existing=int(os.environ.get("RANK", "0")) == 0,  # before rank 0 writes base_model there
+        check_existing=first,  # before rank 0 writes base_model there
     )
+    if first and script_args.overwrite_output_dir and not training_args.resume_from_checkpoint:
+        removed = remove_previous_results(training_args.output_dir)
+        if removed:
+            print(
+                f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {training_args.output_dir}"
+            )
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:
