@@ -1,8 +1,8 @@
 """The shell commands of the README sections a newcomer follows, one per line, for `.ci/readme_commands.sh`.
 
 Reads the ```bash blocks of "## Quick start" and of the "Try the launch on a laptop first" bullet of
-"## Training on GPUs", joins backslash continuations and drops comments. `pip install` lines are left out (CI has
-just run them in a fresh virtualenv, `.ci/run`).
+"## Training on GPUs", joins backslash continuations and drops comments. `git clone` and `pip install` lines are left
+out (CI runs in a clone, where `.ci/run` has just installed the package in a fresh virtualenv).
 
     python .ci/readme_commands.py README.md
 """
@@ -31,7 +31,7 @@ def commands(text: str) -> list[str]:
         joined = re.sub(r"\\\n\s*", "", "\n".join(line.strip() for line in block.splitlines()))
         for line in joined.splitlines():
             line = re.sub(r"\s+#.*$", "", line).strip()
-            if line and not line.startswith("#") and not line.startswith("pip install"):
+            if line and not line.startswith(("#", "pip install", "git clone")):
                 found.append(line)
     return found
 

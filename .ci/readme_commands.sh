@@ -2,8 +2,8 @@
 # CI: run the README's quick start and CPU-launch commands as written (`.ci/readme_commands.py` reads them from
 # README.md), in a fresh directory, each under a time limit, so that a README command that hangs or fails is a red CI.
 # Two arguments are appended, and only these: `$README_QUICKSTART_OVERRIDE` (default `--max_steps 10`) to the quick
-# start's `mempo-trl train`, to fit the CI budget, and `--max_steps 1` to the two-process launches. `pip install`
-# lines are skipped: `.ci/run` has just run them in a fresh virtualenv.
+# start's `mempo-trl train`, to fit the CI budget, and `--max_steps 1` to the two-process launches. `git clone` and
+# `pip install` lines are skipped: CI runs in a clone where `.ci/run` has just installed the package.
 #   bash .ci/readme_commands.sh            (from the repository root, with the package installed)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -14,6 +14,7 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 ln -s "$root/examples" "$work/examples"          # the commands name examples/... relative to a clone's root
 ln -s "$root/accelerate_configs" "$work/accelerate_configs"
+export MEMPO_CACHE="$work/cache"                 # fresh: the launches build the tiny model, as on a new machine
 cd "$work"
 
 mapfile -t commands < <(python "$root/.ci/readme_commands.py" "$root/README.md")
@@ -23,7 +24,7 @@ start=$(date +%s)
 for command in "${commands[@]}"; do
   extra=""
   case "$command" in
-    "mempo-trl train --config examples/configs/quickstart_cpu.yaml"*) extra=" $quickstart_override" ;;
+    *"mempo-trl train --config examples/configs/quickstart_cpu.yaml") extra=" $quickstart_override" ;;
     *--num_processes*|"accelerate launch"*) extra=" --max_steps 1" ;;
   esac
   echo "::: $command$extra"
