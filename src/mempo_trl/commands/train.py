@@ -1,7 +1,11 @@
 """`mempo-trl train` / `examples/train_mempo.py`: train a MemPO search agent from a YAML recipe.
 
+    mempo-trl train --config examples/configs/qwen2.5-3b-lora.yaml --accelerate_config zero2 --num_processes 8
     accelerate launch --config_file accelerate_configs/zero2.yaml -m mempo_trl train \\
         --config examples/configs/qwen2.5-3b-lora.yaml
+
+The first starts the processes itself (`mempo_trl.commands.launch`); `--help` is short and imports neither torch nor
+TRL (`mempo_trl.commands.train_help`; `--help_all` lists every field).
 
 Arguments are parsed TRL-style (`TrlParser`) over `ScriptArguments`, `RetrieverArguments`, `MemPOConfig` and TRL's
 `ModelConfig` (LoRA, quantisation); any of them may come from `--config recipe.yaml` and be overridden on the command line.
