@@ -30,7 +30,7 @@ for command in "${commands[@]}"; do
   echo "::: $command$extra"
   t0=$(date +%s)
   set +e
-  timeout --kill-after 30 "$limit_s" bash -c "$command$extra" > "$work/log" 2>&1
+  timeout --kill-after 30 "$limit_s" bash -c "$command$extra" < /dev/null > "$work/log" 2>&1
   rc=$?
   set -e
   tail -n 4 "$work/log"
