@@ -115,3 +115,53 @@ def test_an_output_dir_with_results_is_refused_before_torch_is_imported(tmp_path
     )
     assert "already holds results" not in result.stderr
     assert "invalid int value: 'ten'" in result.stderr
+
+
+def test_the_tiny_model_is_built_in_a_fresh_process_without_the_launchers_environment(tmp_path, monkeypatch):
+    """Under ZeRO-3 the build's `from_pretrained` would run inside `deepspeed.zero.Init` (a collective) on the main
+    process alone while the others wait: it must run in a process that knows nothing of the launched world."""
+    import subprocess as subprocess_module
+    from types import SimpleNamespace
+
+    from mempo_trl.commands import train
+
+    monkeypatch.setenv("MEMPO_CACHE", str(tmp_path / "cache"))
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "29500",
+                        "ACCELERATE_USE_DEEPSPEED": "true", "TORCHELASTIC_RUN_ID": "x"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    calls = []
+
+    def fake_run(cmd, env, check):
+        calls.append((cmd, env))
+        built = Path(cmd[-2])
+        built.mkdir(parents=True)
+        (built / "config.json").write_text("{}")
+
+    monkeypatch.setattr(subprocess_module, "run", fake_run)
+
+    class Args(SimpleNamespace):
+        def main_process_first(self, desc):
+            from contextlib import nullcontext
+
+            return nullcontext()
+
+    args = Args(output_dir=str(tmp_path / "out"), seed=3, local_process_index=0)
+    path = train.build_tiny_base_model(args)
+    ((cmd, env),) = calls
+    assert cmd[0] == sys.executable and "build_warm_tiny_model" in cmd[2]
+    assert cmd[-2:] == [str(tmp_path / "cache" / "tiny_warm" / "seed3"), "3"]
+    assert not {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_PORT",
+        "ACCELERATE_USE_DEEPSPEED",
+        "TORCHELASTIC_RUN_ID",
+    } & set(env)
+    assert env["MEMPO_CACHE"] == str(tmp_path / "cache")
+    assert path == tmp_path / "out" / "base_model" and (path / "config.json").is_file()  # copied into the run
+
+    calls.clear()
+    args.local_process_index = 1  # the other processes of the node wait, then load the copy
+    train.build_tiny_base_model(args)
+    assert calls == []
