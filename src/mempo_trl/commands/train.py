@@ -129,7 +129,8 @@ def build_tiny_base_model(training_args) -> Path:
     out = Path(training_args.output_dir) / "base_model"
     cached = cache_root() / "tiny_warm" / f"seed{training_args.seed}"
     code = (
-        "import sys; from mempo_trl.kit.warmstart import build_warm_tiny_model; "
+        "import sys; from mempo_trl.cli import quiet_upstream_noise; quiet_upstream_noise(); "
+        "from mempo_trl.kit.warmstart import build_warm_tiny_model; "
         "build_warm_tiny_model(sys.argv[1], seed=int(sys.argv[2]))"
     )
     with training_args.main_process_first(desc="building the tiny model"):
