@@ -123,5 +123,7 @@ def launch(argv: list[str]) -> int:
     check_before_training(script_args, training_args, model_args)
     # torchrun sets OMP_NUM_THREADS=1 in every process anyway (and warns that it did); say it once here instead.
     env = {"OMP_NUM_THREADS": "1", **os.environ}
+    if Path(cmd[4]).name.startswith("cpu_"):  # DeepSpeed's accelerator, named: no "Setting accelerator to CPU" warning
+        env.setdefault("DS_ACCELERATOR", "cpu")
     print(f"mempo-trl: launching {' '.join(cmd[3:])}", flush=True)
     return subprocess.run(cmd, env=env).returncode
