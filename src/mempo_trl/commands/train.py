@@ -445,8 +445,8 @@ def check_output_dir_early(argv: list[str]) -> int:
         if value is not None:
             settings[name] = value
     output_dir = settings.get("output_dir")
-    if not isinstance(output_dir, str) or int(os.environ.get("RANK", "0")) != 0:
-        return 0
+    if not isinstance(output_dir, str) or not Path(output_dir).is_dir() or int(os.environ.get("RANK", "0")) != 0:
+        return 0  # nothing to refuse yet (and nothing is created before the full parse)
     overwrite = str(settings.get("overwrite_output_dir", False)).lower() in ("true", "1", "yes")
     resume = settings.get("resume_from_checkpoint")
     prepare_output_dir(output_dir, overwrite=overwrite, resume=str(resume) if resume else None)
