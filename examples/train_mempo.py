@@ -12,6 +12,10 @@ overridden on the command line, e.g. `--max_steps 10 --output_dir outputs/try`):
     # one process, no launcher (CPU or one GPU)
     python examples/train_mempo.py --config examples/configs/quickstart_cpu.yaml
 
+    # the same without this script: `mempo-trl train` starts accelerate itself, with the configs shipped in the
+    # package (no clone needed for them): --accelerate_config zero3 --num_processes 8
+    mempo-trl train --config examples/configs/qwen2.5-7b-vllm.yaml --accelerate_config zero3 --num_processes 8
+
     # one GPU, Qwen2.5-3B-Instruct with LoRA
     accelerate launch --config_file accelerate_configs/single_gpu.yaml examples/train_mempo.py \\
         --config examples/configs/qwen2.5-3b-lora.yaml

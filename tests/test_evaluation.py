@@ -322,3 +322,38 @@ def test_summary_means_are_over_questions_reaching_a_round(tokenizer):
     assert means[0] == (first["rounds"][0]["prompt_tokens"] + second["rounds"][0]["prompt_tokens"]) / 2
     assert means[1] == second["rounds"][1]["prompt_tokens"]
     assert not math.isnan(result.metrics["overall"]["mean_prompt_tokens"])
+
+
+def test_progress_counts_the_turns_written_within_a_round():
+    from mempo_trl.evaluation import _Progress
+
+    class Batched:
+        on_batch = None
+
+        def __call__(self, prompts):
+            for start in range(0, len(prompts), 2):
+                self.on_batch(len(prompts[start : start + 2]))
+            return [[] for _ in prompts], None
+
+    generate = Batched()
+    progress = _Progress(generate, total=5, max_turns=3, desc="eval", enabled=True)
+    seen = []
+    progress.bar.set_postfix_str = seen.append
+    progress([[1]] * 5)
+    assert seen == ["round 1/3, 0/5 turns written", "round 1/3, 2/5 turns written", "round 1/3, 4/5 turns written",
+                    "round 1/3, 5/5 turns written"]  # fmt: skip
+    progress([[1]] * 2)
+    assert progress.bar.n == 3 and seen[-1] == "round 2/3, 2/2 turns written"
+    progress.close()
+    assert generate.on_batch is None  # the generator is left as it was
+
+
+def test_hf_generator_reports_each_finished_batch(tiny_model_dir):
+    from mempo_trl.generation import HFGenerator
+
+    model, tokenizer = load_tiny(tiny_model_dir)
+    generate = HFGenerator(model, tokenizer, max_new_tokens=2, batch_size=2)
+    sizes = []
+    generate.on_batch = sizes.append
+    completions, _ = generate([[1, 2], [3], [4, 5, 6]])
+    assert sizes == [2, 1] and len(completions) == 3

@@ -303,3 +303,26 @@ def test_merge_lora_with_moved_base_and_dtype(tiny_model_dir, tmp_path):
             base_logits = peft_model(**inputs).logits
         assert (expected - base_logits).abs().max() > 0.2  # the adapter matters, far beyond the bf16 tolerance below
         torch.testing.assert_close(merged(**inputs).logits.float(), expected, atol=0.02, rtol=0.02)
+
+
+def test_merge_finds_the_base_model_that_moved_with_the_run(tmp_path):
+    from mempo_trl.commands.merge import resolve_base_model, write_merged_card
+
+    run = tmp_path / "moved_run"
+    (run / "base_model").mkdir(parents=True)
+    (run / "base_model" / "config.json").write_text("{}")
+    assert resolve_base_model(run, str(tmp_path / "gone" / "base_model")) == str(run / "base_model")
+    assert resolve_base_model(run, str(run / "base_model")) == str(run / "base_model")
+    assert resolve_base_model(tmp_path, "Qwen/Qwen2.5-3B-Instruct") == "Qwen/Qwen2.5-3B-Instruct"
+    with pytest.raises(FileNotFoundError, match="--base_model_name_or_path"):
+        resolve_base_model(tmp_path, str(tmp_path / "gone"))
+
+    (run / "README.md").write_text(
+        f'---\ntags:\n- mempo\n---\n\n# Model Card for run\n\nfrom_pretrained("{run}", retriever="c.jsonl")\n'
+    )
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    write_merged_card(run, str(run / "base_model"), merged)
+    card = (merged / "README.md").read_text()
+    assert card.startswith("---\ntags:\n- mempo\n---\n")
+    assert "merged into its base model" in card and f'from_pretrained("{merged}"' in card

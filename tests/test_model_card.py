@@ -36,20 +36,31 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
     metadata = yaml.safe_load(front_matter)
     assert "mempo" in metadata["tags"] and set(trainer._tag_names) <= set(metadata["tags"])
     assert "# Model Card for mempo-tiny-card" in body  # the output_dir name, not TRL's "None"
+    assert f"fine-tuned version of the local model `{warm_model_dir}` (not on the Hub)." in body
     quick_start = body.split("## Quick start", 1)[1].split("## Training procedure", 1)[0]
-    assert 'MemPOAgent.from_pretrained("mempo-tiny-card", retriever=' in quick_start
+    assert 'pip install "mempo_trl @ git+https://github.com/mempo-trl/mempo_trl"' in quick_start
+    # Not pushed: the usage names the directory, a question of its own training data and the corpus it searched.
+    question = trainer.train_dataset[0]["question"]
+    assert f'MemPOAgent.from_pretrained("{out}", retriever="{demo_paths.corpus}")' in quick_start
+    assert f"agent.run({question!r})" in quick_start
+    assert f"--model_name_or_path {out} --corpus {demo_paths.corpus}" in quick_start
     assert "pipeline(" not in body and "time machine" not in body  # TRL's generic chat snippet is replaced
+    procedure = body.split("## Training procedure", 1)[1].split("### Framework versions", 1)[0]
     for words in (
         "MemPO",
         "Self-Memory Policy Optimization",
         "2603.00680",
         "[TRL](https://github.com/huggingface/trl)",
+        "https://github.com/mempo-trl/mempo_trl",
     ):
-        assert words in body, words
-    assert f"**base model**: {warm_model_dir}" in body
-    assert f"**dataset**: {demo_paths.train}" in body
-    assert "**retriever**: BM25 over the demo corpus" in body
-    recipe = body.split("### Recipe", 1)[1].split("###", 1)[0]
+        assert words in procedure, words
+    assert f"**dataset**: {demo_paths.train}" in procedure
+    assert "**retriever**: BM25 over the demo corpus" in procedure
+    heldout = procedure.split("### Held-out evaluation", 1)[1].split("###", 1)[0]
+    curve = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "curve")).curve
+    assert "on 50 held-out questions never trained on, before (step 0) and after (step 1)" in heldout
+    assert f"| em | {curve[0]['em']:.3f} | {curve[-1]['em']:.3f} |" in heldout
+    recipe = procedure.split("### Recipe", 1)[1].split("###", 1)[0]
     for row in (
         "| `max_turns` | `2` |",
         "| `num_generations` | `2` |",
@@ -57,7 +68,20 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
         "`loss_type` | `dapo`",
     ):
         assert row in recipe, row
-    metrics = body.split("### Final metrics", 1)[1]
+    metrics = procedure.split("### Last training step", 1)[1]
+    assert "not an evaluation (that is the held-out table above)" in metrics
     final = trainer.final_metrics()
     for key in ("episode/em", "episode/format_valid", "tokens/prompt_per_round"):
         assert f"| `{key}` | {final[key]:.4g} |" in metrics, key
+
+
+def test_pushed_card_uses_the_hub_id_and_kit_base_models_resolve():
+    from mempo_trl.model_card import describe_base_model, heldout_summary, usage
+
+    assert 'from_pretrained("you/mempo-agent", retriever="http://h:8000")' in usage(
+        "you/mempo-agent", "http://h:8000", "q?"
+    )
+    assert "--retriever_url http://h:8000" in usage("you/mempo-agent", "http://h:8000", "q?")
+    assert "shipped with `mempo_trl`" in describe_base_model("learner")
+    assert "`base_model/`" in describe_base_model("tiny")
+    assert heldout_summary([object()]) is None

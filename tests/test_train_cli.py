@@ -2,6 +2,7 @@
 quick start recipe trains the shipped learner on its own world."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -62,11 +63,41 @@ def test_invalid_mempo_setting(capsys, recipe):
     _fails(capsys, ["--config", recipe(loss_type="grpo")], "loss_type")
 
 
-def test_heldout_questions_prints_em_before_and_after_training(capsys, recipe):
+def test_heldout_questions_prints_em_before_and_after_training(capsys, recipe, tmp_path):
     assert main(["train", "--config", recipe(heldout_questions=3, max_steps=1)]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
     assert last.startswith("held-out EM (3 questions, greedy): ")
     assert "before training (step 0) -> " in last and "after (step 1)" in last
+    # Each evaluation says when it starts and what it found, with its time.
+    assert out.count("held-out evaluation before training: 3 questions, greedy ...") == 1
+    assert out.count("held-out evaluation after training: 3 questions, greedy ...") == 1
+    assert re.search(r"held-out evaluation at step 0: EM [\d.]+ \| format [\d.]+ \| memory recall \S+ \(\d+ s\)", out)
+    # ... and the metrics file keeps both, next to the last step's metrics.
+    metrics = json.loads((tmp_path / "out" / "mempo_metrics.json").read_text())
+    assert metrics["heldout/questions"] == 3
+    assert (metrics["heldout/step_before"], metrics["heldout/step_after"]) == (0, 1)
+    assert f"{metrics['heldout/em_before']:.3f} before training" in last
+    assert f"{metrics['heldout/em_after']:.3f} after (step 1)" in last
+    assert "episode/em" in metrics
+
+
+def test_overwrite_output_dir_removes_the_previous_runs_results(capsys, recipe, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("model.safetensors", "README.md", "mempo_metrics.json"):
+        (out / name).write_text("previous run")
+    (out / "checkpoint-3").mkdir()
+    (out / "base_model").mkdir()
+    (out / "base_model" / "config.json").write_text("{}")
+    lora = recipe(use_peft=True, lora_r=2, lora_target_modules=["q_proj", "v_proj"])
+    assert main(["train", "--config", lora, "--overwrite_output_dir"]) == 0
+    printed = capsys.readouterr().out
+    assert "removed the previous run's README.md, checkpoint-3, mempo_metrics.json, model.safetensors" in printed
+    assert (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists() and not (out / "checkpoint-3").exists()  # no stale full weights
+    assert (out / "README.md").read_text() != "previous run"
+    assert (out / "base_model" / "config.json").read_text() == "{}"  # the reusable input stays
 
 
 def test_a_finished_run_tears_down_its_process_groups(recipe, tmp_path):

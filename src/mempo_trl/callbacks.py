@@ -158,3 +158,46 @@ def use_step_summary(trainer) -> None:
     if trainer.pop_callback(PrinterCallback) is not None:
         trainer.add_callback(SummaryPrinterCallback)
     trainer.add_callback(StepSummaryCallback())
+
+
+class HeldOutProgressCallback(TrainerCallback):
+    """Console lines around each held-out evaluation before and after training, which otherwise run silently for
+    seconds to minutes: one line when it starts, one with its result and time when it ends (`report`, to be given
+    to the evaluating callback as its ``on_result``). Add it before that callback, so that it announces first::
+
+        held-out evaluation before training: 100 questions, greedy ...
+        held-out evaluation at step 0: EM 0.285 | format 0.670 | memory recall 0.105 (38 s)
+    """
+
+    def __init__(self, questions: int):
+        self.questions = questions
+
+    def _announce(self, state, when: str) -> None:
+        if state.is_world_process_zero:
+            tqdm.write(f"held-out evaluation {when} training: {self.questions} questions, greedy ...")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._announce(state, "before")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._announce(state, "after")
+
+    def report(self, curve: list[dict]) -> None:
+        tqdm.write(format_heldout_result(curve[-1]))
+
+
+def format_heldout_result(point: Mapping[str, float]) -> str:
+    """One held-out evaluation as a line.
+
+    Example:
+        >>> format_heldout_result({"step": 40, "em": 0.35, "format_valid": 0.91, "memory_recall": 0.243, "eval_seconds": 12.3})
+        'held-out evaluation at step 40: EM 0.350 | format 0.910 | memory recall 0.243 (12 s)'
+    """
+    parts = [f"EM {point['em']:.3f}"]
+    parts += [
+        f"{label} {point[key]:.3f}"
+        for label, key in (("format", "format_valid"), ("memory recall", "memory_recall"))
+        if key in point
+    ]
+    seconds = f" ({point['eval_seconds']:.0f} s)" if "eval_seconds" in point else ""
+    return f"held-out evaluation at step {point['step']}: {' | '.join(parts)}{seconds}"

@@ -13,6 +13,7 @@ the traceback).
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +94,29 @@ def run(func: Callable[..., int | None], *args: Any) -> int:
         return USAGE_EXIT
 
 
+UPSTREAM_NOISE = (
+    # DeepSpeed's CPU fallback, logged by every process that imports it on a machine without GPUs.
+    ("DeepSpeed", "Setting accelerator to CPU"),
+    # Deprecations inside DeepSpeed (ZeRO collectives) and TRL (`is_gradient_checkpointing`): nothing a user can change.
+    (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated"),
+    (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated"),
+    (FutureWarning, "`is_gradient_checkpointing` is deprecated"),
+)
+"""(logger name or warning category, message start) of upstream messages no setting of ours can avoid."""
+
+
+def quiet_upstream_noise() -> None:
+    """Silence `UPSTREAM_NOISE`: a logging filter per logger and a `warnings` filter per warning (nothing else)."""
+    import logging
+    import warnings
+
+    for source, message in UPSTREAM_NOISE:
+        if isinstance(source, str):
+            logging.getLogger(source).addFilter(lambda record, m=message: not record.getMessage().startswith(m))
+        else:
+            warnings.filterwarnings("ignore", message=re.escape(message), category=source)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mempo-trl", description="MemPO search-agent training on TRL.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -114,4 +138,5 @@ def _dispatch(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_upstream_noise()
     return run(_dispatch, sys.argv[1:] if argv is None else argv)

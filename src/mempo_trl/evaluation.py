@@ -145,7 +145,8 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
 
 
 class _Progress:
-    """Wraps a `GenerateFn`: a bar of finished questions, with the round and the active count as postfix."""
+    """Wraps a `GenerateFn`: a bar of finished questions, with the round, the active count and, for a generator
+    that reports its batches (`HFGenerator.on_batch`), how many of the round's turns are written so far."""
 
     def __init__(self, generate: GenerateFn, total: int, max_turns: int, desc: str, enabled: bool):
         from tqdm.auto import tqdm
@@ -153,15 +154,30 @@ class _Progress:
         self.generate = generate
         self.max_turns = max_turns
         self.round = 0
+        self.active = self.written = 0
         self.bar = tqdm(total=total, desc=desc, unit="q", disable=not enabled, file=sys.stderr)
+        self.reports_batches = enabled and hasattr(generate, "on_batch")
+        if self.reports_batches:
+            self.previous_on_batch = generate.on_batch
+            generate.on_batch = self._batch_done
+
+    def _postfix(self) -> None:
+        self.bar.set_postfix_str(f"round {self.round}/{self.max_turns}, {self.written}/{self.active} turns written")
+
+    def _batch_done(self, size: int) -> None:
+        self.written += size
+        self._postfix()
 
     def __call__(self, prompts: list[list[int]]):
         self.round += 1
+        self.active, self.written = len(prompts), 0
         self.bar.update(self.bar.total - len(prompts) - self.bar.n)
-        self.bar.set_postfix_str(f"round {self.round}/{self.max_turns}, {len(prompts)} active")
+        self._postfix()
         return self.generate(prompts)
 
     def close(self) -> None:
+        if self.reports_batches:
+            self.generate.on_batch = self.previous_on_batch
         self.bar.update(self.bar.total - self.bar.n)
         self.bar.close()
 
@@ -227,11 +243,23 @@ def compare_modes(memory: EvalResult, full_history: EvalResult) -> dict[str, flo
     }
 
 
-def plot_context_tokens(results: Sequence[EvalResult], path: str | Path) -> Path:
-    """Save a PNG of the mean prompt tokens per round index, one line per context mode.
+def questions_per_round(records: Sequence[dict]) -> list[int]:
+    """How many questions played round 1, 2, ... (an episode that ended at round r plays rounds 1..r).
 
     Example:
-        >>> plot_context_tokens([memory_result, full_result], "out/context_tokens.png")  # doctest: +SKIP
+        >>> questions_per_round([{"rounds": [1, 2]}, {"rounds": [1]}, {"rounds": [1, 2, 3]}])
+        [3, 2, 1]
+    """
+    last = max((len(r["rounds"]) for r in records), default=0)
+    return [sum(len(r["rounds"]) >= k for r in records) for k in range(1, last + 1)]
+
+
+def plot_context_tokens(results: Sequence[EvalResult], path: str | Path, title: str | None = None) -> Path:
+    """Save a PNG of the mean prompt tokens per round index, one line per context mode (its EM in the legend), each
+    point labelled with the number of questions that played that round; ``title`` names the model and data.
+
+    Example:
+        >>> plot_context_tokens([memory_result, full_result], "out/context_tokens.png", "agent on test.jsonl")  # doctest: +SKIP
         PosixPath('out/context_tokens.png')
     """
     import matplotlib
@@ -239,16 +267,22 @@ def plot_context_tokens(results: Sequence[EvalResult], path: str | Path) -> Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for result in results:
-        means = result.metrics["overall"]["prompt_tokens_per_round"]
-        ax.plot(range(1, len(means) + 1), means, marker="o", label=result.context_mode)
-    ax.set_xlabel("round")
+        overall = result.metrics["overall"]
+        means = overall["prompt_tokens_per_round"]
+        rounds = range(1, len(means) + 1)
+        label = f"{result.context_mode}: EM {overall['em']:.3f} on {overall['num_questions']} questions"
+        (line,) = ax.plot(rounds, means, marker="o", label=label)
+        for k, mean, n in zip(rounds, means, questions_per_round(result.records)):
+            ax.annotate(f"n={n}", (k, mean), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7,
+                        color=line.get_color())  # fmt: skip
+    ax.set_xlabel("round (n = questions that played it)")
     ax.set_ylabel("mean prompt (context) tokens")
-    ax.set_title("Context tokens per round")
+    ax.set_title("Context tokens per round" + (f"\n{title}" if title else ""), fontsize=10)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)

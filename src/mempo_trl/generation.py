@@ -7,7 +7,7 @@ offline engine with the tags as stop strings. Both are given the same token ids 
 exactly the same prompts, and `mempo_trl.rollout.cut_after_action` cuts what they return by the same policy.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -153,6 +153,7 @@ class HFGenerator:
         self.temperature = temperature
         self.top_p = top_p
         self.batch_size = batch_size
+        self.on_batch: Callable[[int], None] | None = None  # called with each finished batch's size (progress bars)
         self.eos_token_ids = stop_token_ids(tokenizer, model.generation_config.eos_token_id, stops)
         self.stopping_criteria = action_stopping_criteria(tokenizer, stops)
         pad = tokenizer.pad_token_id
@@ -191,6 +192,8 @@ class HFGenerator:
                     )
                     for row, i in enumerate(batch):
                         completions[i] = strip_completion(output[row, width:].tolist(), self.eos_token_ids)
+                    if self.on_batch is not None:
+                        self.on_batch(len(batch))
         finally:
             self.model.train(was_training)
         return completions, None

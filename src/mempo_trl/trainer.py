@@ -3,7 +3,6 @@
 import functools
 import logging
 import math
-import re
 import textwrap
 import time
 from collections import defaultdict
@@ -35,6 +34,7 @@ from mempo_trl.memory import (
     memory_reward,
     quantile_threshold,
 )
+from mempo_trl.model_card import mempo_model_card
 from mempo_trl.rewards import mempo_outcome_reward
 from mempo_trl.rollout import ACTION_STOPS, Episode, RolloutEngine, RolloutTimings
 from mempo_trl.scoring import (
@@ -788,89 +788,10 @@ class MemPOTrainer(GRPOTrainer):
             AgentSettings.from_config(self.args).save(output_dir or self.args.output_dir)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's model card plus a MemPO section: base model, data, retriever, recipe and final metrics."""
+        """TRL's model card, rewritten for MemPO by `mempo_trl.model_card.mempo_model_card` (base model, install and
+        usage, data, retriever, held-out result, recipe, last-step metrics)."""
         model_name = model_name or Path(self.args.output_dir).name  # as `push_to_hub` names it (TRL: "None")
         hub_dataset = dataset_name if dataset_name and not Path(dataset_name).exists() else None
         super().create_model_card(model_name=model_name, dataset_name=hub_dataset, tags=tags)
-        if not self.is_world_process_zero():
-            return
-        info = {"base_model": self.model.config._name_or_path, "dataset": dataset_name, **self.model_card_info}
-        card = Path(self.args.output_dir, "README.md")
-        text = card.read_text(encoding="utf-8")
-        # TRL links the base model to the Hub; a local base model would render as "[None](https://huggingface.co/None)".
-        text = text.replace("[None](https://huggingface.co/None)", f"`{info['base_model']}`")
-        hub_id = self.args.hub_model_id or model_name
-        usage = _usage(hub_id, self.rollout_engine.environment_factory)
-        text = re.sub(
-            r"(## Quick start\n\n)```python\n.*?```", lambda m: m.group(1) + usage, text, count=1, flags=re.S
-        )
-        own_fields = [name for name in MemPOConfig.__annotations__ if name not in ("system_prompt", "instruction")]
-        recipe = {name: getattr(self.args, name) for name in own_fields}
-        recipe.update(
-            {name: getattr(self.args, name) for name in ("num_generations", "learning_rate", "beta", "loss_type")}
-        )
-        metrics = {k: v for k, v in self.final_metrics().items() if k.split("/")[0] in ("episode", "memory", "tokens")}
-        lines = [
-            "",
-            "## MemPO training",
-            "",
-            "Trained with [MemPO](https://arxiv.org/abs/2603.00680) (Self-Memory Policy Optimization) using "
-            "`mempo_trl` on [TRL](https://github.com/huggingface/trl): every turn the agent "
-            "writes a `<mem>` summary, the next turn sees only that turn and its search or tool result, and a memory-level "
-            "advantage (P_mem - P_full of the gold answer) is added on the `<mem>` tokens.",
-            "",
-            *[f"- **{key.replace('_', ' ')}**: {value}" for key, value in info.items() if value],
-            "",
-            "### Recipe",
-            "",
-            "| field | value |",
-            "| --- | --- |",
-            *[f"| `{key}` | `{value}` |" for key, value in recipe.items()],
-            "",
-            "### Final metrics",
-            "",
-            f"Logged at the last training step (step {self.final_metrics().get('step', self.state.global_step)}), "
-            "each over that step's episodes; not means over the run.",
-            "",
-            "| metric | value |",
-            "| --- | --- |",
-            *[f"| `{key}` | {value:.4g} |" for key, value in sorted(metrics.items())],
-            "",
-        ]
-        card.write_text(text + "\n".join(lines), encoding="utf-8")
-
-
-def _usage(hub_id: str, environment_factory=None) -> str:
-    """The model card's quick start: the agent API, with the settings saved next to the weights."""
-    if environment_factory is not None:
-        module, name = environment_factory.__module__, environment_factory.__qualname__
-        return textwrap.dedent(
-            f"""\
-            ```python
-            from mempo_trl import MemPOAgent
-            from {module} import {name}
-
-            agent = MemPOAgent.from_pretrained("{hub_id}", environment_factory={name})
-            result = agent.run({{...}})  # a row: the keyword arguments of {name}.reset
-            print(result.answer, result.num_turns, result.memories)
-            ```
-
-            The agent reads its turn protocol (prompt, instruction, max turns) from `mempo_agent.json`, saved with
-            the weights."""
-        )
-    return textwrap.dedent(
-        f"""\
-        ```python
-        from mempo_trl import MemPOAgent
-
-        # retriever: a Search-R1-style server (`mempo-trl serve-retriever --corpus wiki-18.jsonl`) or a JSONL corpus
-        agent = MemPOAgent.from_pretrained("{hub_id}", retriever="http://127.0.0.1:8000")
-        result = agent.run("Who founded the company that built the tallest tower in Lyon?")
-        print(result.answer, result.num_turns, result.memories)
-        ```
-
-        Or from the command line:
-        `mempo-trl ask "your question" --model_name_or_path {hub_id} --retriever_url http://127.0.0.1:8000`.
-        The agent reads its turn protocol (prompt, instruction, max turns, top-k) from `mempo_agent.json`,
-        saved with the weights."""
-    )
+        if self.is_world_process_zero():
+            mempo_model_card(self, dataset_name)

@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         for result in results:
             for record in result.records:
                 f.write(json.dumps({"context_mode": result.context_mode, **record}, ensure_ascii=False) + "\n")
-    plot_context_tokens(results, out / PLOT_FILE)
+    datasets = ", ".join(Path(name).name for name in eval_args.dataset_name or ["demo test split"])
+    plot_context_tokens(results, out / PLOT_FILE, f"{agent_args.model_name_or_path} on {datasets}")
     settings = {
         "model_name_or_path": agent_args.model_name_or_path,
         "dataset_name": eval_args.dataset_name

@@ -1,7 +1,11 @@
 """`mempo-trl train` / `examples/train_mempo.py`: train a MemPO search agent from a YAML recipe.
 
+    mempo-trl train --config examples/configs/qwen2.5-3b-lora.yaml --accelerate_config zero2 --num_processes 8
     accelerate launch --config_file accelerate_configs/zero2.yaml -m mempo_trl train \\
         --config examples/configs/qwen2.5-3b-lora.yaml
+
+The first starts the processes itself (`mempo_trl.commands.launch`); `--help` is short and imports neither torch nor
+TRL (`mempo_trl.commands.train_help`; `--help_all` lists every field).
 
 Arguments are parsed TRL-style (`TrlParser`) over `ScriptArguments`, `RetrieverArguments`, `MemPOConfig` and TRL's
 `ModelConfig` (LoRA, quantisation); any of them may come from `--config recipe.yaml` and be overridden on the command line.
@@ -47,8 +51,9 @@ class ScriptArguments:
     eval_dataset_split: str = field(default="test", metadata={"help": "Split of `eval_dataset_name`."})
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Write into an `output_dir` that already holds results; without it (or "
-                  "`resume_from_checkpoint`) such a directory is refused before anything is loaded."},
+        metadata={"help": "Replace the results in an `output_dir` that already holds some: everything there but "
+                  "base_model/ and learner_world/ is deleted first. Without it (or `resume_from_checkpoint`) such a "
+                  "directory is refused before anything is loaded."},
     )  # fmt: skip
     reward_funcs: list[str] = field(
         default_factory=lambda: ["mempo_outcome_reward"],
@@ -98,6 +103,62 @@ def load_reward_funcs(names: list[str]) -> list:
     return funcs
 
 
+LAUNCHER_ENV_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "DEEPSPEED_")
+LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}  # fmt: skip
+
+
+def without_launcher_env(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` without what `accelerate launch` / torchrun set for their processes (rank, world, DeepSpeed).
+
+    Example:
+        >>> without_launcher_env({"RANK": "1", "ACCELERATE_USE_DEEPSPEED": "true", "PATH": "/bin"})
+        {'PATH': '/bin'}
+    """
+    return {
+        key: value
+        for key, value in environ.items()
+        if key not in LAUNCHER_ENV and not key.startswith(LAUNCHER_ENV_PREFIXES)
+    }
+
+
+def build_tiny_base_model(training_args) -> Path:
+    """`model_name_or_path: tiny`: the tiny model SFT-warm-started on the MemPO format, copied into
+    ``<output_dir>/base_model`` (so that the run's directory holds everything it needs) and returned.
+
+    It is built once per seed under ``$MEMPO_CACHE/tiny_warm/seed<seed>`` (1-2 min on CPU) and reused by later runs,
+    on the main process while the others wait. The build runs in a fresh Python process without the launcher's
+    environment: in this one, under DeepSpeed ZeRO-3, `from_pretrained` runs inside `deepspeed.zero.Init` and the
+    warm start's trainer would join the launched world, collectives the waiting processes never enter (a deadlock).
+    """
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from mempo_trl.retrieval.cache import cache_root
+
+    out = Path(training_args.output_dir) / "base_model"
+    cached = cache_root() / "tiny_warm" / f"seed{training_args.seed}"
+    code = (
+        "import sys; from mempo_trl.cli import quiet_upstream_noise; quiet_upstream_noise(); "
+        "from mempo_trl.kit.warmstart import build_warm_tiny_model; "
+        "build_warm_tiny_model(sys.argv[1], seed=int(sys.argv[2]))"
+    )
+    with training_args.main_process_first(desc="building the tiny model"):
+        if training_args.local_process_index == 0:
+            print(f"tiny model: building and SFT-warm-starting it in {cached} (1-2 min on CPU once; then reused)")
+            start = time.perf_counter()
+            subprocess.run(
+                [sys.executable, "-c", code, str(cached), str(training_args.seed)],
+                env=without_launcher_env(dict(os.environ)),
+                check=True,
+            )
+            shutil.copytree(cached, out, dirs_exist_ok=True)
+            print(f"tiny model: ready in {time.perf_counter() - start:.0f} s, copied to {out}")
+    return out
+
+
 def _load_model_and_tokenizer(model_args, training_args):
     import torch
     from transformers import AutoModelForCausalLM
@@ -106,11 +167,8 @@ def _load_model_and_tokenizer(model_args, training_args):
     from mempo_trl.loading import load_tokenizer
 
     path = model_args.model_name_or_path
-    if path == TINY_MODEL:  # built and SFT-warm-started on the MemPO format, reused from an earlier run if unchanged
-        from mempo_trl.kit.warmstart import build_warm_tiny_model
-
-        with training_args.main_process_first(desc="building the tiny model"):  # one process builds, the rest reuse
-            path = str(build_warm_tiny_model(Path(training_args.output_dir) / "base_model", seed=training_args.seed))
+    if path == TINY_MODEL:
+        path = str(build_tiny_base_model(training_args).resolve())  # what a LoRA adapter records as its base
         tokenizer = load_tokenizer(path)
     elif path == LEARNER_MODEL:
         from mempo_trl.kit.learner import shipped_learner
@@ -229,7 +287,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
         return build_environment_trainer(script_args, training_args, model_args)
     from trl import get_peft_config
 
-    from mempo_trl.callbacks import LaunchBannerCallback, use_step_summary
+    from mempo_trl.callbacks import HeldOutProgressCallback, LaunchBannerCallback, use_step_summary
     from mempo_trl.data import load_qa
     from mempo_trl.interruptions import SaveOnSignalCallback
     from mempo_trl.trainer import MemPOTrainer
@@ -264,6 +322,8 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
         "base_model": model_args.model_name_or_path,
         "dataset": script_args.dataset_name or world.name,
         "retriever": retriever_args.retriever_url or retriever_args.corpus or f"BM25 over {world.corpus_name} corpus",
+        "retriever_arg": retriever_args.retriever_url or retriever_args.corpus or str(world.corpus),
+        "example_question": train_dataset[0]["question"],
     }
     trainer.add_callback(LaunchBannerCallback(trainer))
     trainer.add_callback(SaveOnSignalCallback(trainer))
@@ -279,11 +339,14 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
 
         heldout = eval_dataset if eval_dataset is not None else load_qa(str(world.test), split="test")
         rows = list(heldout.select(range(min(script_args.heldout_questions, len(heldout)))))
+        progress = HeldOutProgressCallback(len(rows))
+        trainer.add_callback(progress)
         trainer.add_callback(
             HeldOutEvalCallback(
                 tokenizer,
                 rows,
                 retriever,
+                on_result=progress.report,
                 max_turns=training_args.max_turns,
                 topk=training_args.retrieval_topk,
                 max_new_tokens=training_args.max_completion_length,
@@ -321,6 +384,7 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
     from mempo_trl.checkpoints import check_room_to_save, disk_full_error, is_disk_full, save_model_or_rescue
     from mempo_trl.interruptions import NonFiniteError, SaveOnSignalCallback, TrainingStopped
     from mempo_trl.retrieval import RetrievalError, RetrieverOutage
+    from mempo_trl.model_card import heldout_summary
 
     check_room_to_save(trainer)
     stop = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SaveOnSignalCallback)), None)
@@ -354,6 +418,7 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
         )
     save_model_or_rescue(trainer, training_args.output_dir)
     metrics = {**result.metrics, **trainer.final_metrics()}
+    metrics.update(heldout_summary(trainer.callback_handler.callbacks) or {})
     if trainer.is_world_process_zero():
         Path(training_args.output_dir, "mempo_metrics.json").write_text(json.dumps(metrics, indent=2))
         trainer.create_model_card(dataset_name=dataset_name)
@@ -382,7 +447,37 @@ def parse_args(argv: list[str] | None = None):
     script_args, retriever_args, training_args, model_args = parse("mempo-trl train", types, argv)
     if model_args.model_name_or_path is None:
         model_args.model_name_or_path = TINY_MODEL
+    if training_args.ddp_find_unused_parameters is None:
+        # Trainer's default without activation checkpointing is True, and DDP then warns every run that it found none:
+        # every parameter of a MemPO policy (full or LoRA) gets a gradient.
+        training_args.ddp_find_unused_parameters = False
     return script_args, training_args, model_args, retriever_args
+
+
+KEPT_ON_OVERWRITE = ("base_model", "learner_world")
+"""What `--overwrite_output_dir` keeps in the output directory: the inputs a run writes there and reuses."""
+
+
+def remove_previous_results(output_dir: str | Path) -> list[str]:
+    """Delete everything in ``output_dir`` but `KEPT_ON_OVERWRITE` (weights or adapter, card, metrics, checkpoints,
+    logs of the previous run), so that nothing stale of another kind (full weights beside a new adapter) stays
+    there. Returns the names removed.
+
+    Example:
+        >>> remove_previous_results("outputs/tiny")  # doctest: +SKIP
+        ['README.md', 'adapter_config.json', 'adapter_model.safetensors', 'mempo_metrics.json', ...]
+    """
+    import shutil
+
+    from mempo_trl.outputs import PROBE_PREFIX
+
+    removed = []
+    for entry in sorted(Path(output_dir).iterdir()):
+        if entry.name in KEPT_ON_OVERWRITE or entry.name.startswith(PROBE_PREFIX):  # another process's probe
+            continue
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        removed.append(entry.name)
+    return removed
 
 
 def check_before_training(script_args: ScriptArguments, training_args, model_args) -> None:
@@ -398,12 +493,62 @@ def check_before_training(script_args: ScriptArguments, training_args, model_arg
             f"`mempo-trl eval --environment {script_args.environment}` instead (set heldout_questions: 0)."
         )
     check_report_to(training_args.report_to)
+    first = int(os.environ.get("RANK", "0")) == 0
     prepare_output_dir(
         training_args.output_dir,
         overwrite=script_args.overwrite_output_dir,
         resume=training_args.resume_from_checkpoint,
-        check_existing=int(os.environ.get("RANK", "0")) == 0,  # before rank 0 writes base_model there
+        check_existing=first,  # before rank 0 writes base_model there
     )
+    if first and script_args.overwrite_output_dir and not training_args.resume_from_checkpoint:
+        removed = remove_previous_results(training_args.output_dir)
+        if removed:
+            print(
+                f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {training_args.output_dir}"
+            )
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """The last value of `--name value` / `--name=value` in `argv` ("true" for a bare boolean flag)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}":
+            following = argv[i + 1] if i + 1 < len(argv) else "--"
+            value = "true" if following.startswith("--") else following
+        elif arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def check_output_dir_early(argv: list[str]) -> int:
+    """Refuse an `output_dir` that already holds results in a second, before torch and TRL are imported.
+
+    Reads `output_dir`, `overwrite_output_dir` and `resume_from_checkpoint` from the recipe and the command line the
+    way the full parse will (command line wins); anything it cannot read is left to that parse.
+    """
+    import yaml
+
+    from mempo_trl.outputs import prepare_output_dir
+
+    settings = {}
+    config = _flag_value(argv, "config")
+    if config and Path(config).is_file():
+        try:
+            loaded = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
+        except yaml.YAMLError:
+            loaded = None
+        settings = loaded if isinstance(loaded, dict) else {}
+    for name in ("output_dir", "overwrite_output_dir", "resume_from_checkpoint"):
+        value = _flag_value(argv, name)
+        if value is not None:
+            settings[name] = value
+    output_dir = settings.get("output_dir")
+    if not isinstance(output_dir, str) or not Path(output_dir).is_dir() or int(os.environ.get("RANK", "0")) != 0:
+        return 0  # nothing to refuse yet (and nothing is created before the full parse)
+    overwrite = str(settings.get("overwrite_output_dir", False)).lower() in ("true", "1", "yes")
+    resume = settings.get("resume_from_checkpoint")
+    prepare_output_dir(output_dir, overwrite=overwrite, resume=str(resume) if resume else None)
+    return 0
 
 
 def _main(argv: list[str] | None) -> int:
@@ -449,7 +594,29 @@ def leave_launched_process(rc: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: a bad recipe, path or data stops before training with one `error:` line (exit 2)."""
+    """Entry point: a bad recipe, path or data stops before training with one `error:` line (exit 2).
+
+    With `--accelerate_config` / `--num_processes` (and not yet launched) it starts the processes itself
+    (`mempo_trl.commands.launch`)."""
+    import sys
+
+    from mempo_trl.cli import quiet_upstream_noise
+    from mempo_trl.commands.launch import LAUNCH_FLAGS, launch
+
+    quiet_upstream_noise()  # examples/train_mempo.py comes here without `mempo_trl.cli.main`
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        from mempo_trl.commands.train_help import short_help
+
+        print(short_help())
+        return 0
+    argv = ["--help" if arg == "--help_all" else arg for arg in argv]
+    rc = run(check_output_dir_early, argv)
+    if rc:
+        return rc
+    if "WORLD_SIZE" not in os.environ and any(arg.split("=")[0] in LAUNCH_FLAGS for arg in argv):
+        return run(launch, argv)
     rc = run(_main, argv)
     leave_launched_process(rc)
     return rc

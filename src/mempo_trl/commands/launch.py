@@ -1,0 +1,129 @@
+"""The packaged launch path of `mempo-trl train`, in the style of TRL's CLI (`trl grpo --accelerate_config zero3`).
+
+    mempo-trl train --config recipe.yaml --accelerate_config zero3 --num_processes 8
+    mempo-trl train --config examples/configs/tiny_cpu.yaml --accelerate_config cpu_ddp --num_processes 2
+
+`--accelerate_config` names a config shipped in `mempo_trl/accelerate_configs/` (`cpu_ddp`, `cpu_zero2`,
+`cpu_zero3`, `single_gpu`, `multi_gpu`, `zero2`, `zero3`, `zero3_offload`, `multi_node`) or a YAML path;
+`--num_processes` alone picks `cpu_ddp` for a `use_cpu` recipe and `multi_gpu` otherwise. The recipe and the output
+directory are checked in this process first (a bad input ends in one `error:` line, exit 2, before any process
+starts); then `accelerate launch` runs `python -m mempo_trl train` in each process with the remaining arguments.
+"""
+
+import os
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+
+LAUNCH_FLAGS = (
+    "--accelerate_config",
+    "--num_processes",
+    "--num_machines",
+    "--machine_rank",
+    "--main_process_ip",
+    "--main_process_port",
+)
+"""`accelerate launch` options `mempo-trl train` accepts (each takes one value); the rest go to the training."""
+
+
+def packaged_accelerate_configs() -> dict[str, Path]:
+    """The accelerate configs shipped with the package, by name (file name without `.yaml`)."""
+    root = resources.files("mempo_trl") / "accelerate_configs"
+    return {Path(entry.name).stem: Path(str(entry)) for entry in root.iterdir() if entry.name.endswith(".yaml")}
+
+
+def split_launch_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(`LAUNCH_FLAGS` given, with their values; the other arguments, in order). Accepts `--flag value` and
+    `--flag=value`.
+
+    Example:
+        >>> split_launch_args(["--config", "r.yaml", "--num_processes=2", "--accelerate_config", "zero3"])
+        ({'--num_processes': '2', '--accelerate_config': 'zero3'}, ['--config', 'r.yaml'])
+    """
+    launch: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in LAUNCH_FLAGS:
+            if not eq:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ValueError(f"{flag} needs a value (see `mempo-trl train --help`)")
+                i += 1
+                value = argv[i]
+            launch[flag] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return launch, rest
+
+
+def resolve_accelerate_config(name: str) -> Path:
+    """A packaged config by name, or a YAML file by path.
+
+    Example:
+        >>> resolve_accelerate_config("cpu_zero3").name
+        'cpu_zero3.yaml'
+    """
+    configs = packaged_accelerate_configs()
+    if name in configs:
+        return configs[name]
+    if Path(name).is_file():
+        return Path(name)
+    raise ValueError(
+        f"--accelerate_config {name}: neither a file nor one of the packaged configs ({', '.join(sorted(configs))})"
+    )
+
+
+def launch_command(launch: dict[str, str], train_argv: list[str], use_cpu: bool) -> list[str]:
+    """The `accelerate launch` command that runs `python -m mempo_trl train train_argv` in every process.
+
+    Example:
+        >>> cmd = launch_command({"--num_processes": "2"}, ["--config", "r.yaml"], use_cpu=True)
+        >>> [Path(cmd[4]).name, *cmd[5:]]
+        ['cpu_ddp.yaml', '--num_processes', '2', '--module', 'mempo_trl', 'train', '--config', 'r.yaml']
+    """
+    launch = dict(launch)
+    config = launch.pop("--accelerate_config", "cpu_ddp" if use_cpu else "multi_gpu")
+    options = [item for flag, value in launch.items() for item in (flag, value)]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(resolve_accelerate_config(config)),
+        *options,
+        "--module",
+        "mempo_trl",
+        "train",
+        *train_argv,
+    ]
+
+
+def check_cpu_config(config: Path, use_cpu: bool) -> None:
+    """A `cpu_*` config needs `use_cpu: true` in the recipe (else each process trains its own copy, or DeepSpeed
+    fails its batch check)."""
+    if Path(config).name.startswith("cpu_") and not use_cpu:
+        raise ValueError(
+            f"--accelerate_config {Path(config).stem} runs processes on the CPU: add `--use_cpu true` "
+            "(or `use_cpu: true` in the recipe)"
+        )
+
+
+def launch(argv: list[str]) -> int:
+    """Check the recipe and the output directory here, then start the processes; returns the launcher's exit code."""
+    from mempo_trl.commands.train import check_before_training, parse_args
+
+    launch, train_argv = split_launch_args(argv)
+    script_args, training_args, model_args, _ = parse_args(train_argv)
+    cmd = launch_command(launch, train_argv, use_cpu=training_args.use_cpu)
+    check_cpu_config(Path(cmd[4]), training_args.use_cpu)
+    check_before_training(script_args, training_args, model_args)
+    # torchrun sets OMP_NUM_THREADS=1 in every process anyway (and warns that it did); say it once here instead.
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    if Path(cmd[4]).name.startswith("cpu_"):  # DeepSpeed's accelerator, named: no "Setting accelerator to CPU" warning
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    print(f"mempo-trl: launching {' '.join(cmd[3:])}", flush=True)
+    return subprocess.run(cmd, env=env).returncode

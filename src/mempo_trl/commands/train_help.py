@@ -1,0 +1,102 @@
+"""`mempo-trl train --help`: the fields a MemPO run is about, first and short, printed without importing torch or TRL.
+
+MemPO's own fields are read from the source of `MemPOConfig` (importing it would import TRL, tens of seconds);
+the data, retrieval and launch options from their dataclasses. `--help_all` prints TRL's full parser help (every
+field of `GRPOConfig`, `TrainingArguments` and `ModelConfig`).
+"""
+
+import ast
+import importlib.util
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+
+COMMON_TRL_FIELDS = (
+    "model_name_or_path", "output_dir", "overwrite_output_dir", "max_steps", "learning_rate", "num_generations",
+    "per_device_train_batch_size", "max_completion_length", "temperature", "beta", "seed", "use_cpu", "bf16",
+    "use_peft", "lora_r", "lora_target_modules", "use_vllm", "vllm_mode", "report_to", "push_to_hub", "hub_model_id",
+    "resume_from_checkpoint",
+)  # fmt: skip
+"""GRPOConfig / ModelConfig fields a MemPO recipe usually sets, listed by name only."""
+
+
+def config_fields(module: str = "mempo_trl.config", cls: str = "MemPOConfig") -> list[tuple[str, str, str, str]]:
+    """(name, type, default, help) of the fields `cls` declares itself, read from its source.
+
+    Example:
+        >>> config_fields()[0]
+        ('max_turns', 'int', '8', 'Rounds per episode at most.')
+    """
+    source = Path(importlib.util.find_spec(module).origin).read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    found = []
+    for item in node.body:
+        if not isinstance(item, ast.AnnAssign) or not isinstance(item.value, ast.Call):
+            continue
+        keywords = {k.arg: k.value for k in item.value.keywords}
+        default = ast.get_source_segment(source, keywords["default"]) if "default" in keywords else ""
+        text = ""
+        if "metadata" in keywords:
+            metadata = keywords["metadata"]
+            for key, value in zip(metadata.keys, metadata.values):
+                if isinstance(key, ast.Constant) and key.value == "help":
+                    text = ast.literal_eval(value)
+        found.append((item.target.id, ast.get_source_segment(source, item.annotation), default, text))
+    return found
+
+
+def _dataclass_fields(cls) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for f in fields(cls):
+        default = (
+            f.default
+            if f.default is not MISSING
+            else (f.default_factory() if f.default_factory is not MISSING else "")
+        )
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        rows.append(
+            (f.name, kind, repr(default) if isinstance(default, str) else str(default), f.metadata.get("help", ""))
+        )
+    return rows
+
+
+def _section(title: str, rows) -> list[str]:
+    lines = [title]
+    for name, kind, default, text in rows:
+        shown = f" (default: {default})" if default not in ("", "None") else ""
+        lines.append(f"  --{name} {kind.upper().replace(' | NONE', '')}")
+        lines.append(f"      {text}{shown}")
+    return [*lines, ""]
+
+
+def short_help() -> str:
+    """The text of `mempo-trl train --help`."""
+    from mempo_trl.commands.launch import packaged_accelerate_configs
+    from mempo_trl.commands.retrieval import RetrieverArguments
+    from mempo_trl.commands.train import ScriptArguments
+
+    launch = [
+        ("accelerate_config", "name", "", f"Start the processes with this accelerate config: one shipped with the "
+         f"package ({', '.join(sorted(packaged_accelerate_configs()))}) or a YAML path."),
+        ("num_processes", "int", "", "Processes to start (with no --accelerate_config: cpu_ddp for a `use_cpu` recipe, "
+         "else multi_gpu)."),
+        ("main_process_port", "int", "", "Port of the launcher's rendezvous (also --num_machines, --machine_rank, "
+         "--main_process_ip)."),
+    ]  # fmt: skip
+    lines = [
+        "usage: mempo-trl train [--config recipe.yaml] [--FIELD VALUE ...] [--accelerate_config NAME --num_processes N]",
+        "",
+        "Train a MemPO search agent (TRL's GRPOTrainer with a multi-turn search rollout and the memory advantage).",
+        "Every field can be set in the YAML recipe (`--config`) or on the command line, which wins.",
+        "",
+        *_section("MemPO (MemPOConfig's own fields):", config_fields()),
+        *_section("Data and rewards:", _dataclass_fields(ScriptArguments)),
+        *_section("Retrieval:", _dataclass_fields(RetrieverArguments)),
+        *_section("Launch (mempo-trl starts `accelerate launch` itself):", launch),
+        "TRL fields a recipe usually sets (GRPOConfig, ModelConfig):",
+        "  " + ", ".join(f"--{name}" for name in COMMON_TRL_FIELDS),
+        "",
+        "Every field of GRPOConfig, TrainingArguments and ModelConfig: mempo-trl train --help_all",
+    ]
+    return "\n".join(lines)

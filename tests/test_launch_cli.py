@@ -1,0 +1,167 @@
+"""The packaged launch path (`mempo-trl train --accelerate_config NAME --num_processes N`), the short `--help`, and
+the output-directory refusal that comes before torch and TRL are imported."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mempo_trl.commands.launch import (
+    check_cpu_config,
+    launch_command,
+    packaged_accelerate_configs,
+    resolve_accelerate_config,
+    split_launch_args,
+)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_split_launch_args_keeps_the_training_arguments_in_order():
+    launch, rest = split_launch_args(
+        ["--config", "r.yaml", "--num_processes", "2", "--max_steps", "1", "--accelerate_config=cpu_zero3"]
+    )
+    assert launch == {"--num_processes": "2", "--accelerate_config": "cpu_zero3"}
+    assert rest == ["--config", "r.yaml", "--max_steps", "1"]
+    with pytest.raises(ValueError, match="--num_processes needs a value"):
+        split_launch_args(["--num_processes", "--max_steps", "1"])
+
+
+def test_the_repository_configs_are_the_packaged_ones():
+    packaged = packaged_accelerate_configs()
+    assert {"cpu_ddp", "cpu_zero2", "cpu_zero3", "zero2", "zero3", "multi_gpu", "single_gpu"} <= set(packaged)
+    for name, path in packaged.items():
+        assert (ROOT / "accelerate_configs" / f"{name}.yaml").read_text() == path.read_text()
+        yaml.safe_load(path.read_text())
+    assert resolve_accelerate_config(str(packaged["zero3"])) == packaged["zero3"]  # a path works too
+    with pytest.raises(ValueError, match="neither a file nor one of the packaged configs"):
+        resolve_accelerate_config("zero4")
+
+
+def test_launch_command_runs_the_packaged_module_in_every_process():
+    cmd = launch_command({"--accelerate_config": "zero3", "--num_processes": "8"}, ["--config", "r.yaml"], False)
+    assert cmd[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
+    assert Path(cmd[4]) == packaged_accelerate_configs()["zero3"]
+    assert cmd[5:] == ["--num_processes", "8", "--module", "mempo_trl", "train", "--config", "r.yaml"]
+    # --num_processes alone: DDP, on the CPU for a use_cpu recipe.
+    assert Path(launch_command({"--num_processes": "2"}, [], True)[4]).name == "cpu_ddp.yaml"
+    assert Path(launch_command({"--num_processes": "2"}, [], False)[4]).name == "multi_gpu.yaml"
+
+
+def test_a_cpu_config_needs_use_cpu():
+    check_cpu_config(packaged_accelerate_configs()["cpu_zero3"], use_cpu=True)
+    check_cpu_config(packaged_accelerate_configs()["zero3"], use_cpu=False)
+    with pytest.raises(ValueError, match="--use_cpu true"):
+        check_cpu_config(packaged_accelerate_configs()["cpu_zero3"], use_cpu=False)
+
+
+def test_a_launch_with_a_bad_input_is_one_error_line_before_any_process_starts(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'out'}\nuse_cpu: false\nbf16: false\nreport_to: none\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "mempo_trl", "train", "--config", str(recipe), "--accelerate_config", "cpu_zero3",
+         "--num_processes", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "error: --accelerate_config cpu_zero3 runs processes on the CPU: add `--use_cpu true` (or `use_cpu: true` in "
+        "the recipe)"
+    ]
+    assert "launching" not in result.stdout
+
+
+def test_help_is_short_lists_mempo_fields_first_and_imports_neither_torch_nor_trl(tmp_path):
+    code = (
+        "import sys; from mempo_trl.cli import main; rc = main(['train', '--help']); "
+        "print('HEAVY', sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules), rc)"
+    )
+    result = _run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert text.rstrip().endswith("HEAVY [] 0")
+    assert len(text.splitlines()) < 120
+    assert text.index("--max_turns") < text.index("--dataset_name") < text.index("--corpus")
+    assert text.index("--memory_coef") < text.index("  --accelerate_config")
+    assert "(default: 8)" in text and text.count("--max_turns") == 1
+    assert "mempo-trl train --help_all" in text
+
+
+def test_an_output_dir_with_results_is_refused_before_torch_is_imported(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {out}\n")
+    code = (
+        "import sys; from mempo_trl.cli import main; "
+        f"rc = main(['train', '--config', {str(recipe)!r}]); "
+        "print('HEAVY', sorted(m for m in ('torch', 'trl') if m in sys.modules), rc)"
+    )
+    result = _run_python(code, tmp_path)
+    assert result.stdout.rstrip().endswith("HEAVY [] 2"), result.stdout + result.stderr
+    assert "already holds results (model.safetensors)" in result.stderr
+    # The command line wins over the recipe, as in the full parse: this run gets past the early check.
+    fresh = tmp_path / "fresh"
+    result = _run_python(
+        code.replace("'--config',", f"'--output_dir', {str(fresh)!r}, '--max_steps', 'ten', '--config',"), tmp_path
+    )
+    assert "already holds results" not in result.stderr
+    assert "invalid int value: 'ten'" in result.stderr
+
+
+def test_the_tiny_model_is_built_in_a_fresh_process_without_the_launchers_environment(tmp_path, monkeypatch):
+    """Under ZeRO-3 the build's `from_pretrained` would run inside `deepspeed.zero.Init` (a collective) on the main
+    process alone while the others wait: it must run in a process that knows nothing of the launched world."""
+    import subprocess as subprocess_module
+    from types import SimpleNamespace
+
+    from mempo_trl.commands import train
+
+    monkeypatch.setenv("MEMPO_CACHE", str(tmp_path / "cache"))
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "29500",
+                        "ACCELERATE_USE_DEEPSPEED": "true", "TORCHELASTIC_RUN_ID": "x"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    calls = []
+
+    def fake_run(cmd, env, check):
+        calls.append((cmd, env))
+        built = Path(cmd[-2])
+        built.mkdir(parents=True)
+        (built / "config.json").write_text("{}")
+
+    monkeypatch.setattr(subprocess_module, "run", fake_run)
+
+    class Args(SimpleNamespace):
+        def main_process_first(self, desc):
+            from contextlib import nullcontext
+
+            return nullcontext()
+
+    args = Args(output_dir=str(tmp_path / "out"), seed=3, local_process_index=0)
+    path = train.build_tiny_base_model(args)
+    ((cmd, env),) = calls
+    assert cmd[0] == sys.executable and "build_warm_tiny_model" in cmd[2]
+    assert cmd[-2:] == [str(tmp_path / "cache" / "tiny_warm" / "seed3"), "3"]
+    assert not {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_PORT",
+        "ACCELERATE_USE_DEEPSPEED",
+        "TORCHELASTIC_RUN_ID",
+    } & set(env)
+    assert env["MEMPO_CACHE"] == str(tmp_path / "cache")
+    assert path == tmp_path / "out" / "base_model" and (path / "config.json").is_file()  # copied into the run
+
+    calls.clear()
+    args.local_process_index = 1  # the other processes of the node wait, then load the copy
+    train.build_tiny_base_model(args)
+    assert calls == []
