@@ -383,8 +383,8 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
     """
     from mempo_trl.checkpoints import check_room_to_save, disk_full_error, is_disk_full, save_model_or_rescue
     from mempo_trl.interruptions import NonFiniteError, SaveOnSignalCallback, TrainingStopped
-    from mempo_trl.retrieval import RetrievalError, RetrieverOutage
     from mempo_trl.model_card import heldout_summary
+    from mempo_trl.retrieval import RetrievalError, RetrieverOutage
 
     check_room_to_save(trainer)
     stop = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SaveOnSignalCallback)), None)
