@@ -131,37 +131,33 @@ def test_evaluate_logs_episode_and_memory_metrics(warm_model_dir, demo_paths, de
     assert 0.0 <= metrics["eval_episode/format_valid"] <= 1.0
 
 
-def _searches(trajectory) -> list[int]:
-    return [sum("<search>" in turn for turn in turns) for turns in trajectory]
+def _longer(prompts, completions, trajectory, **kwargs):
+    """A reward the tiny policy can reach without knowing any answer: the episode's length (100s of characters)."""
+    return [sum(len(turn) for turn in turns) / 100 for turns in trajectory]
 
 
-def _searched_twice(prompts, completions, trajectory, **kwargs):
-    """A reward the tiny policy can reach without knowing any answer: 1 for an episode with 2+ searches."""
-    return [float(n >= 2) for n in _searches(trajectory)]
-
-
-def _searched_at_most_once(prompts, completions, trajectory, **kwargs):
-    """The opposite reward: 1 for an episode with fewer than 2 searches."""
-    return [float(n < 2) for n in _searches(trajectory)]
+def _shorter(prompts, completions, trajectory, **kwargs):
+    """The opposite reward."""
+    return [-r for r in _longer(prompts, completions, trajectory)]
 
 
 @pytest.mark.slow
 def test_training_climbs_a_reward_the_policy_can_reach(warm_model_dir, demo_paths, demo_retriever, tmp_path):
     """The whole path (rollout, rewards, per-round rows, advantages, TRL's loss) moves the policy towards reward.
 
-    Two policies train from the same warm start, one rewarded for searching twice and one for the opposite; the
-    share of episodes that search twice must end far apart (~0.8 measured, on AVX2 and AVX-512 kernels alike). A
-    contrast of two runs, not one run's climb against its own noisy start: 8 episodes a step give a single run's
-    reward a spread of +/-0.2, so a seeded margin on it passed or failed with the CPU's rounding. A sign or
-    alignment error anywhere makes the two policies move the wrong way, or not apart."""
-    shares = {}
-    for reward in (_searched_twice, _searched_at_most_once):
+    Two policies train from the same warm start, one rewarded for long episodes and one for short ones; their
+    episodes must end far apart in length (3.6 vs 1.2 hundred characters measured on AVX-512 and AVX2 kernels). A
+    sign or alignment error anywhere makes the two move the wrong way, or not apart. A contrast of two runs on a
+    continuous reward, not one run's climb on a 0/1 reward: 8 episodes a step gave a single run a spread of +/-0.2,
+    and a warm start whose G episodes of a question all search alike (as the AVX2 build's does) gives a 0/1 reward
+    no group variance, hence no gradient."""
+    lengths = {}
+    for reward in (_longer, _shorter):
         trainer, _, _ = _train(
             warm_model_dir, demo_paths, demo_retriever, tmp_path / reward.__name__, reward_funcs=[reward],
             max_steps=10, learning_rate=1e-3, max_turns=3, memory_coef=0.0,
         )  # fmt: skip
         rewards = _logged(trainer, "reward")
         print(reward.__name__, "reward per step:", [round(r, 2) for r in rewards])
-        tail = sum(rewards[-4:]) / 4
-        shares[reward.__name__] = tail if reward is _searched_twice else 1.0 - tail
-    assert shares["_searched_twice"] - shares["_searched_at_most_once"] > 0.5
+        lengths[reward.__name__] = abs(sum(rewards[-4:]) / 4)
+    assert lengths["_longer"] > 1.5 * lengths["_shorter"]

@@ -21,9 +21,6 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from transformers.utils import get_json_schema
-from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
-
 
 ENVIRONMENT_INSTRUCTION = (
     "Solve the task with the tools. Every turn, first write <mem> ... </mem> with everything useful you know so far "
@@ -74,6 +71,10 @@ def tool_schemas(environment) -> list[dict]:
     Raises:
         EnvironmentConventionError: a tool whose signature or docstring does not give a schema (the message names it).
     """
+    # Imported here: `mempo-trl train --help` loads no transformers.
+    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+
     schemas = []
     for tool in environment_tools(environment):
         try:
