@@ -146,7 +146,8 @@ def test_training_climbs_a_reward_the_policy_can_reach(warm_model_dir, demo_path
     """The whole path (rollout, rewards, per-round rows, advantages, TRL's loss) moves the policy towards reward.
 
     Two policies train from the same warm start, one rewarded for long episodes and one for short ones; their
-    episodes must end far apart in length (3.6 vs 1.2 hundred characters measured on AVX-512 and AVX2 kernels). A
+    episodes must end far apart in length (over the last 4 steps, 3.2 vs 0.6 hundred characters with AVX-512 kernels,
+    2.9 vs 0.2 with AVX2 kernels and the AVX2 build of the warm start). A
     sign or alignment error anywhere makes the two move the wrong way, or not apart. A contrast of two runs on a
     continuous reward, not one run's climb on a 0/1 reward: 8 episodes a step gave a single run a spread of +/-0.2,
     and a warm start whose G episodes of a question all search alike (as the AVX2 build's does) gives a 0/1 reward
@@ -155,9 +156,9 @@ def test_training_climbs_a_reward_the_policy_can_reach(warm_model_dir, demo_path
     for reward in (_longer, _shorter):
         trainer, _, _ = _train(
             warm_model_dir, demo_paths, demo_retriever, tmp_path / reward.__name__, reward_funcs=[reward],
-            max_steps=10, learning_rate=1e-3, max_turns=3, memory_coef=0.0,
+            max_steps=10, learning_rate=3e-3, max_turns=3, memory_coef=0.0,
         )  # fmt: skip
         rewards = _logged(trainer, "reward")
         print(reward.__name__, "reward per step:", [round(r, 2) for r in rewards])
         lengths[reward.__name__] = abs(sum(rewards[-4:]) / 4)
-    assert lengths["_longer"] > 1.5 * lengths["_shorter"]
+    assert lengths["_longer"] > 2 * lengths["_shorter"]
