@@ -1,5 +1,6 @@
 import doctest
 import math
+import statistics
 
 import pytest
 import torch
@@ -166,3 +167,17 @@ def test_mempo_advantages_validation():
         _run(memory_pooling="round")
     with pytest.raises(ValueError, match="needs its <mem> span"):
         mempo_advantages(REWARDS, [0], [1], [0.5], [None], torch.ones(1, 5), slice(0, 1), 2)
+
+
+def test_an_unscorable_trajectory_gets_no_advantage_and_leaves_its_group_alone():
+    """A trajectory every reward function returned None for (NaN after TRL's gathering) is out of its group's mean and
+    std and gets advantage 0, as in TRL 1.16; counted as reward 0 it would move its group and itself."""
+
+    nan = float("nan")
+    got = group_outcome_advantages(torch.tensor([1.0, 0.0, nan, 3.0, 3.0, 5.0]), 3, "group")
+    std = math.sqrt(((1 - 0.5) ** 2 + (0 - 0.5) ** 2) / 1)  # unbiased, over the two scored values
+    rest = statistics.stdev([3.0, 3.0, 5.0])
+    expected = [0.5 / (std + 1e-4), -0.5 / (std + 1e-4), 0.0, *((v - 11 / 3) / (rest + 1e-4) for v in (3.0, 3.0, 5.0))]
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    batch = group_outcome_advantages(torch.tensor([1.0, nan, 0.0, 0.0]), 2, "batch")
+    torch.testing.assert_close(batch, torch.tensor([0.0, 0.0, 0.0, 0.0]))  # group 1 has one scored value: centred 0

@@ -108,3 +108,21 @@ def test_tools_are_refused_with_the_alternative(tiny_model_dir, tmp_path):
     args = MemPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=r"does not take `tools=`.*as an environment"):
         MemPOTrainer(model, EchoRetriever(), args=args, processing_class=tokenizer, tools=[search])
+
+
+def test_a_trajectory_no_reward_function_scores_gets_advantage_zero(tiny_model_dir, tmp_path, monkeypatch):
+    """As in GRPOTrainer: when every reward function returns None for a trajectory it is unscorable, so it is out of
+    its group's baseline and its advantage is 0 (counted as reward 0, it would give its group-mate one)."""
+
+    def turns_or_none(completions, trajectory, **kwargs):
+        return [None if len(t) == 3 else float(len(t)) for t in trajectory]
+
+    trainer = make_trainer(tiny_model_dir, tmp_path, monkeypatch)
+    trainer.reward_funcs, trainer.reward_func_names = [turns_or_none], ["turns_or_none"]
+    trainer.args.memory_coef = 0.0  # the outcome advantage alone
+    trainer.model.train()
+    inputs = [{"question": q, "golden_answers": GOLDS[q]} for q in SCRIPT for _ in range(2)]
+    out = trainer._generate_and_score_completions(inputs)
+    # Rows: Alpha 2 + 1 rounds (rewards 2, 1), Beta 1 + 3 rounds (rewards 1, None).
+    a = 0.5 / (2**-0.5 + 1e-4)
+    assert out["advantages"][:, 0].tolist() == pytest.approx([a, a, -a, 0.0, 0.0, 0.0, 0.0], abs=1e-5)

@@ -19,10 +19,13 @@ def group_outcome_advantages(
 
     Matches TRL 1.16 ``GRPOTrainer`` (``sum_then_normalize``): ``r - group mean``, divided by ``std + 1e-4`` where
     std is the unbiased (Bessel) std of the group (``"group"``/``True``) or of the whole batch (``"batch"``); no
-    division for ``"none"``/``False``. A group (or batch) of one value has std 0, as in TRL.
+    division for ``"none"``/``False``. A group (or batch) of one value has std 0, as in TRL. A NaN reward (every
+    reward function returned None: unscorable) is left out of the means and stds and gets advantage 0, as in TRL.
 
     >>> group_outcome_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 2, "none")
     tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
+    >>> group_outcome_advantages(torch.tensor([1.0, 0.0, float("nan")]), 3, "none")
+    tensor([ 0.5000, -0.5000,  0.0000])
     """
     scale = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)
     if scale not in ("group", "batch", "none"):
@@ -33,14 +36,21 @@ def group_outcome_advantages(
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {num_generations}")
     rewards = rewards.float()
     grouped = rewards.view(-1, num_generations)
-    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    advantages = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)).view(-1)
     if scale == "group":
-        std = grouped.std(dim=1) if num_generations > 1 else torch.zeros(grouped.shape[0], device=rewards.device)
+        std = _nanstd(grouped) if num_generations > 1 else torch.zeros(grouped.shape[0], device=rewards.device)
         advantages = advantages / (std.repeat_interleave(num_generations) + 1e-4)
     elif scale == "batch":
-        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+        std = _nanstd(rewards.view(1, -1))[0] if rewards.numel() > 1 else rewards.new_zeros(())
         advantages = advantages / (std + 1e-4)
-    return advantages
+    return advantages.masked_fill(torch.isnan(rewards), 0.0)
+
+
+def _nanstd(rows: torch.Tensor) -> torch.Tensor:
+    """Unbiased std of each row ``(G, N) -> (G,)`` over its non-NaN values (0 for a row with one value)."""
+    count = (~torch.isnan(rows)).sum(dim=1)
+    squares = ((rows - torch.nanmean(rows, dim=1, keepdim=True)) ** 2).nansum(dim=1)
+    return torch.where(count > 1, squares / (count - 1).clamp(min=1), torch.zeros_like(squares)).sqrt()
 
 
 def combine_advantages(

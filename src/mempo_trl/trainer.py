@@ -511,6 +511,9 @@ class MemPOTrainer(GRPOTrainer):
             reward_inputs, prompts, completions, [ep.rounds[-1].completion_ids for ep in episodes]
         )
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        # As TRL: a trajectory every reward function returned None for is unscorable, not reward 0 (NaN: left out of
+        # its group's mean and std, advantage 0, `group_outcome_advantages`).
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         return rewards_per_func, rewards
 
     def _round_rows(self, episodes: list[Episode], mode: str) -> tuple[list[tuple[int, int]], dict[str, torch.Tensor]]:
