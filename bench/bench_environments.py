@@ -12,6 +12,9 @@ Longer tasks (`--boxes`, `--digits`) mean more rounds.
 
 import argparse
 import json
+import os
+import platform
+import sys
 
 from mempo_trl.agent import AgentSettings, MemPOAgent, load_chat_tokenizer
 from mempo_trl.evaluation import compare_modes, evaluate
@@ -63,8 +66,13 @@ def main() -> None:
         report[f"safe, {digits} digits"] = measure(tokenizer, "safe", SafeEnv, rows)
     print(json.dumps(report, indent=2))
     if args.output:
+        record = {
+            "command": "python bench/bench_environments.py " + " ".join(sys.argv[1:]),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "tasks": report,
+        }
         with open(args.output, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+            json.dump(record, f, indent=2)
             f.write("\n")
 
 
