@@ -23,7 +23,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from mempo_trl.agent import AgentSettings, MemPOAgent, load_chat_tokenizer
+from mempo_trl.agent import MemPOAgent, load_chat_tokenizer
+from mempo_trl.context import TurnProtocol
 from mempo_trl.data import load_qa
 from mempo_trl.evaluation import compare_modes, evaluate
 from mempo_trl.kit.demo_world import demo_paths
@@ -99,9 +100,7 @@ def run_workload(tokenizer, rows: list[dict], corpus: str, args) -> dict:
     results = {}
     for mode in ("memory", "full_history"):
         script = ScriptedAgent(tokenizer, rows, args.rounds, args.mem_tokens)
-        agent = MemPOAgent(
-            tokenizer, retriever, script, AgentSettings(max_turns=args.rounds, retrieval_topk=args.topk)
-        )
+        agent = MemPOAgent(tokenizer, retriever, script, TurnProtocol(max_turns=args.rounds, retrieval_topk=args.topk))
         results[mode] = evaluate(agent, rows, context_mode=mode, progress=False)
     memory, full = results["memory"].metrics["overall"], results["full_history"].metrics["overall"]
     assert memory["em"] == full["em"] == 1.0 and memory["turns_per_question"] == args.rounds

@@ -16,7 +16,8 @@ import os
 import platform
 import sys
 
-from mempo_trl.agent import AgentSettings, MemPOAgent, load_chat_tokenizer
+from mempo_trl.agent import MemPOAgent, load_chat_tokenizer
+from mempo_trl.context import TurnProtocol
 from mempo_trl.evaluation import compare_modes, evaluate
 from mempo_trl.kit.envs import ORACLES, KeyVaultEnv, OracleGenerator, SafeEnv, key_vault_rows, safe_rows
 
@@ -24,7 +25,7 @@ from mempo_trl.kit.envs import ORACLES, KeyVaultEnv, OracleGenerator, SafeEnv, k
 def measure(tokenizer, name: str, factory, rows: list[dict]) -> dict:
     """Per-round prompt tokens, peak and total tokens per episode in both context modes, and the reductions."""
     generator = OracleGenerator(tokenizer, ORACLES[name])
-    agent = MemPOAgent(tokenizer, None, generator, AgentSettings(max_turns=16), environment_factory=factory)
+    agent = MemPOAgent(tokenizer, None, generator, TurnProtocol(max_turns=16), environment_factory=factory)
     results = {mode: evaluate(agent, rows, context_mode=mode, progress=False) for mode in ("memory", "full_history")}
     report = {}
     for mode, result in results.items():

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from mempo_trl.context import TurnProtocol
 from mempo_trl.data import read_jsonl
 from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.memory import answer_probability
@@ -138,7 +139,7 @@ def build_model(model_dir: str | Path, dims: dict | None = None):
 
 def play_episodes(tokenizer, retriever, rows, rounds: int, turn_tokens: int, mem_tokens: int):
     """Scripted MemPO episodes of exactly ``rounds`` rounds (memory context, real retrieval, top-3)."""
-    engine = RolloutEngine(tokenizer, retriever, max_turns=rounds, topk=3, context_mode="memory")
+    engine = RolloutEngine(tokenizer, TurnProtocol(max_turns=rounds, retrieval_topk=3), retriever)
     policy = ScriptedPolicy(tokenizer, rows, rounds, turn_tokens, mem_tokens)
     episodes, _ = engine.run(rows, policy)
     assert all(len(ep.rounds) == rounds and ep.format_valid for ep in episodes), "scripted episodes must be valid"

@@ -120,12 +120,13 @@ def recall_where_needed(record: dict, values: list[str]) -> float | None:
 def evaluate_horizons(model, tokenizer, rows: list[dict], retriever, budget: dict, context_mode: str) -> dict:
     """Greedy episodes of ``rows``; per K (``horizon_K``): EM, F1, tokens per question, peak context, turns, memory
     recall where it matters (`recall_where_needed`, memory context only) and the share of rows per failure kind."""
-    from mempo_trl.agent import AgentSettings, MemPOAgent
+    from mempo_trl.agent import MemPOAgent
+    from mempo_trl.context import TurnProtocol
     from mempo_trl.evaluation import evaluate
     from mempo_trl.generation import HFGenerator
     from mempo_trl.kit.learner import FAILURE_KINDS, failure_kind
 
-    settings = AgentSettings(
+    protocol = TurnProtocol(
         instruction=budget["instruction"],
         max_turns=budget["max_turns"],
         retrieval_topk=budget["retrieval_topk"],
@@ -133,7 +134,7 @@ def evaluate_horizons(model, tokenizer, rows: list[dict], retriever, budget: dic
         max_completion_length=budget["max_completion_length"],
     )
     generator = HFGenerator(model, tokenizer, budget["max_completion_length"], temperature=0.0, batch_size=32)
-    result = evaluate(MemPOAgent(tokenizer, retriever, generator, settings), rows, progress=False)
+    result = evaluate(MemPOAgent(tokenizer, retriever, generator, protocol), rows, progress=False)
     memory = context_mode == "memory"
     per_k: dict[str, dict] = {}
     for source, m in result.metrics["by_data_source"].items():

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from mempo_trl.environments import ENVIRONMENT_INSTRUCTION, TOOL_STOPS
+from mempo_trl.context import TurnProtocol
+from mempo_trl.environments import TOOL_STOPS
 from mempo_trl.generation import HFGenerator
 from mempo_trl.kit.envs import KIT_ENVIRONMENTS, ORACLES, OracleGenerator
 from mempo_trl.kit.tiny import build_tiny_model, load_tiny
@@ -29,9 +30,7 @@ torch.set_num_threads(1)
 d = build_tiny_model(out, seed=0)
 model, tok = load_tiny(d)
 cls, rows_fn = KIT_ENVIRONMENTS[name]
-eng = RolloutEngine(
-    tok, environment_factory=cls, max_turns=8, instruction=ENVIRONMENT_INSTRUCTION, eos_token_ids=[tok.eos_token_id]
-)
+eng = RolloutEngine(tok, TurnProtocol(max_turns=8), environment_factory=cls, eos_token_ids=[tok.eos_token_id])
 eps, _ = eng.run(rows_fn(300, seed=0), OracleGenerator(tok, ORACLES[name]))
 eos = tok.convert_tokens_to_ids("<|im_end|>")
 ex = [(r.prompt_ids, r.completion_ids + [eos]) for ep in eps for r in ep.rounds]
@@ -63,9 +62,7 @@ model.save_pretrained(d)
 tok.save_pretrained(d)
 model.eval()
 gen = HFGenerator(model, tok, max_new_tokens=96, stops=TOOL_STOPS)
-eng2 = RolloutEngine(
-    tok, environment_factory=cls, max_turns=8, instruction=ENVIRONMENT_INSTRUCTION, eos_token_ids=gen.eos_token_ids
-)
+eng2 = RolloutEngine(tok, TurnProtocol(max_turns=8), environment_factory=cls, eos_token_ids=gen.eos_token_ids)
 eps, _ = eng2.run(rows_fn(20, seed=1), gen)
 m = [ep.metrics() for ep in eps]
 print({k: sum(x.get(k, 0) for x in m) / len(m) for k in m[0]})

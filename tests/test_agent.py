@@ -1,4 +1,4 @@
-"""The agent travels with its settings: the trainer saves them, `MemPOAgent`, `eval` and `ask` read them."""
+"""The agent travels with its turn protocol: the trainer saves it, `MemPOAgent`, `eval` and `ask` read it."""
 
 import doctest
 import json
@@ -9,9 +9,11 @@ from datasets import Dataset
 from helpers import EchoRetriever
 
 import mempo_trl.agent as agent_module
+import mempo_trl.context as context_module
 from mempo_trl import MemPOConfig, MemPOTrainer
-from mempo_trl.agent import AGENT_FILE, AgentError, AgentSettings, MemPOAgent
+from mempo_trl.agent import MemPOAgent
 from mempo_trl.cli import main
+from mempo_trl.context import PROTOCOL_FILE, TurnProtocol
 from mempo_trl.kit.tiny import load_tiny
 
 
@@ -48,24 +50,25 @@ def trained_dir(tiny_model_dir, tmp_path):
 
 def test_doctests():
     assert doctest.testmod(agent_module, optionflags=doctest.ELLIPSIS).failed == 0
+    assert doctest.testmod(context_module, optionflags=doctest.ELLIPSIS).failed == 0
 
 
 def test_trainer_saves_the_protocol_next_to_the_weights(trained_dir):
-    saved = json.loads((trained_dir / AGENT_FILE).read_text())
-    assert saved == CUSTOM
+    saved = json.loads((trained_dir / PROTOCOL_FILE).read_text())
+    assert saved == {**CUSTOM, "action": "search"}
     assert (trained_dir / "config.json").is_file()
-    assert AgentSettings.from_pretrained(trained_dir) == AgentSettings(**CUSTOM)
+    assert TurnProtocol.from_pretrained(trained_dir) == TurnProtocol(**CUSTOM)
 
 
-def test_settings_round_trip_and_errors(tmp_path):
-    assert AgentSettings.from_pretrained(tmp_path) is None  # a model without settings: the defaults apply
-    AgentSettings(max_turns=3).save(tmp_path)
-    assert AgentSettings.from_pretrained(tmp_path).max_turns == 3
-    (tmp_path / AGENT_FILE).write_text('{"context_mode": "sideways"}')
-    with pytest.raises(AgentError, match=f"{AGENT_FILE}.*context_mode"):
-        AgentSettings.from_pretrained(tmp_path)
+def test_protocol_round_trip_and_errors(tmp_path):
+    assert TurnProtocol.from_pretrained(tmp_path) is None  # a model without settings: the defaults apply
+    TurnProtocol(max_turns=3).save(tmp_path)
+    assert TurnProtocol.from_pretrained(tmp_path).max_turns == 3
+    (tmp_path / PROTOCOL_FILE).write_text('{"context_mode": "sideways"}')
+    with pytest.raises(ValueError, match=f"{PROTOCOL_FILE}.*context_mode"):
+        TurnProtocol.from_pretrained(tmp_path)
     config = MemPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_turns=5, max_completion_length=64)
-    assert (AgentSettings.from_config(config).max_turns, AgentSettings.from_config(config).max_completion_length) == (
+    assert (TurnProtocol.from_config(config).max_turns, TurnProtocol.from_config(config).max_completion_length) == (
         5,
         64,
     )
@@ -75,7 +78,7 @@ def test_from_pretrained_plays_the_saved_protocol(trained_dir, caplog):
     retriever = EchoRetriever()
     with caplog.at_level(logging.WARNING, logger="mempo_trl.agent"):
         agent = MemPOAgent.from_pretrained(trained_dir, retriever, device="cpu")
-    assert agent.settings == AgentSettings(**CUSTOM) and not [r for r in caplog.records if r.name == "mempo_trl.agent"]
+    assert agent.protocol == TurnProtocol(**CUSTOM) and not [r for r in caplog.records if r.name == "mempo_trl.agent"]
     result = agent.run("Who founded Orbix?")
     prompt = agent.tokenizer.decode(result.episode.rounds[0].prompt_ids)
     assert "You are Orbix-bot." in prompt and "Q: Who founded Orbix?" in prompt
@@ -91,18 +94,18 @@ def test_from_pretrained_plays_the_saved_protocol(trained_dir, caplog):
 def test_explicit_arguments_override_and_say_so(trained_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="mempo_trl.agent"):
         agent = MemPOAgent.from_pretrained(trained_dir, EchoRetriever(), device="cpu", max_turns=2, retrieval_topk=2)
-    assert agent.settings.max_turns == 2 and agent.settings.system_prompt == CUSTOM["system_prompt"]
+    assert agent.protocol.max_turns == 2 and agent.protocol.system_prompt == CUSTOM["system_prompt"]
     assert [r.getMessage() for r in caplog.records if r.name == "mempo_trl.agent"] == [
-        f"max_turns=2 overrides the saved max_turns=1 ({AGENT_FILE} of {trained_dir})"
+        f"max_turns=2 overrides the saved max_turns=1 ({PROTOCOL_FILE} of {trained_dir})"
     ]
 
 
-def test_eval_reads_the_saved_settings(trained_dir, tmp_path, caplog):
+def test_eval_reads_the_saved_protocol(trained_dir, tmp_path, caplog):
     out = tmp_path / "eval"
     argv = ["eval", "--model_name_or_path", str(trained_dir), "--output_dir", str(out), "--max_eval_samples", "3"]
     assert main([*argv, "--disable_tqdm", "true"]) == 0
     report = json.loads((out / "results.json").read_text())
-    assert report["settings"]["agent"] == CUSTOM and report["settings"]["agent_settings_saved"]
+    assert report["settings"]["protocol"] == {**CUSTOM, "action": "search"} and report["settings"]["protocol_saved"]
     assert report["settings"]["context_modes"] == ["full_history"]
     records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert all(r["num_turns"] == 1 and r["rounds"][0]["completion_tokens"] <= 6 for r in records)

@@ -9,7 +9,7 @@ import pytest
 from datasets import Dataset
 
 from mempo_trl import MemPOConfig, MemPOTrainer
-from mempo_trl.context import initial_messages, render_prompt
+from mempo_trl.context import TurnProtocol, initial_messages, render_prompt
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.retrieval import Passage
 from mempo_trl.rollout import RolloutEngine
@@ -50,9 +50,8 @@ def play(tokenizer, limit, mode, context_mode="memory"):
             outs.append(tokenizer(turn(k, t, "answer" if t == 3 else "search"), add_special_tokens=False)["input_ids"])
         return outs, None
 
-    engine = RolloutEngine(
-        tokenizer, Retriever(), max_turns=3, context_mode=context_mode, max_prompt_length=limit, context_overflow=mode
-    )
+    protocol = TurnProtocol(max_turns=3, context_mode=context_mode)
+    engine = RolloutEngine(tokenizer, protocol, Retriever(), max_prompt_length=limit, context_overflow=mode)
     rows = [{"question": f"Q{k}?", "golden_answers": ["x"]} for k in range(2)]
     episodes, _ = engine.run(rows, generate)
     return episodes, prompts_seen

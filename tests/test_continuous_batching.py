@@ -10,9 +10,9 @@ from transformers import GenerationConfig
 from transformers.generation.continuous_batching import RequestState, RequestStatus
 
 from mempo_trl import MemPOConfig, MemPOTrainer
-from mempo_trl.generation import ContinuousBatchingStops
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
+from mempo_trl.stopping import ContinuousBatchingStops
 
 
 TURN = "<mem>alpha</mem>\n<think>search</think>\n<search>alpha</search>"

@@ -13,7 +13,7 @@ from datasets import Dataset
 from helpers import scripted_scorers
 
 from mempo_trl import MemPOConfig, MemPOTrainer
-from mempo_trl.context import initial_messages, render_prompt, round_messages
+from mempo_trl.context import TurnProtocol, initial_messages, render_prompt, round_messages
 from mempo_trl.environments import (
     ENVIRONMENT_INSTRUCTION,
     EnvironmentConventionError,
@@ -139,14 +139,8 @@ def tiny(tiny_model_dir):
 
 
 def engine(tokenizer, factory, context_mode="memory", max_turns=8):
-    return RolloutEngine(
-        tokenizer,
-        environment_factory=factory,
-        max_turns=max_turns,
-        context_mode=context_mode,
-        instruction=ENVIRONMENT_INSTRUCTION,
-        eos_token_ids=[tokenizer.eos_token_id],
-    )
+    protocol = TurnProtocol(max_turns=max_turns, context_mode=context_mode)
+    return RolloutEngine(tokenizer, protocol, environment_factory=factory, eos_token_ids=[tokenizer.eos_token_id])
 
 
 @pytest.mark.parametrize("context_mode", ["memory", "full_history"])

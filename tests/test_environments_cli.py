@@ -33,7 +33,7 @@ def oracle_agent(tokenizer, name):
 
 def test_the_agent_plays_an_environment_row_and_counts_its_tokens(tokenizer):
     agent = oracle_agent(tokenizer, "keyvault")
-    assert agent.settings.instruction == ENVIRONMENT_INSTRUCTION
+    assert agent.protocol.instruction == ENVIRONMENT_INSTRUCTION
     row = key_vault_rows(1, seed=3, num_boxes=4)[0]
     result = agent.run(row)
     env = KeyVaultEnv()
@@ -76,7 +76,7 @@ def test_eval_cli_plays_a_kit_environment_in_both_modes(tiny_model_dir, tmp_path
     assert "reward" in capsys.readouterr().out
     report = json.loads((out / "results.json").read_text())
     assert report["settings"]["retriever"] == {"environment": "safe"}
-    assert report["settings"]["agent"]["instruction"] == ENVIRONMENT_INSTRUCTION
+    assert report["settings"]["protocol"]["instruction"] == ENVIRONMENT_INSTRUCTION
     lines = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     tasks = [SafeEnv().reset(**row) for row in safe_rows(3, seed=1)]  # the held-out kit rows
     assert [line["question"] for line in lines] == tasks * 2

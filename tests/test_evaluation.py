@@ -9,11 +9,11 @@ from collections import defaultdict
 import pytest
 from helpers import EchoRetriever, free_port
 
-from mempo_trl.agent import AgentSettings, MemPOAgent
+from mempo_trl.agent import MemPOAgent
 from mempo_trl.cli import main
-from mempo_trl.context import initial_messages, render_prompt
+from mempo_trl.context import TurnProtocol, initial_messages, render_prompt, stop_token_ids
 from mempo_trl.evaluation import compare_modes, evaluate
-from mempo_trl.generation import HFGenerator, stop_token_ids, strip_completion
+from mempo_trl.generation import HFGenerator, strip_completion
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
 from mempo_trl.protocol import render_information
@@ -83,7 +83,7 @@ METRIC_SCRIPT = {
 def test_scripted_policy_metrics(tokenizer):
     retriever = EchoRetriever()
     agent = MemPOAgent(
-        tokenizer, retriever, Script(tokenizer, METRIC_SCRIPT), AgentSettings(max_turns=3, retrieval_topk=2)
+        tokenizer, retriever, Script(tokenizer, METRIC_SCRIPT), TurnProtocol(max_turns=3, retrieval_topk=2)
     )
     result = evaluate(agent, METRIC_ROWS, progress=False)
     per_question = [(r["em"], round(r["f1"], 6), r["sub_em"], r["format_valid"]) for r in result.records]
@@ -144,9 +144,7 @@ def test_token_counts_match_a_hand_count(tokenizer):
 
     results = {}
     for mode, prompts in expected_prompts.items():
-        agent = MemPOAgent(
-            tokenizer, EchoRetriever(), Script(tokenizer, {question: texts}), AgentSettings(max_turns=3)
-        )
+        agent = MemPOAgent(tokenizer, EchoRetriever(), Script(tokenizer, {question: texts}), TurnProtocol(max_turns=3))
         result = evaluate(agent, rows, context_mode=mode, progress=False)
         record = result.records[0]
         assert [r.prompt_ids for r in result.episodes[0].rounds] == prompts
@@ -223,7 +221,7 @@ def test_cli_end_to_end_both_modes(tiny_model_dir, tmp_path, cache, capsys):
     report = json.loads((out / "results.json").read_text())
     settings = report["settings"]
     assert settings["context_modes"] == ["memory", "full_history"]
-    agent = settings["agent"]
+    agent = settings["protocol"]
     assert (agent["max_turns"], agent["retrieval_topk"], settings["num_questions"]) == (2, 3, 8)
     assert settings["retriever"]["kind"] == "bm25" and settings["retriever"]["num_passages"] > 0
     assert {"torch", "transformers", "trl", "mempo_trl"} <= set(report["versions"])
@@ -315,7 +313,7 @@ def test_cli_vllm_backend_without_vllm(tiny_model_dir, tmp_path, cache, capsys):
 def test_summary_means_are_over_questions_reaching_a_round(tokenizer):
     rows = [{"question": q, "golden_answers": ["x"]} for q in ("one round?", "two rounds?")]
     script = {"one round?": [turn("answer", "x")], "two rounds?": [turn("search", "s"), turn("answer", "x")]}
-    agent = MemPOAgent(tokenizer, EchoRetriever(), Script(tokenizer, script), AgentSettings(max_turns=4))
+    agent = MemPOAgent(tokenizer, EchoRetriever(), Script(tokenizer, script), TurnProtocol(max_turns=4))
     result = evaluate(agent, rows, progress=False)
     first, second = result.records
     means = result.metrics["overall"]["prompt_tokens_per_round"]

@@ -275,7 +275,7 @@ def test_merge_lora_with_moved_base_and_dtype(tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from mempo_trl.agent import AgentSettings
+    from mempo_trl.context import TurnProtocol
     from mempo_trl.kit.tiny import load_tiny
     from mempo_trl.merge import merge_lora
 
@@ -285,7 +285,7 @@ def test_merge_lora_with_moved_base_and_dtype(tiny_model_dir, tmp_path):
     peft_model = get_peft_model(model, config).eval()
     adapter = tmp_path / "adapter"
     peft_model.save_pretrained(adapter)  # no tokenizer here: the base model's is used
-    AgentSettings(max_turns=5).save(adapter)
+    TurnProtocol(max_turns=5).save(adapter)
     adapter_config = json.loads((adapter / "adapter_config.json").read_text())
     adapter_config["base_model_name_or_path"] = str(tmp_path / "moved")
     (adapter / "adapter_config.json").write_text(json.dumps(adapter_config))
@@ -295,7 +295,7 @@ def test_merge_lora_with_moved_base_and_dtype(tiny_model_dir, tmp_path):
     assert merged.dtype == torch.bfloat16
     assert not any("lora" in name for name in merged.state_dict())
     assert (out / "tokenizer.json").is_file()
-    assert AgentSettings.from_pretrained(out).max_turns == 5  # the agent's settings travel with the merged model
+    assert TurnProtocol.from_pretrained(out).max_turns == 5  # the agent's settings travel with the merged model
     inputs = tokenizer("Where is Gamma?", return_tensors="pt")
     with torch.no_grad():
         expected = peft_model(**inputs).logits

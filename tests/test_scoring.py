@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from mempo_trl.context import render_prompt, round_messages
+from mempo_trl.context import TurnProtocol, render_prompt, round_messages
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.memory import answer_probability
 from mempo_trl.retrieval import Passage
@@ -29,7 +29,7 @@ class EchoRetriever:
 
 def scripted_episodes(tokenizer, scripts, golds):
     """Play scripted episodes (one list of turn texts per row) through the real RolloutEngine."""
-    engine = RolloutEngine(tokenizer, EchoRetriever(), max_turns=max(len(s) for s in scripts))
+    engine = RolloutEngine(tokenizer, TurnProtocol(max_turns=max(len(s) for s in scripts)), EchoRetriever())
     rows = [{"question": f"Question {i}?", "golden_answers": g} for i, g in enumerate(golds)]
     by_question = {row["question"]: script for row, script in zip(rows, scripts)}
 

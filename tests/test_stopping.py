@@ -12,7 +12,7 @@ from helpers import EchoRetriever
 from transformers import Qwen2ForCausalLM
 
 from mempo_trl import MemPOConfig, MemPOTrainer
-from mempo_trl.context import initial_messages, render_prompt
+from mempo_trl.context import TurnProtocol, initial_messages, render_prompt
 from mempo_trl.generation import HFGenerator
 from mempo_trl.loading import load_tokenizer
 from mempo_trl.rollout import RolloutEngine
@@ -142,7 +142,7 @@ def test_rollout_cuts_vllm_style_outputs_by_the_same_policy(qwen_tokenizer):
     tok = qwen_tokenizer
     turn = TURNS["Where is Beta?"]
     sampled = _kept(tok, turn) + [tok.eos_token_id]
-    engine = RolloutEngine(tok, EchoRetriever(), max_turns=1, eos_token_ids=[tok.eos_token_id])
+    engine = RolloutEngine(tok, TurnProtocol(max_turns=1), EchoRetriever(), eos_token_ids=[tok.eos_token_id])
     (episode,), _ = engine.run([{"question": "Where is Beta?"}], lambda prompts: ([sampled], [[-0.5] * len(sampled)]))
     record = episode.rounds[0]
     assert record.text == turn and record.turn.valid and record.completion_ids == sampled[:-1]

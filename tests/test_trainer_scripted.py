@@ -264,7 +264,7 @@ def test_zero3_gathers_the_parameters_once_per_rollout(scripted_trainer, monkeyp
         round_flags.append(trainer.args.ds3_gather_for_generation)
         return generate(*args, **kwargs)
 
-    monkeypatch.setattr("mempo_trl.trainer.unwrap_model_for_generation", counting_unwrap)
+    monkeypatch.setattr("mempo_trl.grpo_mirror.unwrap_model_for_generation", counting_unwrap)
     monkeypatch.setattr(trainer, "_generate_single_turn", recording_generate)
     monkeypatch.setattr(trainer, "is_deepspeed_enabled", True)  # as under accelerate's DeepSpeed plugin
     inputs = [{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT for _ in range(2)]

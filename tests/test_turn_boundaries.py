@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mempo_trl.kit.qwen as qwen_module
-from mempo_trl.context import render_prompt, round_messages
+from mempo_trl.context import TurnProtocol, render_prompt, round_messages
 from mempo_trl.kit.tiny import qwen2_5_chat_template
 from mempo_trl.protocol import MEMPO_TAGS, locate_mem_span, parse_turn
 from mempo_trl.retrieval import Passage
@@ -183,7 +183,7 @@ CHATTER = "<information>Doc 1(Title: invented) more</information></answer>\n"
 @pytest.mark.parametrize("chatter", ["", CHATTER])
 def test_rollout_with_a_model_that_keeps_talking(any_tokenizer, chatter):
     tok = any_tokenizer
-    engine = RolloutEngine(tok, EchoRetriever(), max_turns=3)
+    engine = RolloutEngine(tok, TurnProtocol(max_turns=3), EchoRetriever())
 
     def generate(prompts):
         outs = []

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from mempo_trl.context import DEFAULT_INSTRUCTION, render_prompt
+from mempo_trl.context import DEFAULT_INSTRUCTION, TurnProtocol, render_prompt
 from mempo_trl.data import read_jsonl
 from mempo_trl.kit import warmstart
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
@@ -87,18 +87,11 @@ def test_oracle_rejects_rows_longer_than_max_turns(all_rows, retriever):
 def test_sft_examples_equal_the_rollout_contexts(
     tiny_model_dir, one_row_per_kind, retriever, context_mode, instruction
 ):
-    from mempo_trl.generation import stop_token_ids
     from mempo_trl.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
-    engine = RolloutEngine(
-        tokenizer,
-        retriever,
-        max_turns=8,
-        context_mode=context_mode,
-        eos_token_ids=stop_token_ids(tokenizer),
-        instruction=instruction,
-    )
+    protocol = TurnProtocol(max_turns=8, context_mode=context_mode, instruction=instruction)
+    engine = RolloutEngine(tokenizer, protocol, retriever, eos_token_ids=protocol.stop_token_ids(tokenizer))
     for row in one_row_per_kind:
         examples = sft_examples([row], retriever, tokenizer, context_mode=context_mode, instruction=instruction)
         completions = iter(completion for _, completion in examples)
@@ -168,7 +161,7 @@ def test_warm_model_learned_the_format(warm_model_dir, demo_paths, retriever):
     stats = json.loads((warm_model_dir / WARM_START_FILE).read_text())["stats"]
     assert stats["final_loss"] < stats["initial_loss"] / 5
     model, tokenizer = load_tiny(warm_model_dir)
-    engine = RolloutEngine(tokenizer, retriever)
+    engine = RolloutEngine(tokenizer, TurnProtocol(), retriever)
     rows = read_jsonl(demo_paths.train)[:6]
     prompts = [render_prompt(tokenizer, engine.context_messages(engine.new_episode(row))) for row in rows]
     completions, _ = HFGenerator(model, tokenizer, max_new_tokens=48)(prompts)

@@ -44,7 +44,7 @@ _EXPORTS = {
     "load_tokenizer": "mempo_trl.loading",
     "evaluate": "mempo_trl.evaluation",
     "MemPOAgent": "mempo_trl.agent",
-    "AgentSettings": "mempo_trl.agent",
+    "TurnProtocol": "mempo_trl.context",
     "AgentResult": "mempo_trl.agent",
     "CheckpointError": "mempo_trl.checkpoints",
     "validate_checkpoint": "mempo_trl.checkpoints",

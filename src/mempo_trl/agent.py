@@ -1,9 +1,9 @@
-"""A trained MemPO agent, ready to answer questions or play an environment: `MemPOAgent` and its settings.
+"""A trained MemPO agent, ready to answer questions or play an environment: `MemPOAgent`.
 
-Training writes `AgentSettings` (system prompt, instruction, max turns, top-k, context mode, turn budget) next to
-the weights as ``mempo_agent.json`` (and pushes it to the Hub with them). `MemPOAgent.from_pretrained` reads them,
-so that the agent runs with exactly the protocol it was trained on; an argument given explicitly overrides a saved
-value and says so in one log line.
+Training writes its `TurnProtocol` (system prompt, instruction, max turns, top-k, context mode, turn budget, action
+tags) next to the weights as ``mempo_agent.json`` (and pushes it to the Hub with them). `MemPOAgent.from_pretrained`
+reads it, so that the agent runs with exactly the protocol it was trained on; an argument given explicitly overrides
+a saved value and says so in one log line.
 
 Example:
     >>> from mempo_trl import MemPOAgent
@@ -19,102 +19,22 @@ With a TRL-style environment (`mempo_trl.environments`) instead of a retriever, 
     >>> agent.run({"seed": 7, "num_boxes": 4}).answer  # doctest: +SKIP
 """
 
-import json
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mempo_trl.context import CONTEXT_MODES, DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
-from mempo_trl.environments import ENVIRONMENT_INSTRUCTION, TOOL_STOPS, EnvironmentFactory
-from mempo_trl.rollout import ACTION_STOPS, Episode, GenerateFn, RolloutEngine, RolloutTimings
+from mempo_trl.context import PROTOCOL_FILE, TurnProtocol
+from mempo_trl.environments import EnvironmentFactory
+from mempo_trl.rollout import Episode, GenerateFn, RolloutEngine, RolloutTimings
 
 
-AGENT_FILE = "mempo_agent.json"
 logger = logging.getLogger(__name__)
 
 
 class AgentError(RuntimeError):
     """An agent that cannot be loaded (missing model, no chat template, bad settings); the message says why."""
-
-
-@dataclass
-class AgentSettings:
-    """The turn protocol of a MemPO agent (the `MemPOConfig` fields of the same names).
-
-    Example:
-        >>> settings, messages = AgentSettings(max_turns=4).override(max_turns=6, retrieval_topk=None)
-        >>> settings.max_turns, messages
-        (6, ['max_turns=6 overrides the saved max_turns=4'])
-    """
-
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    instruction: str = DEFAULT_INSTRUCTION
-    max_turns: int = 8
-    retrieval_topk: int = 3
-    context_mode: str = "memory"
-    max_completion_length: int = 512
-
-    def __post_init__(self):
-        if self.context_mode not in CONTEXT_MODES:
-            raise AgentError(f"context_mode must be one of {CONTEXT_MODES}, got {self.context_mode!r}")
-        if "{question}" not in self.instruction:
-            raise AgentError("instruction must contain the `{question}` placeholder")
-        if self.max_turns < 1 or self.retrieval_topk < 1 or self.max_completion_length < 1:
-            raise AgentError("max_turns, retrieval_topk and max_completion_length must be >= 1")
-
-    @classmethod
-    def from_config(cls, config) -> "AgentSettings":
-        """The settings of a `MemPOConfig` (or anything with the same attributes)."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
-
-    def save(self, directory: str | Path) -> Path:
-        """Write ``mempo_agent.json`` into `directory`; return its path."""
-        path = Path(directory) / AGENT_FILE
-        path.write_text(json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        return path
-
-    @classmethod
-    def from_pretrained(cls, path_or_hub_id: str | Path, revision: str | None = None) -> "AgentSettings | None":
-        """The settings saved with a model (a directory or a Hub id), or None when it has none."""
-        path = Path(path_or_hub_id, AGENT_FILE)
-        if not path.is_file():
-            if Path(path_or_hub_id).exists():
-                return None
-            from huggingface_hub import hf_hub_download
-            from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
-
-            try:
-                path = Path(hf_hub_download(str(path_or_hub_id), AGENT_FILE, revision=revision))
-            except (EntryNotFoundError, LocalEntryNotFoundError, HFValidationError, OSError):
-                return None
-        try:
-            saved = json.loads(path.read_text(encoding="utf-8"))
-            known = {f.name for f in fields(cls)}
-            return cls(**{key: value for key, value in saved.items() if key in known})
-        except (json.JSONDecodeError, TypeError, AgentError) as err:
-            raise AgentError(f"{path}: not valid agent settings ({err}); delete it or save it again") from None
-
-    def override(self, **values: Any) -> tuple["AgentSettings", list[str]]:
-        """Replace the fields given with a value other than None; one message per field that changes.
-
-        Example:
-            >>> AgentSettings().override(max_turns=None)[1]
-            []
-        """
-        given = {key: value for key, value in values.items() if value is not None}
-        messages = [
-            f"{key}={_short(value)} overrides the saved {key}={_short(getattr(self, key))}"
-            for key, value in given.items()
-            if value != getattr(self, key)
-        ]
-        return replace(self, **given), messages
-
-
-def _short(value: Any) -> str:
-    text = repr(value) if isinstance(value, str) else str(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass
@@ -185,8 +105,8 @@ class MemPOAgent:
             ``http://host:port``, ...); None with an ``environment_factory``.
         generator: a `GenerateFn` (`HFGenerator`, `VLLMGenerator` or your own). Its ``eos_token_ids`` attribute,
             if any, tells the rollout which ids end a turn.
-        settings: the turn protocol (default: `AgentSettings()`; with an environment, a search-task instruction
-            becomes `ENVIRONMENT_INSTRUCTION`).
+        protocol: the `TurnProtocol` (default: `TurnProtocol()`; with an environment, `TurnProtocol.for_environment`
+            of it).
         environment_factory: a TRL-style environment class (`mempo_trl.environments`) to play instead of searching.
     """
 
@@ -195,7 +115,7 @@ class MemPOAgent:
         tokenizer,
         retriever,
         generator: GenerateFn,
-        settings: AgentSettings | None = None,
+        protocol: TurnProtocol | None = None,
         environment_factory: EnvironmentFactory | None = None,
     ):
         if (retriever is None) == (environment_factory is None):
@@ -204,15 +124,15 @@ class MemPOAgent:
             from mempo_trl.retrieval import load_retriever
 
             retriever = load_retriever(retriever)
-        settings = settings or AgentSettings()
-        if environment_factory is not None and settings.instruction == DEFAULT_INSTRUCTION:
-            settings = replace(settings, instruction=ENVIRONMENT_INSTRUCTION)
+        protocol = protocol or TurnProtocol()
+        if environment_factory is not None:
+            protocol = protocol.for_environment()
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.generator = generator
-        self.settings = settings
+        self.protocol = protocol
         self.environment_factory = environment_factory
-        self.saved_settings: AgentSettings | None = None  # what `from_pretrained` found, before overrides
+        self.saved_protocol: TurnProtocol | None = None  # what `from_pretrained` found, before overrides
 
     @classmethod
     def from_pretrained(
@@ -231,9 +151,9 @@ class MemPOAgent:
         vllm_kwargs: dict | None = None,
         **overrides: Any,
     ) -> "MemPOAgent":
-        """Load a trained agent: the model, its tokenizer and its saved `AgentSettings`.
+        """Load a trained agent: the model, its tokenizer and its saved `TurnProtocol`.
 
-        `overrides` (``max_turns=4``, ``context_mode="full_history"``, ...) replace saved settings; each change is
+        `overrides` (``max_turns=4``, ``context_mode="full_history"``, ...) replace saved fields; each change is
         logged. A model without ``mempo_agent.json`` (e.g. a base model) runs with the defaults. ``use_vllm``
         generates with vLLM's offline engine (``vllm_kwargs`` go to `vllm.LLM`), else with transformers. Pass an
         ``environment_factory`` instead of a ``retriever`` to play a TRL-style environment.
@@ -245,26 +165,25 @@ class MemPOAgent:
 
         path = str(path_or_hub_id)
         check_model_path(path)
-        saved = AgentSettings.from_pretrained(path, revision=revision)
-        settings, messages = (saved or AgentSettings()).override(**overrides)
+        try:
+            saved = TurnProtocol.from_pretrained(path, revision=revision)
+            protocol, messages = (saved or TurnProtocol()).override(**overrides)
+        except ValueError as err:
+            raise AgentError(str(err)) from None
         if saved is None:
-            logger.info("%s has no %s: the agent settings are the defaults and the arguments", path, AGENT_FILE)
+            logger.info("%s has no %s: the turn protocol is the defaults and the arguments", path, PROTOCOL_FILE)
         for message in messages if saved is not None else []:
-            logger.warning("%s (%s of %s)", message, AGENT_FILE, path)
+            logger.warning("%s (%s of %s)", message, PROTOCOL_FILE, path)
+        if environment_factory is not None:
+            protocol = protocol.for_environment()
         tokenizer = load_chat_tokenizer(path, revision=revision)
-        stops = ACTION_STOPS if environment_factory is None else TOOL_STOPS
         if use_vllm:
             from mempo_trl.generation import VLLMGenerator
 
             generator = VLLMGenerator(
-                path,
-                tokenizer,
-                settings.max_completion_length,
-                temperature,
-                seed=seed,
-                stops=stops,
+                path, tokenizer, protocol.max_completion_length, temperature, seed=seed, stops=protocol.stops,
                 **(vllm_kwargs or {}),
-            )
+            )  # fmt: skip
         else:
             import torch
 
@@ -273,10 +192,11 @@ class MemPOAgent:
             torch.manual_seed(seed)
             model = load_model(path, device=device, dtype=dtype, revision=revision)
             generator = HFGenerator(
-                model, tokenizer, settings.max_completion_length, temperature, batch_size=batch_size, stops=stops
-            )
-        agent = cls(tokenizer, retriever, generator, settings, environment_factory)
-        agent.saved_settings = saved
+                model, tokenizer, protocol.max_completion_length, temperature, batch_size=batch_size,
+                stops=protocol.stops,
+            )  # fmt: skip
+        agent = cls(tokenizer, retriever, generator, protocol, environment_factory)
+        agent.saved_protocol = saved
         return agent
 
     def play(
@@ -285,16 +205,13 @@ class MemPOAgent:
         """Play one episode per row (``question`` and any other keys, kept in ``episode.row``; with an environment,
         the keyword arguments of its ``reset``)."""
         generate = generate or self.generator
+        protocol = replace(self.protocol, context_mode=context_mode) if context_mode else self.protocol
         eos = getattr(self.generator, "eos_token_ids", None)
         engine = RolloutEngine(
             self.tokenizer,
+            protocol,
             self.retriever,
-            max_turns=self.settings.max_turns,
-            topk=self.settings.retrieval_topk,
-            context_mode=context_mode or self.settings.context_mode,
-            system_prompt=self.settings.system_prompt,
-            instruction=self.settings.instruction,
-            eos_token_ids=eos if eos is not None else [self.tokenizer.eos_token_id],
+            eos_token_ids=eos if eos is not None else protocol.stop_token_ids(self.tokenizer),
             environment_factory=self.environment_factory,
         )
         return engine.run([dict(row) for row in rows], generate)

@@ -13,14 +13,28 @@ result of round t-1 is its tool's result; the rebuild is the same.
 The same builder renders the two scoring contexts of the memory reward: ``full_traj_t`` is the
 full-history context of round t and ``mem_traj_t`` is ``system + user(question)`` followed by round t's ``<mem>``
 block at the start of the assistant turn.
+
+`TurnProtocol` holds the settings of that game (prompts, turn budget, context mode, action tags) as one object: the
+trainer builds it from `MemPOConfig`, saves it next to the weights (``mempo_agent.json``), and the rollout, the
+agent, the evaluation and the callbacks all play by it.
 """
 
+import json
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from mempo_trl.environments import ENVIRONMENT_INSTRUCTION, TOOL_STOPS
 
 
 ContextMode = Literal["memory", "full_history"]
 CONTEXT_MODES = ("memory", "full_history")
+
+ACTION_STOPS = ("</search>", "</answer>")
+"""The strings that end a search-task turn (an environment's are `mempo_trl.environments.TOOL_STOPS`)."""
+
+PROTOCOL_FILE = "mempo_agent.json"
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -84,3 +98,136 @@ def render_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] |
         messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=True
     )
     return list(ids["input_ids"])
+
+
+def stop_token_ids(
+    tokenizer, model_eos: int | Sequence[int] | None = None, stops: Sequence[str] = ACTION_STOPS
+) -> list[int]:
+    """Ids that end a turn: ``model_eos``, the tokenizer's eos, and each stop tag (``stops``) that is one token.
+
+    Example:
+        >>> ids = stop_token_ids(tokenizer)  # doctest: +SKIP
+        >>> tokenizer.convert_ids_to_tokens(ids)  # doctest: +SKIP
+        ['<|im_end|>', '</search>', '</answer>']
+    """
+    ids = [] if model_eos is None else [model_eos] if isinstance(model_eos, int) else list(model_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    for stop in stops:
+        tag_ids = tokenizer(stop, add_special_tokens=False)["input_ids"]
+        if len(tag_ids) == 1:
+            ids.append(tag_ids[0])
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+@dataclass(frozen=True)
+class TurnProtocol:
+    """How a MemPO episode is played: the prompts, the turn budget, the context rebuild and the action tags.
+
+    The fields of the same names in `MemPOConfig` build it (`from_config`); ``action`` is ``"search"`` for the search
+    task and ``"tool_call"`` for a TRL-style environment (`for_environment`). Training saves it next to the weights
+    (`save`) and `MemPOAgent.from_pretrained` reads it back, so that an agent plays exactly the protocol it was
+    trained on.
+
+    Example:
+        >>> protocol, messages = TurnProtocol(max_turns=4).override(max_turns=6, retrieval_topk=None)
+        >>> protocol.max_turns, messages
+        (6, ['max_turns=6 overrides the saved max_turns=4'])
+        >>> TurnProtocol().stops, TurnProtocol().for_environment().stops
+        (('</search>', '</answer>'), ('</tool_call>', '</answer>'))
+    """
+
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    instruction: str = DEFAULT_INSTRUCTION
+    max_turns: int = 8
+    retrieval_topk: int = 3
+    context_mode: ContextMode = "memory"
+    max_completion_length: int = 512
+    action: Literal["search", "tool_call"] = "search"
+
+    def __post_init__(self):
+        if self.context_mode not in CONTEXT_MODES:
+            raise ValueError(f"context_mode must be one of {CONTEXT_MODES}, got {self.context_mode!r}")
+        if "{question}" not in self.instruction:
+            raise ValueError("instruction must contain the `{question}` placeholder")
+        if self.max_turns < 1 or self.retrieval_topk < 1 or self.max_completion_length < 1:
+            raise ValueError("max_turns, retrieval_topk and max_completion_length must be >= 1")
+        if self.action not in ("search", "tool_call"):
+            raise ValueError(f"action must be 'search' or 'tool_call', got {self.action!r}")
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        """The strings that end a turn: ``</search>``/``</answer>``, or ``</tool_call>``/``</answer>``."""
+        return ACTION_STOPS if self.action == "search" else TOOL_STOPS
+
+    def for_environment(self) -> "TurnProtocol":
+        """The protocol for a TRL-style environment: tool-call actions, and `ENVIRONMENT_INSTRUCTION` in place of the
+        default search instruction (a custom instruction is kept)."""
+        instruction = ENVIRONMENT_INSTRUCTION if self.instruction == DEFAULT_INSTRUCTION else self.instruction
+        return replace(self, action="tool_call", instruction=instruction)
+
+    def stop_token_ids(self, tokenizer, model_eos: int | Sequence[int] | None = None) -> list[int]:
+        """Ids that end a turn of this protocol (`stop_token_ids` with its `stops`)."""
+        return stop_token_ids(tokenizer, model_eos, self.stops)
+
+    def initial_messages(self, question: str) -> list[dict[str, str]]:
+        """Round-1 messages of ``question`` (`initial_messages` with this protocol's prompts)."""
+        return initial_messages(question, self.system_prompt, self.instruction)
+
+    def round_messages(self, base: list[dict[str, str]], history: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
+        """Messages of the next round (`round_messages` in this protocol's context mode)."""
+        return round_messages(base, history, self.context_mode)
+
+    @classmethod
+    def from_config(cls, config, environment: bool = False) -> "TurnProtocol":
+        """The protocol of a `MemPOConfig` (or anything with the same attributes); ``environment``: `for_environment`."""
+        protocol = cls(**{f.name: getattr(config, f.name) for f in fields(cls) if f.name != "action"})
+        return protocol.for_environment() if environment else protocol
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``mempo_agent.json`` into ``directory``; return its path."""
+        path = Path(directory) / PROTOCOL_FILE
+        path.write_text(json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id: str | Path, revision: str | None = None) -> "TurnProtocol | None":
+        """The protocol saved with a model (a directory or a Hub id), or None when it has none; a file that does not
+        hold a valid protocol raises `ValueError` naming it."""
+        path = Path(path_or_hub_id, PROTOCOL_FILE)
+        if not path.is_file():
+            if Path(path_or_hub_id).exists():
+                return None
+            from huggingface_hub import hf_hub_download
+            from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
+
+            try:
+                path = Path(hf_hub_download(str(path_or_hub_id), PROTOCOL_FILE, revision=revision))
+            except (EntryNotFoundError, LocalEntryNotFoundError, HFValidationError, OSError):
+                return None
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            known = {f.name for f in fields(cls)}
+            return cls(**{key: value for key, value in saved.items() if key in known})
+        except (json.JSONDecodeError, TypeError, ValueError) as err:
+            raise ValueError(f"{path}: not a valid turn protocol ({err}); delete it or save it again") from None
+
+    def override(self, **values: Any) -> tuple["TurnProtocol", list[str]]:
+        """Replace the fields given with a value other than None; one message per field that changes.
+
+        Example:
+            >>> TurnProtocol().override(max_turns=None)[1]
+            []
+        """
+        given = {key: value for key, value in values.items() if value is not None}
+        messages = [
+            f"{key}={_short(value)} overrides the saved {key}={_short(getattr(self, key))}"
+            for key, value in given.items()
+            if value != getattr(self, key)
+        ]
+        return replace(self, **given), messages
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -123,6 +123,40 @@ def environment_reward_func(environment_class: type) -> Callable:
     return get_reward
 
 
+def environment_reward_funcs(environment_factory: EnvironmentFactory, reward_funcs, train_dataset) -> list:
+    """Check the environment and the first row before any model is loaded; return the trainer's reward functions.
+
+    A `get_reward` environment adds `environment_reward_func` (TRL's rule); without it and without ``reward_funcs``,
+    the default is `mempo_outcome_reward`, which needs a gold answer on the first row. Raises `ValueError` naming the
+    row and what to fix.
+    """
+    from mempo_trl.rewards import mempo_outcome_reward
+
+    environment = check_environment(environment_factory)
+    name = type(environment).__name__
+    if reward_funcs is None:
+        reward_funcs = [] if has_own_reward(environment) else [mempo_outcome_reward]
+    elif not isinstance(reward_funcs, list):
+        reward_funcs = [reward_funcs]
+    if has_own_reward(environment):
+        reward_funcs = [*reward_funcs, environment_reward_func(type(environment))]
+    if train_dataset is None or len(train_dataset) == 0:
+        raise ValueError(f"MemPOTrainer with {name} needs a train_dataset: one row of `reset` arguments per task.")
+    row = dict(train_dataset[0])
+    try:
+        environment.reset(**row)
+    except Exception as err:
+        raise ValueError(f"train_dataset row 0: {name}.reset(**row) failed: {err!r}. Fix the row's fields.") from err
+    gold = row.get("golden_answers", getattr(environment, "golden_answers", None))
+    if gold is None and mempo_outcome_reward in reward_funcs:
+        raise ValueError(
+            f"train_dataset row 0 has no `golden_answers` and {name} sets none, but `mempo_outcome_reward` "
+            "scores the answer against them: add the column, set `self.golden_answers` in `reset`, or define "
+            "`get_reward()` / pass your own `reward_funcs`."
+        )
+    return reward_funcs
+
+
 def task_text(row: dict, observation: Any) -> str:
     """What the agent is asked: the row's ``question`` (if any), then the text ``reset`` returned (if any).
 

@@ -192,7 +192,7 @@ def evaluate(
     """Play every row as one episode with `agent` and score it.
 
     Args:
-        agent: a `MemPOAgent` (its settings give the turn protocol).
+        agent: a `MemPOAgent` (its `TurnProtocol` gives the turn protocol).
         rows: QA rows (``question``, ``golden_answers``, optional ``data_source``/``sub_answers``), e.g. `load_qa`.
         context_mode: ``"memory"`` (MemPO) or ``"full_history"`` (Search-R1 baseline); default: the agent's.
 
@@ -207,8 +207,8 @@ def evaluate(
         >>> result.metrics["overall"]["num_questions"], result.records[0]["rounds"][0]["completion_tokens"]
         (4, 16)
     """
-    mode = context_mode or agent.settings.context_mode
-    tracked = _Progress(agent.generator, len(rows), agent.settings.max_turns, f"eval {mode}", progress)
+    mode = context_mode or agent.protocol.context_mode
+    tracked = _Progress(agent.generator, len(rows), agent.protocol.max_turns, f"eval {mode}", progress)
     try:
         episodes, timings = agent.play(rows, tracked, context_mode=mode)
     finally:

@@ -22,7 +22,7 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | None = None, dt
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from mempo_trl.agent import AGENT_FILE
+    from mempo_trl.context import PROTOCOL_FILE
     from mempo_trl.loading import load_tokenizer
 
     adapter = str(adapter)
@@ -33,6 +33,6 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | None = None, dt
     merged.save_pretrained(out)
     tokenizer_dir = adapter if Path(adapter, "tokenizer_config.json").is_file() else base
     load_tokenizer(tokenizer_dir).save_pretrained(out)
-    if Path(adapter, AGENT_FILE).is_file():  # the agent's turn protocol travels with the merged weights
-        shutil.copy(Path(adapter, AGENT_FILE), out / AGENT_FILE)
+    if Path(adapter, PROTOCOL_FILE).is_file():  # the agent's turn protocol travels with the merged weights
+        shutil.copy(Path(adapter, PROTOCOL_FILE), out / PROTOCOL_FILE)
     return out

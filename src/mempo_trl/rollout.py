@@ -17,16 +17,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from mempo_trl.context import (
-    DEFAULT_INSTRUCTION,
-    DEFAULT_SYSTEM_PROMPT,
-    ContextMode,
-    initial_messages,
-    render_prompt,
-    round_messages,
-)
+from mempo_trl.context import ACTION_STOPS, TurnProtocol, render_prompt
 from mempo_trl.environments import (
-    TOOL_STOPS,
     EnvironmentFactory,
     call_tool,
     check_environment,
@@ -46,8 +38,6 @@ from mempo_trl.protocol import (
 from mempo_trl.retrieval.base import RetrieverOutage
 from mempo_trl.rewards import outcome_score
 
-
-ACTION_STOPS = ("</search>", "</answer>")
 
 GenerateFn = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None]]
 """Maps prompts (token id lists) to one completion each (token id lists) and, optionally, their sampling log-probs."""
@@ -193,12 +183,14 @@ class RolloutEngine:
 
     Args:
         tokenizer: the policy's tokenizer (with a chat template).
+        protocol: the `TurnProtocol` (prompts, ``max_turns``, ``retrieval_topk``, ``context_mode``: ``"memory"``
+            (MemPO) or ``"full_history"`` (Search-R1 baseline, TRL's append-only context)); with an environment, its
+            `TurnProtocol.for_environment`.
         retriever: any object with ``search(queries: list[str], topk: int) -> list[list[Passage]]`` (search task).
         environment_factory: instead of a retriever, a TRL-style environment class or factory
             (`mempo_trl.environments`): one instance per concurrent episode, built once and reset for each row.
-        max_turns: rounds per episode at most.
-        topk: passages per search.
-        context_mode: ``"memory"`` (MemPO) or ``"full_history"`` (Search-R1 baseline, TRL's append-only context).
+        eos_token_ids: the ids that end a turn (`TurnProtocol.stop_token_ids`); a turn that ends otherwise is
+            truncated.
         max_prompt_length: the longest context (tokens) the generation backend takes; ``None``: no limit.
         context_overflow: what happens to a longer context: ``"end_episode"`` ends the episode before the round
             (``Episode.context_overflow``); ``"truncate_information"`` first cuts the tail of the ``<information>``
@@ -209,12 +201,8 @@ class RolloutEngine:
     def __init__(
         self,
         tokenizer,
+        protocol: TurnProtocol,
         retriever=None,
-        max_turns: int = 8,
-        topk: int = 3,
-        context_mode: ContextMode = "memory",
-        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
-        instruction: str = DEFAULT_INSTRUCTION,
         eos_token_ids: Sequence[int] = (),
         max_prompt_length: int | None = None,
         context_overflow: str = "end_episode",
@@ -223,33 +211,28 @@ class RolloutEngine:
         if (retriever is None) == (environment_factory is None):
             raise ValueError("RolloutEngine needs exactly one of `retriever` (search) and `environment_factory`.")
         self.tokenizer = tokenizer
+        self.protocol = protocol if environment_factory is None else protocol.for_environment()
         self.retriever = retriever
-        self.max_turns = max_turns
-        self.topk = topk
-        self.context_mode = context_mode
-        self.system_prompt = system_prompt
-        self.instruction = instruction
         self.eos_token_ids = list(eos_token_ids)
         self.max_prompt_length = max_prompt_length
         self.context_overflow = context_overflow
         self.environment_factory = environment_factory
         self.environment_pool = [] if environment_factory is None else [check_environment(environment_factory)]
         self.actions = SEARCH_ACTIONS if environment_factory is None else TOOL_ACTIONS
-        self.stops = ACTION_STOPS if environment_factory is None else TOOL_STOPS
 
     def new_episode(self, row: dict, index: int = 0) -> Episode:
         """The episode of ``row``; with an environment, instance ``index`` of the pool is reset with the row (TRL's
         pooling: built once, reset for every episode; the pool grows when a batch needs more instances)."""
         if self.environment_factory is None:
             question = row["question"]
-            return Episode(row, initial_messages(question, self.system_prompt, self.instruction), question=question)
+            return Episode(row, self.protocol.initial_messages(question), question=question)
         while len(self.environment_pool) <= index:
             self.environment_pool.append(self.environment_factory())
         environment = self.environment_pool[index]
         question = task_text(row, environment.reset(**row))
         return Episode(
             row,
-            initial_messages(question, self.system_prompt, self.instruction),
+            self.protocol.initial_messages(question),
             question=question,
             environment=environment,
             tools=tool_schemas(environment),
@@ -257,7 +240,7 @@ class RolloutEngine:
 
     def context_messages(self, episode: Episode) -> list[dict[str, str]]:
         """Messages of the episode's next round (docs/algorithm.md, "Context rebuild")."""
-        return round_messages(episode.base_messages, episode.history(), self.context_mode)
+        return self.protocol.round_messages(episode.base_messages, episode.history())
 
     def fit_prompt(self, episode: Episode) -> list[int] | None:
         """Token ids of the episode's next context, within ``max_prompt_length``; None when the episode ends on it.
@@ -276,7 +259,7 @@ class RolloutEngine:
             )
         if self.context_overflow == "truncate_information":
             searched = [r for r in episode.rounds if r.information is not None]
-            for record in searched if self.context_mode == "full_history" else searched[-1:]:
+            for record in searched if self.protocol.context_mode == "full_history" else searched[-1:]:
                 body = self.tokenizer(record.information[len("<information>") : -len("</information>")],
                                       add_special_tokens=False)["input_ids"]  # fmt: skip
                 while len(ids) > limit and body:
@@ -313,7 +296,7 @@ class RolloutEngine:
         episodes = [self.new_episode(dict(row), i) for i, row in enumerate(rows)]
         timings = RolloutTimings()
         outage: RetrieverOutage | None = None
-        for round_index in range(self.max_turns):
+        for round_index in range(self.protocol.max_turns):
             active, prompts = [], []
             for ep in episodes:
                 prompt_ids = None if ep.finished else self.fit_prompt(ep)
@@ -333,7 +316,7 @@ class RolloutEngine:
             for i, (ep, prompt_ids) in enumerate(zip(active, prompts)):
                 record = self._make_record(prompt_ids, completions[i], None if logprobs is None else logprobs[i])
                 ep.rounds.append(record)
-                last_round = round_index + 1 == self.max_turns
+                last_round = round_index + 1 == self.protocol.max_turns
                 if record.turn.valid and record.turn.action in ("search", "tool_call") and not last_round:
                     searches.append((ep, record.turn.content))
                 else:
@@ -346,7 +329,7 @@ class RolloutEngine:
             elif searches:
                 start = time.perf_counter()
                 try:
-                    results = self.retriever.search([query for _, query in searches], self.topk)
+                    results = self.retriever.search([query for _, query in searches], self.protocol.retrieval_topk)
                 except RetrieverOutage as e:
                     outage, results = e, []
                     for ep in episodes:
@@ -363,7 +346,7 @@ class RolloutEngine:
 
     def _make_record(self, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float] | None):
         completion_ids, text, truncated = cut_after_action(
-            list(completion_ids), self.tokenizer, self.eos_token_ids, self.stops
+            list(completion_ids), self.tokenizer, self.eos_token_ids, self.protocol.stops
         )
         if logprobs is not None:
             logprobs = list(logprobs[: len(completion_ids)])

@@ -3,7 +3,7 @@
     mempo-trl ask "In which city was the founder of Nembam Motors born?" --model_name_or_path outputs/quickstart \\
         --corpus outputs/quickstart/learner_world/corpus.jsonl
 
-The agent runs with the settings saved with it (`mempo_agent.json`); `--max_turns 4` and the like override them.
+The agent runs with the turn protocol saved with it (`mempo_agent.json`); `--max_turns 4` and the like override them.
 Without `--corpus` or `--retriever_url` it searches the demo corpus.
 """
 
@@ -17,7 +17,7 @@ from mempo_trl.commands.retrieval import RetrieverArguments, build_retriever
 
 @dataclass
 class AgentArguments:
-    """The model to run and, when given, settings that override those saved with it (`mempo_agent.json`)."""
+    """The model to run and, when given, fields that override the turn protocol saved with it (`mempo_agent.json`)."""
 
     model_name_or_path: str = field(metadata={"help": "Trained model directory or Hub id."})
     model_revision: str | None = field(default=None, metadata={"help": "Hub revision of the model."})

@@ -7,7 +7,7 @@ With `--environment keyvault` (a kit environment, or an import path `my_pkg.envs
 TRL-style environment instead of searching; `--dataset_name` then holds its `reset` rows (.jsonl), by default 50
 held-out kit rows (seed 1; the recipes train on seed 0).
 
-The agent runs with the settings saved with it (`mempo_agent.json`); a flag such as `--max_turns 4` overrides them
+The agent runs with the turn protocol saved with it (`mempo_agent.json`); a flag such as `--max_turns 4` overrides them
 and says so. Writes ``results.json`` (metrics, settings, versions), ``trajectories.jsonl`` (one line per question
 and mode) and ``context_tokens.png`` (mean prompt tokens per round) into `output_dir`.
 """
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         retriever_info = _probe_retriever(retriever, retriever_args, rows[0]["question"])
         agent = load_agent(agent_args, retriever, context_mode)
 
-    modes = list(CONTEXT_MODES) if agent_args.context_mode == "both" else [agent.settings.context_mode]
+    modes = list(CONTEXT_MODES) if agent_args.context_mode == "both" else [agent.protocol.context_mode]
     out = Path(eval_args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         "num_questions": len(rows),
         "retriever": retriever_info,
         "context_modes": modes,
-        "agent": asdict(agent.settings),
-        "agent_settings_saved": agent.saved_settings is not None,
+        "protocol": asdict(agent.protocol),
+        "protocol_saved": agent.saved_protocol is not None,
         "use_vllm": agent_args.use_vllm,
         "temperature": agent_args.temperature,
         "per_device_eval_batch_size": agent_args.per_device_eval_batch_size,

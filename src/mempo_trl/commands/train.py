@@ -221,11 +221,10 @@ def default_world(model_name_or_path: str, training_args) -> DefaultWorld:
 def use_learner_instruction(training_args) -> None:
     """The shipped learner reads the question alone (its warm start's instruction, saved in its `mempo_agent.json`):
     a recipe for `model_name_or_path: learner` that leaves `instruction` at the default gets that one, and says so."""
-    from mempo_trl.agent import AgentSettings
-    from mempo_trl.context import DEFAULT_INSTRUCTION
+    from mempo_trl.context import DEFAULT_INSTRUCTION, TurnProtocol
     from mempo_trl.kit.learner import shipped_learner
 
-    saved = AgentSettings.from_pretrained(shipped_learner())
+    saved = TurnProtocol.from_pretrained(shipped_learner())
     if training_args.instruction == DEFAULT_INSTRUCTION != saved.instruction:
         training_args.instruction = saved.instruction
         if training_args.process_index == 0:

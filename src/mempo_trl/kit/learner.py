@@ -327,11 +327,12 @@ def _play(
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
 ):
     """One episode per row (`mempo_trl.evaluation.evaluate`), greedy when ``temperature == 0``."""
-    from mempo_trl.agent import AgentSettings, MemPOAgent
+    from mempo_trl.agent import MemPOAgent
+    from mempo_trl.context import TurnProtocol
     from mempo_trl.evaluation import evaluate
     from mempo_trl.generation import HFGenerator
 
-    settings = AgentSettings(
+    protocol = TurnProtocol(
         system_prompt=system_prompt,
         instruction=instruction,
         max_turns=max_turns,
@@ -340,7 +341,7 @@ def _play(
         max_completion_length=max_new_tokens,
     )
     generator = HFGenerator(model, tokenizer, max_new_tokens, temperature=temperature, batch_size=32)
-    return evaluate(MemPOAgent(tokenizer, retriever, generator, settings), rows, progress=False)
+    return evaluate(MemPOAgent(tokenizer, retriever, generator, protocol), rows, progress=False)
 
 
 FAILURE_KINDS = ("correct", "no_answer", "invalid_format", "not_retrieved", "forgotten", "miscopied", "wrong_choice")
