@@ -21,6 +21,10 @@ out of git (default `--out runs/long_horizon`); the published configuration (no 
     python bench/long_horizon.py --seeds 0 1 2 3 4 --jobs 2          # the published experiment (resumable)
     python bench/long_horizon.py --split validation --set learning_rate=3e-4   # choosing a setting
     python bench/long_horizon.py --quick --out outputs/long_horizon_quick      # CI smoke: tiny world, 1 step
+    python bench/long_horizon.py --warm_only --split validation   # can the warm start play it? (no RL)
+
+``--warm_only`` builds the world and the warm start, evaluates the warm model per K in both context modes and
+measures what a remembered fact is worth to it (`memory_signal`), and writes ``<out>/warm_check_<split>.json``.
 """
 
 import argparse
@@ -197,6 +201,31 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     return paths, warm_dir
 
 
+def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str) -> dict:
+    """The warm model per K on ``split`` in both context modes, and its `memory_signal` (does a fact in the memory
+    raise P(gold)?); written to ``out/warm_check_<split>.json``."""
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.kit.learner import memory_signal
+    from mempo_trl.kit.tiny import load_tiny
+    from mempo_trl.retrieval import BM25Retriever
+
+    retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
+    rows = read_jsonl(paths[split])
+    model, tokenizer = load_tiny(warm_dir)
+    check = {
+        mode: evaluate_horizons(model, tokenizer, rows, retriever, budget, mode) for mode in ("memory", "full_history")
+    }
+    check["memory_signal"] = memory_signal(model, tokenizer, rows, retriever, instruction=budget["instruction"])
+    (out / f"warm_check_{split}.json").write_text(json.dumps(check, indent=1))
+    for k in sorted(check["memory"], key=int):
+        mem, full = check["memory"][k], check["full_history"][k]
+        signal = check["memory_signal"]["by_type"].get(f"horizon_{k}", {})
+        print(f"K={k}: EM memory {mem['em']:.2f} full {full['em']:.2f} | tokens {mem['tokens_per_question']:.0f} vs "
+              f"{full['tokens_per_question']:.0f} | recall {mem['memory_recall']} | fact value "
+              f"{signal.get('fact_value', float('nan')):.3f}", flush=True)  # fmt: skip
+    return check
+
+
 def run_one(job: dict) -> dict:
     """Train one (arm, seed) from the warm start, evaluate per K before and after; write ``run.json``."""
     import torch
@@ -355,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side (processes)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="tiny world, 1 step, 1 seed: a smoke run")
+    parser.add_argument("--warm_only", action="store_true", help="build and check the warm start, no RL")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override BUDGET entries (MemPOConfig fields, JSON values)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -388,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     paths, warm_dir = prepare(out, world, warm, args.device)
     print(f"world and warm start ready in {out} ({time.perf_counter() - start:.0f} s)", flush=True)
+    if args.warm_only:
+        warm_check(out, paths, warm_dir, budget, args.split)
+        return 0
     settings = {"world": world, "warm": warm, "budget": budget, "split": args.split}
     jobs = []
     for seed in args.seeds:

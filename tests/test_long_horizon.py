@@ -109,6 +109,11 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
     capsys.readouterr()
     assert module.main(["--quick", "--out", str(out)]) == 0
     assert capsys.readouterr().out.count("done already") == 3
+    assert module.main(["--quick", "--out", str(out), "--warm_only", "--split", "validation"]) == 0
+    check = json.loads((out / "warm_check_validation.json").read_text())
+    assert sorted(check["memory"]) == sorted(check["full_history"]) == ["1", "4"]
+    assert check["full_history"]["4"]["memory_recall"] is None and "fact_value" in check["memory_signal"]
+    assert "K=4: EM memory" in capsys.readouterr().out
 
 
 def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
