@@ -12,6 +12,7 @@ import mempo_trl.agent as agent_module
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.agent import AGENT_FILE, AgentError, AgentSettings, MemPOAgent
 from mempo_trl.cli import main
+from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.kit.tiny import load_tiny
 
 
@@ -117,7 +118,8 @@ def test_eval_reads_the_saved_settings(trained_dir, tmp_path, caplog):
 
 
 def test_ask_prints_turns_and_answer(trained_dir, capsys):
-    assert main(["ask", "Who founded Orbix?", "--model_name_or_path", str(trained_dir)]) == 0
+    corpus = str(demo_paths().corpus)
+    assert main(["ask", "Who founded Orbix?", "--model_name_or_path", str(trained_dir), "--corpus", corpus]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("turn 1 <mem>") and out[-2].startswith("answer: ")
     assert out[-1].startswith("1 turns, 0 searches,")
