@@ -101,6 +101,7 @@ def test_explicit_arguments_override_and_say_so(trained_dir, caplog):
 def test_eval_reads_the_saved_settings(trained_dir, tmp_path, caplog):
     out = tmp_path / "eval"
     argv = ["eval", "--model_name_or_path", str(trained_dir), "--output_dir", str(out), "--max_eval_samples", "3"]
+    argv += ["--dataset_name", str(demo_paths().test), "--corpus", str(demo_paths().corpus)]
     assert main([*argv, "--disable_tqdm", "true"]) == 0
     report = json.loads((out / "results.json").read_text())
     assert report["settings"]["agent"] == CUSTOM and report["settings"]["agent_settings_saved"]

@@ -332,7 +332,7 @@ def test_train_refuses_to_overwrite_earlier_results_unless_told(tmp_path, capsys
     [
         (["kit", "build-tiny-model"], "--output_dir"),
         (["kit", "build-demo"], "--output_dir"),
-        (["eval", "--model_name_or_path", "MODEL"], "--output_dir"),
+        (["eval", "--model_name_or_path", "MODEL", "--dataset_name", "qa.jsonl"], "--output_dir"),
         (["merge-lora", "--model_name_or_path", "MODEL"], "--output_dir"),
     ],
 )

@@ -32,7 +32,7 @@ class ScriptArguments(trl.ScriptArguments):
     )  # fmt: skip
     reward_funcs: list[str] = field(
         default_factory=lambda: ["mempo_outcome_reward"],
-        metadata={"help": f"Outcome reward functions: {sorted(REWARD_FUNCS)} or a dotted import path "
+        metadata={"help": "Outcome reward functions: mempo_outcome_reward, mempo_format_reward or a dotted import path "
                   "(`my_lib.rewards.custom_reward`); weigh them with `reward_weights`. `mempo_format_reward` helps a "
                   "small model that rarely answers right."},
     )  # fmt: skip
