@@ -14,7 +14,7 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 ln -s "$root/examples" "$work/examples"          # the commands name examples/... relative to a clone's root
 ln -s "$root/accelerate_configs" "$work/accelerate_configs"
-export MEMPO_CACHE="$work/cache"                 # fresh: the launches build the tiny model, as on a new machine
+export MEMPO_CACHE="$work/cache"                 # fresh: `mempo-trl kit tiny` builds the tiny model, as on a new machine
 cd "$work"
 
 mapfile -t commands < <(python "$root/.ci/readme_commands.py" "$root/README.md")

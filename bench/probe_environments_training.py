@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from mempo_trl.commands.train import build_trainer, parse_args
+from mempo_trl.commands.recipe import build_trainer
+from mempo_trl.commands.train import parse_args
 
 
 RESULTS = Path("/tmp/envs_closing/closing.json")

@@ -4,12 +4,15 @@
 #     "mempo_trl[deepspeed]",
 # ]
 # ///
-"""Train a MemPO search agent: the same code as `mempo-trl train`, as a script for `accelerate launch`.
+"""Train a MemPO search agent: TRL's `TrlParser` over the recipe's arguments, then the recipe's `main` (the steps,
+top-down like TRL's `trl/scripts/grpo.py`, are in `mempo_trl/commands/recipe.py`: load the model and tokenizer, the
+dataset, the retriever and the reward functions, build the `MemPOTrainer`, train, save, push). `mempo-trl train` runs
+the same `main`, adding a short `--help`, a one-second output-directory check and `--accelerate_config`.
 
 Usage (recipes in examples/configs/, launcher configs in accelerate_configs/; any recipe field can be
 overridden on the command line, e.g. `--max_steps 10 --output_dir outputs/try`):
 
-    # one process, no launcher (CPU or one GPU)
+    # one process, no launcher (CPU or one GPU); `mempo-trl kit learner --output_dir kit/learner` first
     python examples/train_mempo.py --config examples/configs/quickstart_cpu.yaml
 
     # the same without this script: `mempo-trl train` starts accelerate itself, with the configs shipped in the
@@ -24,7 +27,8 @@ overridden on the command line, e.g. `--max_steps 10 --output_dir outputs/try`):
     accelerate launch --config_file accelerate_configs/zero3.yaml examples/train_mempo.py \\
         --config examples/configs/qwen2.5-7b-vllm.yaml
 
-    # 2 CPU processes (DeepSpeed ZeRO-2 over gloo); the recipe must set `use_cpu: true`
+    # 2 CPU processes (DeepSpeed ZeRO-2 over gloo); the recipe must set `use_cpu: true`;
+    # `mempo-trl kit tiny --output_dir kit/tiny` first
     accelerate launch --config_file accelerate_configs/cpu_zero2.yaml examples/train_mempo.py \\
         --config examples/configs/tiny_cpu.yaml
 
@@ -35,8 +39,16 @@ logged step. `report_to: trackio | wandb | tensorboard` logs every metric as TRL
 
 import sys
 
-from mempo_trl.commands.train import main
+from trl import ModelConfig, TrlParser
+
+from mempo_trl import MemPOConfig, RetrieverArguments
+from mempo_trl.commands import quiet_upstream_noise, run
+from mempo_trl.commands.recipe import ScriptArguments, main
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    quiet_upstream_noise()
+    parser = TrlParser((ScriptArguments, MemPOConfig, ModelConfig, RetrieverArguments))
+    script_args, training_args, model_args, retriever_args = parser.parse_args_and_config()
+    # A fixable error (bad path, data, output directory, retriever) ends in one `error:` line and exit code 2.
+    sys.exit(run(main, script_args, training_args, model_args, retriever_args))

@@ -14,6 +14,7 @@ from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.agent import MemPOAgent
 from mempo_trl.cli import main
 from mempo_trl.context import PROTOCOL_FILE, TurnProtocol
+from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.kit.tiny import load_tiny
 
 
@@ -103,6 +104,7 @@ def test_explicit_arguments_override_and_say_so(trained_dir, caplog):
 def test_eval_reads_the_saved_protocol(trained_dir, tmp_path, caplog):
     out = tmp_path / "eval"
     argv = ["eval", "--model_name_or_path", str(trained_dir), "--output_dir", str(out), "--max_eval_samples", "3"]
+    argv += ["--dataset_name", str(demo_paths().test), "--corpus", str(demo_paths().corpus)]
     assert main([*argv, "--disable_tqdm", "true"]) == 0
     report = json.loads((out / "results.json").read_text())
     assert report["settings"]["protocol"] == {**CUSTOM, "action": "search"} and report["settings"]["protocol_saved"]
@@ -120,7 +122,8 @@ def test_eval_reads_the_saved_protocol(trained_dir, tmp_path, caplog):
 
 
 def test_ask_prints_turns_and_answer(trained_dir, capsys):
-    assert main(["ask", "Who founded Orbix?", "--model_name_or_path", str(trained_dir)]) == 0
+    corpus = str(demo_paths().corpus)
+    assert main(["ask", "Who founded Orbix?", "--model_name_or_path", str(trained_dir), "--corpus", corpus]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("turn 1 <mem>") and out[-2].startswith("answer: ")
     assert out[-1].startswith("1 turns, 0 searches,")

@@ -68,15 +68,27 @@ def test_memory_contexts_stay_flat_where_full_history_grows(tokenizer, name):
     assert compare_modes(memory, full)["total_token_reduction_pct"] > 5
 
 
+def kit_rows(directory, name: str, capsys) -> str:
+    """`mempo-trl kit env-rows`: the kit environment's seeded rows, train.jsonl (seed 0) and test.jsonl (seed 1)."""
+    argv = ["kit", "env-rows", "--environment", name, "--output_dir", str(directory), "--num_rows", "8"]
+    assert main([*argv, "--num_test_rows", "3"]) == 0
+    assert "train.jsonl 8 rows (seed 0), test.jsonl 3 rows (seed 1)" in capsys.readouterr().out
+    return str(directory)
+
+
 def test_eval_cli_plays_a_kit_environment_in_both_modes(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "eval"
-    argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--environment", "safe", "--output_dir", str(out)]
+    rows = kit_rows(tmp_path / "rows", "safe", capsys) + "/test.jsonl"
+    argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--environment", "mempo_trl.kit.envs.SafeEnv"]
+    argv += ["--dataset_name", rows, "--output_dir", str(out)]
     argv += ["--max_eval_samples", "3", "--max_turns", "2", "--max_completion_length", "8", "--context_mode", "both"]
     assert main([*argv, "--disable_tqdm", "true"]) == 0
     assert "reward" in capsys.readouterr().out
     report = json.loads((out / "results.json").read_text())
     assert report["settings"]["retriever"] == {"environment": "safe"}
     assert report["settings"]["protocol"]["instruction"] == ENVIRONMENT_INSTRUCTION
+    assert report["settings"]["retriever"] == {"environment": "mempo_trl.kit.envs.SafeEnv"}
+    assert report["settings"]["agent"]["instruction"] == ENVIRONMENT_INSTRUCTION
     lines = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     tasks = [SafeEnv().reset(**row) for row in safe_rows(3, seed=1)]  # the held-out kit rows
     assert [line["question"] for line in lines] == tasks * 2
@@ -86,7 +98,7 @@ def test_eval_cli_plays_a_kit_environment_in_both_modes(tiny_model_dir, tmp_path
 
 
 def test_eval_cli_refuses_an_unknown_environment_in_one_line(tiny_model_dir, tmp_path, capsys):
-    argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--environment", "nope.Env"]
+    argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--environment", "nope.Env", "--dataset_name", "x"]
     assert main([*argv, "--output_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "error: unknown environment 'nope.Env'" in err and "Traceback" not in err
@@ -98,7 +110,7 @@ def recipe(tmp_path, tiny_model_dir):
         settings = {
             "model_name_or_path": str(tiny_model_dir), "output_dir": str(tmp_path / "out"), "use_cpu": True,
             "bf16": False, "report_to": "none", "max_steps": 1, "per_device_train_batch_size": 4,
-            "num_generations": 2, "max_completion_length": 8, "max_turns": 2, "environment_rows": 8, **fields,
+            "num_generations": 2, "max_completion_length": 8, "max_turns": 2, **fields,
         }  # fmt: skip
         path = tmp_path / "recipe.yaml"
         path.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in settings.items()))
@@ -110,7 +122,10 @@ def recipe(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize("name", sorted(KIT_ENVIRONMENTS))
 @pytest.mark.parametrize("context_mode", ["memory", "full_history"])
 def test_train_cli_trains_on_a_kit_environment(recipe, tmp_path, capsys, name, context_mode):
-    assert main(["train", "--config", recipe(environment=name, context_mode=context_mode)]) == 0
+    cls = KIT_ENVIRONMENTS[name][0].__name__
+    rows = kit_rows(tmp_path / "rows", name, capsys) + "/train.jsonl"
+    settings = {"environment": f"mempo_trl.kit.envs.{cls}", "dataset_name": rows, "context_mode": context_mode}
+    assert main(["train", "--config", recipe(**settings)]) == 0
     metrics = json.loads((tmp_path / "out" / "mempo_metrics.json").read_text())
     assert metrics["episode/turns"] >= 1 and "tokens/prompt_per_round" in metrics
     assert ("rewards/SafeEnv/mean" in metrics) == (name == "safe")
@@ -118,15 +133,15 @@ def test_train_cli_trains_on_a_kit_environment(recipe, tmp_path, capsys, name, c
     saved = json.loads((tmp_path / "out" / "mempo_agent.json").read_text())
     assert saved["instruction"] == ENVIRONMENT_INSTRUCTION and saved["context_mode"] == context_mode
     card = (tmp_path / "out" / "README.md").read_text()
-    cls = KIT_ENVIRONMENTS[name][0].__name__
     assert f"from mempo_trl.kit.envs import {cls}" in card and f"environment_factory={cls})" in card
 
 
 def test_train_cli_refuses_bad_environment_recipes_before_training(recipe, tmp_path, capsys):
-    assert main(["train", "--config", recipe(environment="keyvault", heldout_questions=3)]) == 2
-    assert "mempo-trl eval --environment keyvault" in capsys.readouterr().err
+    keyvault = "mempo_trl.kit.envs.KeyVaultEnv"
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"boxes": 3}) + "\n")
-    assert main(["train", "--config", recipe(environment="keyvault", dataset_name=str(rows))]) == 2
+    assert main(["train", "--config", recipe(environment=keyvault, dataset_name=str(rows), heldout_questions=3)]) == 2
+    assert f"mempo-trl eval --environment {keyvault}" in capsys.readouterr().err
+    assert main(["train", "--config", recipe(environment=keyvault, dataset_name=str(rows))]) == 2
     err = capsys.readouterr().err
     assert "error: train_dataset row 0: KeyVaultEnv.reset(**row) failed" in err and "Traceback" not in err

@@ -14,10 +14,14 @@ from mempo_trl.cli import main
 from mempo_trl.context import TurnProtocol, initial_messages, render_prompt, stop_token_ids
 from mempo_trl.evaluation import compare_modes, evaluate
 from mempo_trl.generation import HFGenerator, strip_completion
+from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
 from mempo_trl.protocol import render_information
 from mempo_trl.retrieval import Passage
+
+
+DEMO = demo_paths()
 
 
 _QUESTION = re.compile(r"Question: (.*?)<\|im_end\|>", re.DOTALL)
@@ -214,6 +218,7 @@ def test_cli_end_to_end_both_modes(tiny_model_dir, tmp_path, cache, capsys):
 
     out = tmp_path / "eval"
     argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--max_eval_samples", "8"]
+    argv += ["--dataset_name", str(DEMO.test), "--corpus", str(DEMO.corpus)]
     argv += ["--max_turns", "2", "--max_completion_length", "24", "--context_mode", "both"]
     assert main([*argv, "--per_device_eval_batch_size", "3", "--disable_tqdm", "true"]) == 0
     assert "memory vs full_history" in capsys.readouterr().out
@@ -263,6 +268,7 @@ def test_cli_several_sources_limit_and_default_data_source(tiny_model_dir, tmp_p
     out = tmp_path / "eval"
     argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", *files, "--max_eval_samples", "2"]
     argv += ["--output_dir", str(out), "--max_turns", "1", "--max_completion_length", "4", "--disable_tqdm", "true"]
+    argv += ["--corpus", str(DEMO.corpus)]
     assert main(argv) == 0
     metrics = json.loads((out / "results.json").read_text())["modes"]["memory"]
     assert {s: m["num_questions"] for s, m in metrics["by_data_source"].items()} == {"nq_dev": 2, "hotpot_dev": 2}
@@ -292,7 +298,20 @@ def test_cli_bad_inputs_print_one_line(problem, tiny_model_dir, tmp_path, cache,
     else:
         corpus = str(tmp_path / "missing.jsonl")
         extra, expected = ["--corpus", corpus], [corpus]
-    code = main(["eval", "--model_name_or_path", model, "--output_dir", str(tmp_path / "out"), *extra])
+    code = main(
+        [
+            "eval",
+            "--model_name_or_path",
+            model,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--dataset_name",
+            str(DEMO.test),
+            "--corpus",
+            str(DEMO.corpus),
+            *extra,
+        ]
+    )
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert code == 2
@@ -304,7 +323,19 @@ def test_cli_bad_inputs_print_one_line(problem, tiny_model_dir, tmp_path, cache,
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
 def test_cli_vllm_backend_without_vllm(tiny_model_dir, tmp_path, cache, capsys):
     code = main(
-        ["eval", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path), "--use_vllm", "true"]
+        [
+            "eval",
+            "--model_name_or_path",
+            str(tiny_model_dir),
+            "--output_dir",
+            str(tmp_path),
+            "--use_vllm",
+            "true",
+            "--dataset_name",
+            str(DEMO.test),
+            "--corpus",
+            str(DEMO.corpus),
+        ]
     )
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "mempo_trl[vllm]" in lines[0]

@@ -19,9 +19,12 @@ import torch
 import yaml
 from helpers import free_port
 
+from mempo_trl.kit.demo_world import demo_paths
+
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_mempo.py"
+DEMO = demo_paths()
 RECIPES = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
 GPU_RECIPES = [ROOT / "examples" / "configs" / name for name in ("qwen2.5-3b-lora.yaml", "qwen2.5-7b-vllm.yaml")]
 ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
@@ -156,6 +159,7 @@ def _launch(accelerate_config: str, model_dir: Path, out: Path, *extra: str) -> 
         str(SCRIPT),
         "--config", str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
         "--model_name_or_path", str(model_dir),
+        "--dataset_name", str(DEMO.train.parent), "--corpus", str(DEMO.corpus),
         "--output_dir", str(out),
         "--per_device_train_batch_size", "2", "--num_generations", "2",  # 2 x 2 processes = 2 groups of G=2
         "--max_turns", "2", "--max_completion_length", "24", "--max_steps", "2",

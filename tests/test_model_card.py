@@ -12,14 +12,15 @@ TINY_RECIPE = Path(__file__).resolve().parents[1] / "examples" / "configs" / "ti
 
 @pytest.mark.slow
 def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_model_dir, demo_paths, tmp_path):
-    from mempo_trl.commands.train import build_trainer, parse_args
+    from mempo_trl.commands.recipe import build_trainer
+    from mempo_trl.commands.train import parse_args
 
     out = tmp_path / "mempo-tiny-card"
     script_args, training_args, model_args, retriever_args = parse_args(
         [
             "--config", str(TINY_RECIPE),
             "--model_name_or_path", str(warm_model_dir),
-            "--dataset_name", str(demo_paths.train),
+            "--dataset_name", str(demo_paths.train), "--corpus", str(demo_paths.corpus),
             "--output_dir", str(out),
             "--per_device_train_batch_size", "2", "--num_generations", "2",
             "--max_turns", "2", "--max_completion_length", "24", "--max_steps", "1",

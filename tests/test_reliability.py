@@ -18,7 +18,12 @@ import httpx
 import pytest
 
 from mempo_trl.cli import main
+from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.retrieval import HttpRetriever, RetrievalError, RetrieverOutage
+
+
+DEMO = demo_paths()
+"""The demo world shipped with the kit: what these recipes train and search."""
 
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -239,7 +244,8 @@ def test_build_index_fails_when_it_cannot_write_its_cache(tmp_path, capsys):
 def train_settings(tmp_path: Path, model_dir: Path, **fields) -> list[str]:
     """`mempo-trl train` arguments for a 1-step CPU run of the tiny model (as a recipe file plus `fields`)."""
     settings = {
-        "model_name_or_path": str(model_dir), "output_dir": str(tmp_path / "out"), "use_cpu": True, "bf16": False,
+        "model_name_or_path": str(model_dir), "dataset_name": str(DEMO.train.parent),
+        "corpus": str(DEMO.corpus), "output_dir": str(tmp_path / "out"), "use_cpu": True, "bf16": False,
         "report_to": "none", "max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4,
         "max_completion_length": 8, "max_turns": 1, **fields,
     }  # fmt: skip
@@ -326,7 +332,7 @@ def test_train_refuses_to_overwrite_earlier_results_unless_told(tmp_path, capsys
     [
         (["kit", "build-tiny-model"], "--output_dir"),
         (["kit", "build-demo"], "--output_dir"),
-        (["eval", "--model_name_or_path", "MODEL"], "--output_dir"),
+        (["eval", "--model_name_or_path", "MODEL", "--dataset_name", "qa.jsonl"], "--output_dir"),
         (["merge-lora", "--model_name_or_path", "MODEL"], "--output_dir"),
     ],
 )

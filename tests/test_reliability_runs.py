@@ -24,7 +24,12 @@ from safetensors.torch import load_file
 
 from mempo_trl.checkpoints import newest_complete_checkpoint, resolve_resume, validate_checkpoint
 from mempo_trl.cli import main
+from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.retrieval import HttpRetriever, RetrievalError, RetrieverOutage
+
+
+DEMO = demo_paths()
+"""The demo world shipped with the kit: what these recipes train and search."""
 
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -34,7 +39,8 @@ CALLS = {"reward": 0}
 def recipe(tmp_path: Path, model_dir: Path, raw: str = "", **fields) -> list[str]:
     """`mempo-trl train` arguments for a short CPU run of the tiny model; `raw` is appended to the YAML as is."""
     settings = {
-        "model_name_or_path": str(model_dir), "output_dir": str(tmp_path / "out"), "use_cpu": True, "bf16": False,
+        "model_name_or_path": str(model_dir), "dataset_name": str(DEMO.train.parent),
+        "corpus": str(DEMO.corpus), "output_dir": str(tmp_path / "out"), "use_cpu": True, "bf16": False,
         "report_to": "none", "max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4,
         "max_completion_length": 8, "max_turns": 1, "logging_steps": 1, "save_strategy": "no", **fields,
     }  # fmt: skip

@@ -6,7 +6,10 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from mempo_trl.kit.demo_world import demo_paths
 
+
+DEMO = demo_paths()
 TINY_RECIPE = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_cpu.yaml"
 
 
@@ -25,6 +28,7 @@ def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return [
         "--config", str(TINY_RECIPE),
         "--model_name_or_path", str(model_dir),
+        "--dataset_name", str(DEMO.train.parent), "--corpus", str(DEMO.corpus),
         "--output_dir", str(out),
         "--per_device_train_batch_size", "4", "--num_generations", "4",
         "--max_turns", "3", "--max_completion_length", "48",
@@ -43,7 +47,8 @@ def _logged(trainer, key: str) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_resume_from_checkpoint_matches_straight_run(warm_model_dir, tmp_path):
-    from mempo_trl.commands.train import build_trainer, parse_args, train
+    from mempo_trl.commands.recipe import build_trainer, train
+    from mempo_trl.commands.train import parse_args
 
     straight = build_trainer(*parse_args(_args(warm_model_dir, tmp_path / "straight")))
     start = _weights(straight)

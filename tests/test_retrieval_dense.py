@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mempo_trl.retrieval import load_retriever
+from mempo_trl.retrieval import RetrieverArguments, build_retriever
 from mempo_trl.retrieval.dense import DenseRetriever
 
 
@@ -80,10 +80,14 @@ def test_embedding_cache_hit_skips_passage_encoding(retriever, minilm, corpus, m
     assert len(encoded) == 1 and encoded[0][0] == 'passage: "Hamlet"\n' + CORPUS[0][2]
 
 
-def test_load_retriever_dense_spec(minilm, corpus):
-    retriever = load_retriever(
-        f"dense:{minilm}:{corpus}", query_prefix="", passage_prefix="", cache_dir=corpus.parent / "cache"
+def test_build_retriever_from_typed_dense_settings(minilm, corpus):
+    settings = RetrieverArguments(
+        corpus=str(corpus),
+        retriever_type="dense",
+        retriever_model=str(minilm),
+        retriever_cache_dir=str(corpus.parent / "cache"),
     )
+    retriever = build_retriever(settings, query_prefix="", passage_prefix="")
     assert isinstance(retriever, DenseRetriever) and retriever.cache_hit
     assert retriever.search(["Shakespeare play"], 1)[0][0].id == "1"
 

@@ -8,13 +8,19 @@ from pathlib import Path
 import pytest
 
 from mempo_trl.cli import main
+from mempo_trl.kit.demo_world import demo_paths
+
+
+DEMO = demo_paths()
+"""The demo world shipped with the kit: what these recipes train and search."""
 
 
 @pytest.fixture
 def recipe(tmp_path, tiny_model_dir):
     def write(**fields):
         settings = {
-            "model_name_or_path": str(tiny_model_dir), "output_dir": str(tmp_path / "out"), "use_cpu": True,
+            "model_name_or_path": str(tiny_model_dir), "dataset_name": str(DEMO.train.parent),
+            "corpus": str(DEMO.corpus), "output_dir": str(tmp_path / "out"), "use_cpu": True,
             "bf16": False, "report_to": "none", "max_steps": 1, "per_device_train_batch_size": 4,
             "num_generations": 4, "max_completion_length": 8, "max_turns": 1, **fields,
         }  # fmt: skip
@@ -88,8 +94,6 @@ def test_overwrite_output_dir_removes_the_previous_runs_results(capsys, recipe, 
     for name in ("model.safetensors", "README.md", "mempo_metrics.json"):
         (out / name).write_text("previous run")
     (out / "checkpoint-3").mkdir()
-    (out / "base_model").mkdir()
-    (out / "base_model" / "config.json").write_text("{}")
     lora = recipe(use_peft=True, lora_r=2, lora_target_modules=["q_proj", "v_proj"])
     assert main(["train", "--config", lora, "--overwrite_output_dir"]) == 0
     printed = capsys.readouterr().out
@@ -97,7 +101,6 @@ def test_overwrite_output_dir_removes_the_previous_runs_results(capsys, recipe, 
     assert (out / "adapter_model.safetensors").is_file()
     assert not (out / "model.safetensors").exists() and not (out / "checkpoint-3").exists()  # no stale full weights
     assert (out / "README.md").read_text() != "previous run"
-    assert (out / "base_model" / "config.json").read_text() == "{}"  # the reusable input stays
 
 
 def test_a_finished_run_tears_down_its_process_groups(recipe, tmp_path):
@@ -126,20 +129,22 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "configs" / "qui
 
 
 @pytest.mark.slow
-def test_quickstart_trains_the_shipped_learner_on_its_own_world(capsys, tmp_path):
-    """The quick start's recipe, shortened: `model_name_or_path: learner` loads the shipped learner, writes its world
-    into the output directory and trains, searches and evaluates on that world, not on the demo world."""
-    from mempo_trl.commands.train import build_trainer, parse_args
+def test_quickstart_trains_the_shipped_learner_on_its_own_world(capsys, tmp_path, monkeypatch):
+    """The quick start as the README gives it, shortened: `mempo-trl kit learner` writes the shipped learner and its
+    world where the recipe names them, and training trains, searches and evaluates on that world."""
+    from mempo_trl.commands.recipe import build_trainer
+    from mempo_trl.commands.train import parse_args
     from mempo_trl.data import load_qa
     from mempo_trl.kit.learner import shipped_learner
 
-    out = tmp_path / "quickstart"
+    monkeypatch.chdir(tmp_path)  # the recipe's paths are relative, as in a clone
+    assert main(["kit", "learner", "--output_dir", "kit/learner"]) == 0
+    out, world = tmp_path / "quickstart", tmp_path / "kit" / "learner" / "world"
     argv = ["--config", str(QUICKSTART), "--output_dir", str(out), "--max_steps", "1",
             "--per_device_train_batch_size", "4", "--heldout_questions", "3"]  # fmt: skip
     script_args, training_args, model_args, retriever_args = parse_args(argv)
-    assert model_args.model_name_or_path == "learner" and training_args.instruction == "Question: {question}"
+    assert model_args.model_name_or_path == "kit/learner/model" and training_args.instruction == "Question: {question}"
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
-    world = out / "learner_world"
     assert [r["question"] for r in trainer.train_dataset] == [r["question"] for r in load_qa(str(world / "rl.jsonl"))]
     shipped = json.loads((shipped_learner() / "config.json").read_text())
     assert trainer.model.config.hidden_size == shipped["hidden_size"] == 128
@@ -149,26 +154,10 @@ def test_quickstart_trains_the_shipped_learner_on_its_own_world(capsys, tmp_path
     passage = trainer.retriever.search([first_test["hop_queries"][0]], topk=1)[0][0]
     assert passage.id in {json.loads(line)["id"] for line in (world / "corpus.jsonl").read_text().splitlines()}
 
-    assert main(["train", *argv, "--overwrite_output_dir", "true"]) == 0
+    assert main(["train", *argv]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("held-out EM (3 questions, greedy): ") and "after (step 1)" in last
     assert json.loads((out / "mempo_agent.json").read_text())["instruction"] == "Question: {question}"
-
-
-@pytest.mark.slow
-def test_the_learner_gets_its_own_instruction_unless_the_recipe_sets_one(capsys, tmp_path):
-    from mempo_trl.commands.train import build_trainer, parse_args
-    from mempo_trl.kit.learner import LEARNER_INSTRUCTION
-
-    argv = ["--model_name_or_path", "learner", "--output_dir", str(tmp_path / "out"), "--use_cpu", "true",
-            "--bf16", "false", "--report_to", "none", "--per_device_train_batch_size", "4", "--num_generations", "4"]  # fmt: skip
-    script_args, training_args, model_args, retriever_args = parse_args(argv)
-    assert (
-        build_trainer(script_args, training_args, model_args, retriever_args).args.instruction == LEARNER_INSTRUCTION
-    )
-    assert "instruction='Question: {question}', the shipped learner's" in capsys.readouterr().out
-    parsed = parse_args([*argv, "--instruction", "Q: {question}"])
-    assert build_trainer(*parsed).args.instruction == "Q: {question}"
 
 
 @pytest.mark.parametrize("world_size", ["1", "2"])

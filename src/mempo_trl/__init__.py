@@ -39,6 +39,8 @@ _EXPORTS = {
     "load_retriever": "mempo_trl.retrieval",
     "RetrievalError": "mempo_trl.retrieval",
     "RetrieverOutage": "mempo_trl.retrieval",
+    "RetrieverArguments": "mempo_trl.retrieval",
+    "build_retriever": "mempo_trl.retrieval",
     "load_qa": "mempo_trl.data",
     "DataError": "mempo_trl.data",
     "load_tokenizer": "mempo_trl.loading",

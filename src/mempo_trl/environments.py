@@ -218,8 +218,8 @@ def call_tool(environment, name: str, arguments: dict) -> str:
 
 
 def load_environment(spec: str) -> EnvironmentFactory:
-    """The environment class an import path names (``my_pkg.envs.MyEnv`` or ``my_pkg.envs:MyEnv``); the command
-    line also takes kit names (`mempo_trl.kit.envs.resolve_environment`).
+    """The environment class an import path names (``my_pkg.envs.MyEnv`` or ``my_pkg.envs:MyEnv``), as `mempo-trl
+    train` and `eval` take it (`--environment mempo_trl.kit.envs.KeyVaultEnv`).
 
     Raises:
         EnvironmentConventionError: nothing importable by that name.
@@ -235,5 +235,5 @@ def load_environment(spec: str) -> EnvironmentFactory:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError):
         raise EnvironmentConventionError(
-            f"unknown environment {spec!r}: give an import path (`my_pkg.envs.MyEnv`) or a kit environment name."
+            f"unknown environment {spec!r}: give an import path (`my_pkg.envs.MyEnv`)."
         ) from None

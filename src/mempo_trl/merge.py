@@ -6,7 +6,7 @@
 The base model is the one named in the adapter's `adapter_config.json` (`base_model_name_or_path`), or
 `--base_model_name_or_path` when it has moved. The output is a standalone model (safetensors, config, generation
 config) plus the tokenizer saved with the adapter (the base model's when the adapter directory has none) and the
-agent settings (`mempo_agent.json`), loadable with `from_pretrained` and without peft.
+turn protocol (`mempo_agent.json`), loadable with `from_pretrained` and without peft.
 """
 
 import shutil

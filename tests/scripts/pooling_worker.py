@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import EchoRetriever, scripted_scorers  # noqa: E402
 
 from mempo_trl import MemPOConfig, MemPOTrainer  # noqa: E402
-from mempo_trl.commands.train import release_process_groups  # noqa: E402
+from mempo_trl.commands.recipe import release_process_groups  # noqa: E402
 from mempo_trl.kit.tiny import load_tiny  # noqa: E402
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fake_vllm  # noqa: E402
 
 from mempo_trl import MemPOConfig, MemPOTrainer  # noqa: E402
-from mempo_trl.commands.train import release_process_groups  # noqa: E402
+from mempo_trl.commands.recipe import release_process_groups  # noqa: E402
 from mempo_trl.kit.tiny import load_tiny  # noqa: E402
 from mempo_trl.retrieval import Passage  # noqa: E402
 

@@ -1,13 +1,109 @@
-"""The `mempo-trl` subcommands: argument dataclasses parsed with TRL's `TrlParser`, and what each command runs.
+"""The `mempo-trl` subcommands and what they share: arguments parsed with TRL's `TrlParser`, one-line errors.
 
 Every subcommand reads its arguments the same way (`--name value`, underscores as in TRL, `--config file.yaml`
-for any of them) and uses the same name for the same setting. This layer supplies the offline defaults (the `tiny`
-model, the demo world of `mempo_trl.kit`); the library core never imports the kit.
+for any of them) and uses the same name for the same setting. Errors a user can fix (bad arguments, YAML, paths,
+data, outputs, retrievers) end every command the same way, in `run`: one `error: ...` line on stderr and exit code 2,
+with no usage dump and no traceback (`MEMPO_DEBUG=1` shows the traceback). The command layer never imports the
+offline kit (`mempo_trl.kit`), which registers its own `mempo-trl kit` command.
 """
 
 import argparse
+import os
+import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields
+from typing import Any
+
+
+USAGE_EXIT = 2
+
+
+class CommandError(Exception):
+    """A bad command line (unknown flag, wrong value type, ...); printed as one `error:` line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise CommandError(f"{message} (see `{self.prog} --help`)")
+
+
+def one_line_errors(parser: argparse.ArgumentParser, prog: str) -> argparse.ArgumentParser:
+    """Make `parser` (e.g. a `TrlParser`) raise `CommandError` instead of printing its usage and exiting.
+
+    Example:
+        >>> parser = one_line_errors(argparse.ArgumentParser(), "mempo-trl train")
+        >>> parser.add_argument("--max_steps", type=int) and parser.parse_args(["--max_steps", "ten"])
+        Traceback (most recent call last):
+        mempo_trl.commands.CommandError: argument --max_steps: invalid int value: 'ten' (see `mempo-trl train --help`)
+    """
+
+    def error(message: str):
+        raise CommandError(f"{message} (see `{prog} --help`)")
+
+    parser.error = error
+    return parser
+
+
+def error_message(err: BaseException) -> str | None:
+    """The one-line message for an error a user can fix, or None for anything else (a bug: keep the traceback).
+
+    Our own exceptions (`DataError`, `OutputError`, `RetrievalError`, ...) and bad values, paths, missing
+    packages and YAML syntax count as fixable.
+    """
+    import yaml
+
+    fixable = (CommandError, ValueError, OSError, ImportError, yaml.YAMLError)
+    if not isinstance(err, fixable) and not type(err).__module__.startswith("mempo_trl."):
+        return None
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, yaml.YAMLError):
+        text = f"invalid YAML: {text}"
+    return f"error: {text}"
+
+
+def run(func: Callable[..., int | None], *args: Any) -> int:
+    """Call a command; a fixable error becomes one `error:` line on stderr and exit code 2.
+
+    Example:
+        >>> run(lambda: open("/no/such/recipe.yaml"))
+        error: [Errno 2] No such file or directory: '/no/such/recipe.yaml'
+        2
+    """
+    try:
+        return int(func(*args) or 0)
+    except Exception as err:
+        message = error_message(err)
+        if message is None or os.environ.get("MEMPO_DEBUG"):
+            raise
+        # One write of the whole line: under `accelerate launch` every rank shares the pipe, and `print` writes the
+        # text and the newline separately, so two ranks' lines could interleave.
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        return USAGE_EXIT
+
+
+UPSTREAM_NOISE = (
+    # DeepSpeed's CPU fallback, logged by every process that imports it on a machine without GPUs.
+    ("DeepSpeed", "Setting accelerator to CPU"),
+    # Deprecations inside DeepSpeed (ZeRO collectives) and TRL (`is_gradient_checkpointing`): nothing a user can change.
+    (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated"),
+    (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated"),
+    (FutureWarning, "`is_gradient_checkpointing` is deprecated"),
+)
+"""(logger name or warning category, message start) of upstream messages no setting of ours can avoid."""
+
+
+def quiet_upstream_noise() -> None:
+    """Silence `UPSTREAM_NOISE`: a logging filter per logger and a `warnings` filter per warning (nothing else)."""
+    import logging
+    import warnings
+
+    for source, message in UPSTREAM_NOISE:
+        if isinstance(source, str):
+            logging.getLogger(source).addFilter(lambda record, m=message: not record.getMessage().startswith(m))
+        else:
+            warnings.filterwarnings("ignore", message=re.escape(message), category=source)
 
 
 def add_command(subparsers: argparse._SubParsersAction, name: str, help: str, main: Callable[[list[str]], int]):
@@ -25,13 +121,12 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     before the command does any work.
 
     Example:
-        >>> from mempo_trl.commands.kit import BuildDemoArguments
-        >>> parse("mempo-trl kit build-demo", [BuildDemoArguments], ["--output_dir", "demo"])[0].output_dir
-        'demo'
+        >>> from mempo_trl.commands.retrieval import IndexArguments
+        >>> parse("mempo-trl build-index", [IndexArguments], ["--bm25_k1", "1.2"])[0].bm25_k1
+        1.2
     """
     from trl import TrlParser
 
-    from mempo_trl.cli import CommandError, one_line_errors
     from mempo_trl.outputs import OutputArguments, prepare_output_dir
 
     names = {f.name for t in dataclass_types for f in fields(t)}

@@ -3,8 +3,8 @@
     mempo-trl ask "In which city was the founder of Nembam Motors born?" --model_name_or_path outputs/quickstart \\
         --corpus outputs/quickstart/learner_world/corpus.jsonl
 
-The agent runs with the turn protocol saved with it (`mempo_agent.json`); `--max_turns 4` and the like override them.
-Without `--corpus` or `--retriever_url` it searches the demo corpus.
+The agent runs with the turn protocol saved with it (`mempo_agent.json`); `--max_turns 4` and the like override it.
+It searches `--corpus` (indexed in process) or the server at `--retriever_url`.
 """
 
 import argparse
@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 
 from mempo_trl.commands import add_command, parse
-from mempo_trl.commands.retrieval import RetrieverArguments, build_retriever
+from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 
 
 @dataclass
@@ -73,13 +73,6 @@ def load_agent(args: AgentArguments, retriever, context_mode: str | None = None,
     )
 
 
-def demo_corpus() -> str:
-    """The corpus of the shipped demo world: what `eval` and `ask` search when given no retriever."""
-    from mempo_trl.kit.demo_world import demo_paths
-
-    return str(demo_paths().corpus)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     question = argv.pop(0) if argv and not argv[0].startswith("-") else None
@@ -88,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError('no question: mempo-trl ask "your question" --model_name_or_path DIR')
     if agent_args.context_mode == "both":
         raise ValueError("ask plays one context mode: memory or full_history.")
-    retriever = build_retriever(retriever_args, default_corpus=demo_corpus())
+    retriever = build_retriever(retriever_args)
     result = load_agent(agent_args, retriever, agent_args.context_mode).run(question)
     for k, turn in enumerate(result.turns, 1):
         print(f"turn {k} <mem> {turn['mem']}")

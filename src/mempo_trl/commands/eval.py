@@ -3,9 +3,8 @@
     mempo-trl eval --model_name_or_path outputs/quickstart --dataset_name outputs/quickstart/learner_world/test.jsonl \\
         --corpus outputs/quickstart/learner_world/corpus.jsonl --output_dir eval_out --context_mode both
 
-With `--environment keyvault` (a kit environment, or an import path `my_pkg.envs.MyEnv`) the agent plays that
-TRL-style environment instead of searching; `--dataset_name` then holds its `reset` rows (.jsonl), by default 50
-held-out kit rows (seed 1; the recipes train on seed 0).
+With `--environment my_pkg.envs.MyEnv` (an import path) the agent plays that TRL-style environment instead of
+searching; `--dataset_name` then holds its `reset` rows (.jsonl).
 
 The agent runs with the turn protocol saved with it (`mempo_agent.json`); a flag such as `--max_turns 4` overrides them
 and says so. Writes ``results.json`` (metrics, settings, versions), ``trajectories.jsonl`` (one line per question
@@ -24,10 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mempo_trl.commands import add_command, parse
-from mempo_trl.commands.ask import AgentArguments, demo_corpus, load_agent
-from mempo_trl.commands.retrieval import RetrieverArguments, build_retriever
+from mempo_trl.commands.ask import AgentArguments, load_agent
 from mempo_trl.context import CONTEXT_MODES
 from mempo_trl.evaluation import EvalResult, compare_modes, evaluate, plot_context_tokens
+from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 
 
 RESULTS_FILE = "results.json"
@@ -40,10 +39,9 @@ class EvalArguments:
     """The questions to evaluate on and where the results go."""
 
     output_dir: str = field(metadata={"help": "Directory for results.json, trajectories.jsonl and the plot."})
-    dataset_name: list[str] | None = field(
-        default=None,
+    dataset_name: list[str] = field(
         metadata={"help": "QA .jsonl/.json/.parquet files, FlashRAG-style directories or `datasets` names, each "
-                  "reported on its own (default: the demo test split)."},
+                  "reported on its own; with `environment`, .jsonl files of its reset rows."},
     )  # fmt: skip
     dataset_split: str = field(default="test", metadata={"help": "Split of a directory or `datasets` source."})
     dataset_config: str | None = field(
@@ -52,9 +50,8 @@ class EvalArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "First N questions of every source."})
     environment: str | None = field(
         default=None,
-        metadata={"help": "Play a TRL-style environment instead of searching: a kit environment (keyvault, safe) or "
-                  "an import path (my_pkg.envs.MyEnv). dataset_name then holds its reset rows (.jsonl); default: "
-                  "max_eval_samples (50) held-out kit rows."},
+        metadata={"help": "Play a TRL-style environment instead of searching: an import path (my_pkg.envs.MyEnv; "
+                  "the kit's: mempo_trl.kit.envs.KeyVaultEnv, ...). dataset_name then holds its reset rows (.jsonl)."},
     )  # fmt: skip
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
 
@@ -92,11 +89,9 @@ def _quiet_retry_warnings():
 
 def _load_rows(args: EvalArguments) -> list[dict]:
     from mempo_trl.data import load_qa
-    from mempo_trl.kit.demo_world import demo_paths
 
-    sources = args.dataset_name or [str(demo_paths().test)]
     rows = []
-    for source in sources:
+    for source in args.dataset_name:
         dataset = load_qa(source, split=args.dataset_split, config=args.dataset_config)
         if args.max_eval_samples is not None:
             dataset = dataset.select(range(min(args.max_eval_samples, len(dataset))))
@@ -109,15 +104,9 @@ def _load_rows(args: EvalArguments) -> list[dict]:
 
 
 def _environment_rows(args: EvalArguments) -> list[dict]:
-    """The rows an environment is evaluated on: the `dataset_name` .jsonl files (every row as `reset` arguments), or
-    held-out rows of a kit environment (seed 1)."""
+    """The rows an environment is evaluated on: the `dataset_name` .jsonl files (every row as `reset` arguments)."""
     from mempo_trl.data import read_jsonl
-    from mempo_trl.kit.envs import KIT_ENVIRONMENTS
 
-    if not args.dataset_name:
-        if args.environment not in KIT_ENVIRONMENTS:
-            raise ValueError(f"--environment {args.environment} needs --dataset_name: a .jsonl of its reset rows.")
-        return KIT_ENVIRONMENTS[args.environment][1](args.max_eval_samples or 50, seed=1)
     rows = []
     for source in args.dataset_name:
         found = read_jsonl(source)
@@ -131,7 +120,7 @@ def _probe_retriever(retriever, args: RetrieverArguments, probe: str) -> dict:
 
     with _quiet_retry_warnings():
         retriever.search([probe], 1)
-    info = {"kind": getattr(retriever, "name", type(retriever).__name__), "corpus": args.corpus or demo_corpus()}
+    info = {"kind": getattr(retriever, "name", type(retriever).__name__), "corpus": args.corpus}
     if args.retriever_url:
         info.update(url=args.retriever_url, corpus=args.corpus)
     if hasattr(retriever, "num_passages"):
@@ -174,16 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     context_mode = None if agent_args.context_mode == "both" else agent_args.context_mode
     if eval_args.environment:
-        from mempo_trl.environments import check_environment
-        from mempo_trl.kit.envs import resolve_environment
+        from mempo_trl.environments import check_environment, load_environment
 
-        environment_factory = resolve_environment(eval_args.environment)
+        environment_factory = load_environment(eval_args.environment)
         check_environment(environment_factory)
         rows, retriever_info = _environment_rows(eval_args), {"environment": eval_args.environment}
         agent = load_agent(agent_args, None, context_mode, environment_factory=environment_factory)
     else:
         rows = _load_rows(eval_args)
-        retriever = build_retriever(retriever_args, default_corpus=demo_corpus())
+        retriever = build_retriever(retriever_args)
         retriever_info = _probe_retriever(retriever, retriever_args, rows[0]["question"])
         agent = load_agent(agent_args, retriever, context_mode)
 
@@ -197,12 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         for result in results:
             for record in result.records:
                 f.write(json.dumps({"context_mode": result.context_mode, **record}, ensure_ascii=False) + "\n")
-    datasets = ", ".join(Path(name).name for name in eval_args.dataset_name or ["demo test split"])
+    datasets = ", ".join(Path(name).name for name in eval_args.dataset_name)
     plot_context_tokens(results, out / PLOT_FILE, f"{agent_args.model_name_or_path} on {datasets}")
     settings = {
         "model_name_or_path": agent_args.model_name_or_path,
-        "dataset_name": eval_args.dataset_name
-        or [f"{eval_args.environment} kit rows" if eval_args.environment else "demo test split"],
+        "dataset_name": eval_args.dataset_name,
         "dataset_split": eval_args.dataset_split,
         "dataset_config": eval_args.dataset_config,
         "max_eval_samples": eval_args.max_eval_samples,

@@ -114,7 +114,8 @@ def check_cpu_config(config: Path, use_cpu: bool) -> None:
 
 def launch(argv: list[str]) -> int:
     """Check the recipe and the output directory here, then start the processes; returns the launcher's exit code."""
-    from mempo_trl.commands.train import check_before_training, parse_args
+    from mempo_trl.commands.recipe import check_before_training
+    from mempo_trl.commands.train import parse_args
 
     launch, train_argv = split_launch_args(argv)
     script_args, training_args, model_args, _ = parse_args(train_argv)

@@ -1,5 +1,7 @@
-"""The retriever settings every command shares (`RetrieverArguments`), the one function that builds a retriever
-from them, and `mempo-trl build-index` / `mempo-trl serve-retriever`.
+"""`mempo-trl build-index` / `mempo-trl serve-retriever`: index a corpus ahead of time, or serve it over HTTP.
+
+Both read the retriever settings every command shares (`mempo_trl.retrieval.settings.RetrieverArguments`) and the
+index settings below (defaults: the retriever classes' own).
 
     mempo-trl build-index --corpus data/wiki-18.jsonl                  # BM25, cached under $MEMPO_CACHE/bm25
     mempo-trl serve-retriever --corpus data/wiki-18.jsonl --port 8000  # reuses that cache
@@ -12,87 +14,27 @@ from dataclasses import dataclass, field
 
 from mempo_trl.commands import add_command, parse
 from mempo_trl.outputs import OutputError, check_port, check_writable
+from mempo_trl.retrieval import bm25, dense, settings
+from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 @dataclass
-class RetrieverArguments:
-    """Where the agent's `<search>` goes: a Search-R1-style server, or a corpus indexed in process."""
-
-    corpus: str | None = field(
-        default=None, metadata={"help": "Passage corpus (JSONL `{id, contents}`) indexed in process."}
-    )
-    retriever_url: str | None = field(
-        default=None,
-        metadata={"help": "URL of a Search-R1-style retrieval server (`POST /retrieve`); overrides `corpus`."},
-    )
-    retriever_type: str = field(
-        default="bm25",
-        metadata={"help": "In-process index of `corpus`: `bm25` or `dense`.", "choices": ["bm25", "dense"]},
-    )
-    retriever_model: str | None = field(
-        default=None, metadata={"help": "Local sentence-transformers model directory (`retriever_type: dense`)."}
-    )
-    retriever_cache_dir: str | None = field(
-        default=None, metadata={"help": "Where indexes are cached (default: $MEMPO_CACHE/<retriever_type>)."}
-    )
-    retriever_timeout: float = field(default=30.0, metadata={"help": "Seconds per HTTP request to the server."})
-    retriever_max_retries: int = field(
-        default=3, metadata={"help": "HTTP retries after a failed request (`eval`, `ask`; training retries until "
-                             "`retriever_retry_budget` runs out)."}
-    )  # fmt: skip
-    retriever_retry_budget: float = field(
-        default=600.0,
-        metadata={"help": "Seconds an unreachable `retriever_url` is retried (each outage logged); training then "
-                  "saves a checkpoint and stops: resume from it once the server is back."},
-    )  # fmt: skip
-
-
-def build_retriever(
-    args: RetrieverArguments, default_corpus: str | None = None, ride_out_outages: bool = False, **index_kwargs
-):
-    """The retriever `args` describe (`default_corpus` when it names none); `index_kwargs` go to the index.
-
-    With `ride_out_outages` (training), an HTTP retriever retries for `retriever_retry_budget` seconds whatever the
-    number of attempts.
-
-    Example:
-        >>> build_retriever(RetrieverArguments(retriever_url="http://127.0.0.1:8000")).base_url
-        'http://127.0.0.1:8000'
-    """
-    from mempo_trl.retrieval import load_retriever
-
-    if args.retriever_url:
-        return load_retriever(
-            args.retriever_url,
-            timeout=args.retriever_timeout,
-            max_retries=None if ride_out_outages else args.retriever_max_retries,
-            retry_budget=args.retriever_retry_budget,
-        )
-    corpus = args.corpus or default_corpus
-    if corpus is None:
-        raise ValueError("no retriever: set `corpus` (a JSONL corpus) or `retriever_url` (a retrieval server).")
-    if args.retriever_type == "dense":
-        if not args.retriever_model:
-            raise ValueError("retriever_type dense needs retriever_model: a local sentence-transformers directory.")
-        spec = f"dense:{args.retriever_model}:{corpus}"
-    else:
-        spec = f"bm25:{corpus}"
-    return load_retriever(spec, cache_dir=args.retriever_cache_dir, **index_kwargs)
-
-
-@dataclass
 class IndexArguments:
     """How an in-process index is built (`build-index`, `serve-retriever`)."""
 
-    bm25_stemmer: str = field(default="english", metadata={"help": "PyStemmer algorithm of BM25, or `none`."})
-    bm25_k1: float = field(default=1.5, metadata={"help": "BM25 k1."})
-    bm25_b: float = field(default=0.75, metadata={"help": "BM25 b."})
-    dense_query_prefix: str = field(default="query: ", metadata={"help": "E5 style; '' for MiniLM-style models."})
-    dense_passage_prefix: str = field(default="passage: ", metadata={"help": "Prefix of every encoded passage."})
-    dense_batch_size: int = field(default=64, metadata={"help": "Passages per encoder batch."})
+    bm25_stemmer: str = field(default=bm25.STEMMER, metadata={"help": "PyStemmer algorithm of BM25, or `none`."})
+    bm25_k1: float = field(default=bm25.K1, metadata={"help": "BM25 k1."})
+    bm25_b: float = field(default=bm25.B, metadata={"help": "BM25 b."})
+    dense_query_prefix: str = field(
+        default=dense.QUERY_PREFIX, metadata={"help": "E5 style; '' for MiniLM-style models."}
+    )
+    dense_passage_prefix: str = field(
+        default=dense.PASSAGE_PREFIX, metadata={"help": "Prefix of every encoded passage."}
+    )
+    dense_batch_size: int = field(default=dense.BATCH_SIZE, metadata={"help": "Passages per encoder batch."})
     dense_device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: the encoder's)."})
 
     def kwargs(self, retriever_type: str) -> dict:
@@ -114,12 +56,12 @@ class ServeArguments:
 
     host: str = field(default="127.0.0.1", metadata={"help": "Interface to bind (0.0.0.0 for other machines)."})
     port: int = field(default=8000, metadata={"help": "Port to listen on."})
-    max_queries: int = field(default=4096, metadata={"help": "Most queries per request."})
-    max_topk: int = field(default=100, metadata={"help": "Largest topk accepted."})
-    max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "Largest request body accepted."})
-    max_response_bytes: int = field(default=64 * 2**20, metadata={"help": "Largest answer sent."})
+    max_queries: int = field(default=settings.MAX_QUERIES, metadata={"help": "Most queries per request."})
+    max_topk: int = field(default=settings.MAX_TOPK, metadata={"help": "Largest topk accepted."})
+    max_body_bytes: int = field(default=settings.MAX_BODY_BYTES, metadata={"help": "Largest request body accepted."})
+    max_response_bytes: int = field(default=settings.MAX_RESPONSE_BYTES, metadata={"help": "Largest answer sent."})
     request_timeout: float = field(
-        default=10.0,
+        default=settings.REQUEST_TIMEOUT,
         metadata={"help": "Seconds a connection has to send a whole request (after connecting or after its last "
                   "answer) before it is closed: idle and slow clients cannot hold connections open."},
     )  # fmt: skip

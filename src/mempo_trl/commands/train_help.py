@@ -1,7 +1,7 @@
 """`mempo-trl train --help`: the fields a MemPO run is about, first and short, printed without importing torch or TRL.
 
 MemPO's own fields are read from the source of `MemPOConfig` (importing it would import TRL, tens of seconds);
-the data, retrieval and launch options from their dataclasses. `--help_all` prints TRL's full parser help (every
+so are the recipe's `ScriptArguments`; the retrieval and launch options come from their dataclasses. `--help_all` prints TRL's full parser help (every
 field of `GRPOConfig`, `TrainingArguments` and `ModelConfig`).
 """
 
@@ -18,6 +18,16 @@ COMMON_TRL_FIELDS = (
     "resume_from_checkpoint",
 )  # fmt: skip
 """GRPOConfig / ModelConfig fields a MemPO recipe usually sets, listed by name only."""
+
+RECIPE = "mempo_trl.commands.recipe"
+TRL_DATA_FIELDS = [
+    ("dataset_name", "str", "", "QA data: a .jsonl/.json/.parquet file, a directory of {split}.jsonl files or a "
+     "`datasets` name (FlashRAG or Search-R1 rows); with `environment`, a .jsonl of its reset rows."),
+    ("dataset_config", "str", "", "`datasets` config name of `dataset_name`."),
+    ("dataset_train_split", "str", "'train'", "Split to train on."),
+    ("dataset_test_split", "str", "'test'", "Split to evaluate on (`heldout_questions`, `eval_strategy`)."),
+]  # fmt: skip
+"""The fields of TRL's `ScriptArguments` a MemPO recipe uses (importing it would import TRL)."""
 
 
 def config_fields(module: str = "mempo_trl.config", cls: str = "MemPOConfig") -> list[tuple[str, str, str, str]]:
@@ -73,8 +83,7 @@ def _section(title: str, rows) -> list[str]:
 def short_help() -> str:
     """The text of `mempo-trl train --help`."""
     from mempo_trl.commands.launch import packaged_accelerate_configs
-    from mempo_trl.commands.retrieval import RetrieverArguments
-    from mempo_trl.commands.train import ScriptArguments
+    from mempo_trl.retrieval.settings import RetrieverArguments
 
     launch = [
         ("accelerate_config", "name", "", f"Start the processes with this accelerate config: one shipped with the "
@@ -91,7 +100,7 @@ def short_help() -> str:
         "Every field can be set in the YAML recipe (`--config`) or on the command line, which wins.",
         "",
         *_section("MemPO (MemPOConfig's own fields):", config_fields()),
-        *_section("Data and rewards:", _dataclass_fields(ScriptArguments)),
+        *_section("Data and rewards (ScriptArguments):", TRL_DATA_FIELDS + config_fields(RECIPE, "ScriptArguments")),
         *_section("Retrieval:", _dataclass_fields(RetrieverArguments)),
         *_section("Launch (mempo-trl starts `accelerate launch` itself):", launch),
         "TRL fields a recipe usually sets (GRPOConfig, ModelConfig):",

@@ -6,12 +6,11 @@
 - `mempo_trl.kit.warmstart`: oracle episodes of the demo world and an SFT warm start on them;
 - `mempo_trl.kit.learner`: a bigger world with disjoint warm / RL / held-out questions, a model that can learn it on
   CPU (warm-started with TRL's `SFTTrainer`, memory imperfect on purpose) and a held-out evaluation with memory recall;
-  `learner_model/` is such a learner, shipped for the quick start (`model_name_or_path: learner`).
+  `learner_model/` is such a learner, shipped for the quick start (`mempo-trl kit learner`).
 
-The library core (config, trainer, protocol, context, rollout, scoring, memory, advantages, rewards, data,
-retrieval, evaluation, generation) never imports this package (`tests/test_layout.py`); only the command layer
-(`mempo_trl.commands`) does, for the `tiny` and `learner` models and the demo defaults. Its commands:
-`mempo-trl kit --help`.
+The library core and the command layer never import this package (`tests/test_layout.py`); recipes reach it by
+the paths its commands write (`mempo-trl kit learner`, `mempo-trl kit tiny`, `mempo-trl kit env-rows`; all:
+`mempo-trl kit --help`, registered by `mempo_trl.kit.cli`).
 """
 
 from mempo_trl.kit.qwen import build_qwen2_5_model, build_qwen2_5_tokenizer

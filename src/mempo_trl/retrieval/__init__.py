@@ -18,6 +18,7 @@ from mempo_trl.retrieval.corpus import CorpusError, load_corpus, parse_contents
 from mempo_trl.retrieval.dense import DenseRetriever
 from mempo_trl.retrieval.factory import load_retriever
 from mempo_trl.retrieval.http_client import HttpRetriever
+from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 
 
 __all__ = [
@@ -28,7 +29,9 @@ __all__ = [
     "Passage",
     "RetrievalError",
     "Retriever",
+    "RetrieverArguments",
     "RetrieverOutage",
+    "build_retriever",
     "create_app",
     "load_corpus",
     "load_retriever",

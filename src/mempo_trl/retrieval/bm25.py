@@ -57,6 +57,10 @@ INDEX_FORMAT = 1
 META_FILE = "mempo_bm25.json"
 CORPUS_FILE = "corpus.jsonl"
 STOPWORDS = "english"
+STEMMER = "english"
+"""PyStemmer algorithm of `from_corpus`; `None` indexes words as they are."""
+K1, B = 1.5, 0.75
+"""BM25 term-frequency saturation and length normalisation of `from_corpus`."""
 
 
 class BM25Retriever(CachedIndex):
@@ -90,9 +94,9 @@ class BM25Retriever(CachedIndex):
         cls,
         corpus: str | os.PathLike | Any,
         cache_dir: str | os.PathLike | None = None,
-        stemmer: str | None = "english",
-        k1: float = 1.5,
-        b: float = 0.75,
+        stemmer: str | None = STEMMER,
+        k1: float = K1,
+        b: float = B,
     ) -> "BM25Retriever":
         """Load `corpus` (see `load_corpus`) and index it, reusing `<cache_dir>/<sha256>` when it exists.
 

@@ -18,6 +18,10 @@ from mempo_trl.retrieval.corpus import fingerprint, load_corpus
 
 
 EMBEDDINGS_FILE = "embeddings.npy"
+QUERY_PREFIX, PASSAGE_PREFIX = "query: ", "passage: "
+"""E5-style prefixes of `from_corpus` ('' for MiniLM-style models)."""
+BATCH_SIZE = 64
+"""Passages per encoder batch."""
 
 
 class DenseRetriever(CachedIndex):
@@ -53,9 +57,9 @@ class DenseRetriever(CachedIndex):
         cls,
         corpus: str | os.PathLike | Any,
         model_name_or_path: str | os.PathLike,
-        query_prefix: str = "query: ",
-        passage_prefix: str = "passage: ",
-        batch_size: int = 64,
+        query_prefix: str = QUERY_PREFIX,
+        passage_prefix: str = PASSAGE_PREFIX,
+        batch_size: int = BATCH_SIZE,
         cache_dir: str | os.PathLike | None = None,
         device: str | None = None,
     ) -> "DenseRetriever":

@@ -41,6 +41,13 @@ class _Retryable(Exception):
         self.retry_after = retry_after
 
 
+TIMEOUT = 30.0
+"""Seconds one request may take, end to end."""
+MAX_RETRIES = 3
+"""Retries after a failed request; `None` retries until `RETRY_BUDGET` runs out (training)."""
+RETRY_BUDGET = 600.0
+"""Seconds an unreachable server is retried before `RetrieverOutage`."""
+
 _deadline = threading.local()
 
 
@@ -140,7 +147,7 @@ class HttpRetriever:
         >>> retriever = HttpRetriever("http://127.0.0.1:8000")
         >>> retriever.search(["who wrote hamlet"], topk=3)[0][0].title
         'Hamlet'
-        >>> HttpRetriever("http://10.0.0.5:8000", max_retries=None, retry_budget=600)  # training: ride out restarts
+        >>> HttpRetriever("http://10.0.0.5:8000", max_retries=None)  # training: ride out restarts
     """
 
     name = "http"
@@ -148,11 +155,11 @@ class HttpRetriever:
     def __init__(
         self,
         url: str,
-        timeout: float = 30.0,
-        max_retries: int | None = 3,
+        timeout: float = TIMEOUT,
+        max_retries: int | None = MAX_RETRIES,
         backoff: float = 0.5,
         pool_size: int = 16,
-        retry_budget: float = 300.0,
+        retry_budget: float = RETRY_BUDGET,
         max_backoff: float = 30.0,
         max_response_bytes: int = 256 * 2**20,
         api_key: str | None = None,

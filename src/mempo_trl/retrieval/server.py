@@ -20,6 +20,13 @@ from typing import Any
 
 from mempo_trl.retrieval.base import Retriever
 from mempo_trl.retrieval.http_client import API_KEY_ENV
+from mempo_trl.retrieval.settings import (
+    MAX_BODY_BYTES,
+    MAX_QUERIES,
+    MAX_RESPONSE_BYTES,
+    MAX_TOPK,
+    REQUEST_TIMEOUT,
+)
 
 
 try:
@@ -83,7 +90,7 @@ class RequestDeadlineProtocol(H11Protocol):
     after an answer, so a client that connects and sends nothing, or trickles header bytes, would hold a
     connection forever."""
 
-    request_timeout = 10.0
+    request_timeout = REQUEST_TIMEOUT
     _request_timer = None
 
     def connection_made(self, transport) -> None:
@@ -118,10 +125,10 @@ class RequestDeadlineProtocol(H11Protocol):
 
 def create_app(
     retriever: Retriever,
-    max_queries: int = 4096,
-    max_topk: int = 100,
-    max_body_bytes: int = 4 * 2**20,
-    max_response_bytes: int = 64 * 2**20,
+    max_queries: int = MAX_QUERIES,
+    max_topk: int = MAX_TOPK,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_response_bytes: int = MAX_RESPONSE_BYTES,
     api_key: str | None = None,
 ) -> FastAPI:
     """Wrap `retriever` in the `/retrieve` + `/health` API; bad requests get HTTP 4xx with an `error` message.
@@ -214,13 +221,13 @@ def serve(
     retriever: Retriever,
     host: str = "127.0.0.1",
     port: int = 8000,
-    max_queries: int = 4096,
-    max_topk: int = 100,
+    max_queries: int = MAX_QUERIES,
+    max_topk: int = MAX_TOPK,
     log_level: str = "info",
-    max_body_bytes: int = 4 * 2**20,
-    max_response_bytes: int = 64 * 2**20,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_response_bytes: int = MAX_RESPONSE_BYTES,
     api_key: str | None = None,
-    request_timeout: float = 10.0,
+    request_timeout: float = REQUEST_TIMEOUT,
 ) -> None:
     """Serve `retriever` with uvicorn until interrupted (access log off: it costs latency under load); connections
     that do not send a whole request within `request_timeout` seconds are closed (`RequestDeadlineProtocol`).

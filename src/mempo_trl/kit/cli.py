@@ -1,21 +1,55 @@
-"""`mempo-trl kit ...`: build the offline kit's pieces (demo world, tiny model, SFT warm start) on disk.
+"""`mempo-trl kit ...`: write the offline kit's pieces to disk, for recipes to name by path.
 
+    mempo-trl kit learner --output_dir kit/learner      # the quick start's model and world
+    mempo-trl kit tiny --output_dir kit/tiny            # the warm-started tiny model and the demo world
+    mempo-trl kit env-rows --environment keyvault --output_dir kit/keyvault
     mempo-trl kit build-demo --output_dir demo --seed 3
     mempo-trl kit build-tiny-model --output_dir tiny
     mempo-trl kit build-qwen-model --output_dir qwen-random
     mempo-trl kit warm-start --model_name_or_path tiny --max_steps 200
 
-or `python -m mempo_trl.kit ...` with the same arguments.
+or `python -m mempo_trl.kit ...` with the same arguments. The kit registers this command itself (`mempo_trl.cli`);
+the rest of the command layer never imports the kit.
 """
 
 import argparse
 import json
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mempo_trl.commands import add_command, parse
+from mempo_trl.kit.envs import KIT_ENVIRONMENTS
 from mempo_trl.kit.warmstart import WARM_BATCH_SIZE, WARM_LR, WARM_STEPS
 from mempo_trl.loading import check_model_path
 from mempo_trl.outputs import check_writable
+
+
+@dataclass
+class LearnerArguments:
+    """Write the learner shipped with the package (`model/`) and its world (`world/`: corpus.jsonl, warm.jsonl,
+    rl.jsonl, test.jsonl), what examples/configs/quickstart_cpu.yaml trains."""
+
+    output_dir: str = field(metadata={"help": "Directory for model/ and world/."})
+
+
+@dataclass
+class TinyArguments:
+    """Write the tiny model SFT-warm-started on the MemPO format (`model/`, built once per seed under
+    $MEMPO_CACHE/tiny_warm) and the shipped demo world (`world/`), what examples/configs/tiny_cpu.yaml trains."""
+
+    output_dir: str = field(metadata={"help": "Directory for model/ and world/."})
+    seed: int = field(default=0, metadata={"help": "Seed of the model and its warm start."})
+
+
+@dataclass
+class EnvRowsArguments:
+    """Write seeded `reset` rows of a kit environment: train.jsonl (seed 0) and test.jsonl (seed 1)."""
+
+    output_dir: str = field(metadata={"help": "Directory for train.jsonl and test.jsonl."})
+    environment: str = field(metadata={"help": "Kit environment.", "choices": sorted(KIT_ENVIRONMENTS)})
+    num_rows: int = field(default=1000, metadata={"help": "Rows of train.jsonl."})
+    num_test_rows: int = field(default=50, metadata={"help": "Rows of test.jsonl."})
 
 
 @dataclass
@@ -57,6 +91,53 @@ class WarmStartArguments:
     learning_rate: float = field(default=WARM_LR, metadata={"help": "Peak learning rate (linear warm-up and decay)."})
     per_device_train_batch_size: int = field(default=WARM_BATCH_SIZE, metadata={"help": "Examples per step."})
     seed: int = field(default=0, metadata={"help": "Seed of the batch order."})
+
+
+def _copy(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    return target
+
+
+def learner(argv: list[str]) -> int:
+    from mempo_trl.kit.learner import shipped_learner, write_learner_world
+
+    (args,) = parse("mempo-trl kit learner", [LearnerArguments], argv)
+    out = Path(args.output_dir)
+    model = _copy(shipped_learner(), out / "model")
+    world = write_learner_world(out / "world")
+    print(f"wrote {model} (the shipped learner) and {world.corpus.parent} (corpus, warm, rl and test rows)")
+    return 0
+
+
+def tiny(argv: list[str]) -> int:
+    import time
+
+    from mempo_trl.kit.demo_world import demo_paths
+    from mempo_trl.kit.warmstart import build_warm_tiny_model
+    from mempo_trl.retrieval.cache import cache_root
+
+    (args,) = parse("mempo-trl kit tiny", [TinyArguments], argv)
+    out = Path(args.output_dir)
+    cached = cache_root() / "tiny_warm" / f"seed{args.seed}"
+    start = time.perf_counter()
+    print(f"tiny model: building and SFT-warm-starting it in {cached} (1-2 min on CPU once; then reused)", flush=True)
+    model = _copy(build_warm_tiny_model(cached, seed=args.seed), out / "model")
+    world = _copy(demo_paths().corpus.parent, out / "world")
+    print(f"wrote {model} (ready in {time.perf_counter() - start:.0f} s) and {world} (the demo world)")
+    return 0
+
+
+def env_rows(argv: list[str]) -> int:
+    from mempo_trl.kit.demo_world import _write_jsonl
+
+    (args,) = parse("mempo-trl kit env-rows", [EnvRowsArguments], argv)
+    rows = KIT_ENVIRONMENTS[args.environment][1]
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(out / "train.jsonl", rows(args.num_rows, seed=0))
+    _write_jsonl(out / "test.jsonl", rows(args.num_test_rows, seed=1))
+    print(f"wrote {out}: train.jsonl {args.num_rows} rows (seed 0), test.jsonl {args.num_test_rows} rows (seed 1)")
+    return 0
 
 
 def build_demo(argv: list[str]) -> int:
@@ -112,8 +193,11 @@ def warm_start(argv: list[str]) -> int:
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add `mempo-trl kit` with its subcommands."""
-    kit = subparsers.add_parser("kit", help="offline kit: demo world, tiny and Qwen2.5-shaped models, SFT warm start")
+    kit = subparsers.add_parser("kit", help="offline kit: the quick start's learner, tiny models, demo world, rows")
     commands = kit.add_subparsers(dest="kit_command", metavar="KIT_COMMAND")
+    add_command(commands, "learner", LearnerArguments.__doc__, learner)
+    add_command(commands, "tiny", TinyArguments.__doc__, tiny)
+    add_command(commands, "env-rows", EnvRowsArguments.__doc__, env_rows)
     add_command(commands, "build-demo", BuildDemoArguments.__doc__, build_demo)
     add_command(commands, "build-tiny-model", BuildTinyModelArguments.__doc__, build_tiny_model)
     add_command(commands, "build-qwen-model", BuildQwenModelArguments.__doc__, build_qwen_model)

@@ -1,0 +1,365 @@
+"""The MemPO training recipe, read top-down like TRL's `trl/scripts/grpo.py`: `main` loads the model and tokenizer,
+the dataset, the retriever and the reward functions, builds a `MemPOTrainer`, trains, saves and pushes.
+
+`mempo-trl train` (`mempo_trl.commands.train`) and `examples/train_mempo.py` both run `main`, with the arguments
+`TrlParser((ScriptArguments, MemPOConfig, ModelConfig, RetrieverArguments))` parses from `--config recipe.yaml` and
+the command line. Every input is a path or a name the recipe states (model, data, corpus or server): the offline
+kit's are written to disk by `mempo-trl kit learner` / `mempo-trl kit tiny`.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trl
+
+from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
+
+
+REWARD_FUNCS = {"mempo_outcome_reward", "mempo_format_reward"}
+
+
+@dataclass
+class ScriptArguments(trl.ScriptArguments):
+    """TRL's script arguments (`dataset_name`, `dataset_config`, `dataset_train_split`, `dataset_test_split`) and
+    MemPO's: rewards, output handling, environment and held-out evaluation."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Replace the results in an `output_dir` that already holds some (they are deleted first). "
+                  "Without it (or `resume_from_checkpoint`) such a directory is refused before anything is loaded."},
+    )  # fmt: skip
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["mempo_outcome_reward"],
+        metadata={"help": "Outcome reward functions: mempo_outcome_reward, mempo_format_reward or a dotted import path "
+                  "(`my_lib.rewards.custom_reward`); weigh them with `reward_weights`. `mempo_format_reward` helps a "
+                  "small model that rarely answers right."},
+    )  # fmt: skip
+    environment: str | None = field(
+        default=None,
+        metadata={"help": "Train on a TRL-style environment instead of search: an import path (my_pkg.envs.MyEnv; "
+                  "the kit's: mempo_trl.kit.envs.KeyVaultEnv, ...). dataset_name is then a .jsonl of its reset rows; "
+                  "the reward is its get_reward() and/or reward_funcs."},
+    )  # fmt: skip
+    heldout_questions: int = field(
+        default=0,
+        metadata={"help": "Evaluate greedily on this many questions of `dataset_test_split` before and after "
+                  "training, and print both; single-process runs only. 0: off."},
+    )  # fmt: skip
+
+
+def load_reward_funcs(names: list[str]) -> list:
+    """The reward functions `names` name: ours by name, anything else by dotted import path (as TRL's scripts).
+
+    Example:
+        >>> [f.__name__ for f in load_reward_funcs(["mempo_outcome_reward", "mempo_trl.rewards.mempo_format_reward"])]
+        ['mempo_outcome_reward', 'mempo_format_reward']
+    """
+    import importlib
+
+    from mempo_trl import rewards
+
+    funcs = []
+    for name in names:
+        if name in REWARD_FUNCS:
+            funcs.append(getattr(rewards, name))
+            continue
+        module, _, attr = name.rpartition(".")
+        try:
+            funcs.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError, ValueError):
+            raise ValueError(
+                f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)} or a dotted import path."
+            ) from None
+    return funcs
+
+
+def load_model_and_tokenizer(model_args, training_args):
+    """The policy and its tokenizer (left padding), from `model_name_or_path` with `ModelConfig`'s settings."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mempo_trl.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
+    tokenizer.padding_side = "left"
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path,
+        revision=model_args.model_revision,
+        dtype=dtype,
+        attn_implementation=model_args.attn_implementation,
+        quantization_config=trl.get_quantization_config(model_args),
+    )
+    return model, tokenizer
+
+
+def load_dataset(script_args: ScriptArguments, split: str):
+    """`split` of `dataset_name`: validated QA rows (`mempo_trl.data.load_qa`), or reset rows of an environment."""
+    from datasets import Dataset
+
+    from mempo_trl.data import load_qa, read_jsonl
+
+    if not script_args.dataset_name:
+        raise ValueError("no data: set dataset_name (a QA .jsonl, a directory of {split}.jsonl files or a `datasets` "
+                         "name; `mempo-trl kit learner` writes one).")  # fmt: skip
+    if script_args.environment:
+        return Dataset.from_list(read_jsonl(script_args.dataset_name))
+    return load_qa(script_args.dataset_name, split=split, config=script_args.dataset_config)
+
+
+def load_environment(spec: str):
+    """The environment class `spec` names (an import path), checked against TRL's convention."""
+    from mempo_trl.environments import check_environment, load_environment
+
+    environment_factory = load_environment(spec)
+    check_environment(environment_factory)
+    return environment_factory
+
+
+def add_callbacks(trainer, script_args: ScriptArguments, training_args, retriever, tokenizer) -> None:
+    """The launch banner, the one-line step summary, checkpoint-on-SIGTERM and, with `heldout_questions`, the
+    held-out evaluation before and after training."""
+    from mempo_trl.callbacks import HeldOutProgressCallback, LaunchBannerCallback, use_step_summary
+    from mempo_trl.interruptions import SaveOnSignalCallback
+
+    trainer.add_callback(LaunchBannerCallback(trainer))
+    trainer.add_callback(SaveOnSignalCallback(trainer))
+    use_step_summary(trainer)
+    if script_args.heldout_questions > 0 and training_args.world_size > 1:
+        # The held-out evaluation generates on the main process alone: under ZeRO-3 that forward is a collective the
+        # other processes never join. Multi-process runs evaluate afterwards with `mempo-trl eval`.
+        if training_args.process_index == 0:
+            print(f"heldout_questions={script_args.heldout_questions} is skipped on {training_args.world_size} "
+                  "processes: evaluate the saved model with `mempo-trl eval` instead.")  # fmt: skip
+    elif script_args.heldout_questions > 0:
+        from mempo_trl.kit.learner import HeldOutEvalCallback  # moves to mempo_trl.callbacks (issue 23, step 2)
+
+        heldout = load_dataset(script_args, script_args.dataset_test_split)
+        rows = list(heldout.select(range(min(script_args.heldout_questions, len(heldout)))))
+        progress = HeldOutProgressCallback(len(rows))
+        trainer.add_callback(progress)
+        trainer.add_callback(
+            HeldOutEvalCallback(
+                tokenizer,
+                rows,
+                retriever,
+                on_result=progress.report,
+                max_turns=training_args.max_turns,
+                topk=training_args.retrieval_topk,
+                max_new_tokens=training_args.max_completion_length,
+                context_mode=training_args.context_mode,
+                instruction=training_args.instruction,
+                system_prompt=training_args.system_prompt,
+            )
+        )
+
+
+def build_trainer(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments):
+    """Load and validate the data, the retriever (or environment) and the model; return a ready `MemPOTrainer`."""
+    from mempo_trl.trainer import MemPOTrainer
+
+    train_dataset = load_dataset(script_args, script_args.dataset_train_split)
+    eval_dataset = None
+    if training_args.eval_strategy != "no" and not script_args.environment:
+        eval_dataset = load_dataset(script_args, script_args.dataset_test_split)
+    retriever, environment_factory = None, None
+    if script_args.environment:
+        environment_factory = load_environment(script_args.environment)
+    else:
+        retriever = build_retriever(retriever_args, ride_out_outages=True)
+        if retriever_args.retriever_url:
+            retriever.health()  # fail before training, with the URL in the message
+    reward_funcs = load_reward_funcs(script_args.reward_funcs)
+    if environment_factory is not None and script_args.reward_funcs == ScriptArguments().reward_funcs:
+        reward_funcs = None  # the trainer's default on an environment: its get_reward(), or exact match
+    model, tokenizer = load_model_and_tokenizer(model_args, training_args)
+    trainer = MemPOTrainer(
+        model=model,
+        retriever=retriever,
+        environment_factory=environment_factory,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        peft_config=trl.get_peft_config(model_args),
+    )
+    trainer.model_card_info = {
+        "base_model": model_args.model_name_or_path,
+        "dataset": script_args.dataset_name,
+        **({"environment": script_args.environment} if script_args.environment else {
+            "retriever": retriever_args.retriever_url or retriever_args.corpus,
+            "retriever_arg": retriever_args.retriever_url or retriever_args.corpus,
+            "example_question": train_dataset[0]["question"],
+        }),
+    }  # fmt: skip
+    add_callbacks(trainer, script_args, training_args, retriever, tokenizer)
+    return trainer
+
+
+def release_process_groups(trainer) -> None:
+    """Wait for every process, then destroy all process groups while Python is still alive.
+
+    Left to interpreter exit, gloo's worker threads can abort a finished rank ("terminate called without an active
+    exception", pytorch/pytorch#190489; seen with vLLM's tensor-parallel group in colocate mode), and the launcher
+    then reports the whole run as failed.
+    """
+    import torch
+
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def train(trainer, training_args, dataset_name: str | None = None) -> dict:
+    """Train, save the model, the metrics and the model card (and push). Returns the final metrics.
+
+    First checks that the disk has room for the final model and a checkpoint. Training that stops early keeps its
+    work: on SIGTERM/SIGINT, a retriever that fails for the whole retry budget (`RetrieverOutage`) or answers
+    wrongly, or a non-finite loss or advantage, a checkpoint of the last finished step is saved and the error is
+    raised again naming it (`--resume_from_checkpoint ...`). A final save that fails keeps the model in a temporary
+    directory named in the error (`save_model_or_rescue`).
+    """
+    from mempo_trl.checkpoints import check_room_to_save, disk_full_error, is_disk_full, save_model_or_rescue
+    from mempo_trl.interruptions import NonFiniteError, SaveOnSignalCallback, TrainingStopped
+    from mempo_trl.model_card import heldout_summary
+    from mempo_trl.retrieval import RetrievalError, RetrieverOutage
+
+    check_room_to_save(trainer)
+    stop = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SaveOnSignalCallback)), None)
+    try:
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except (RetrievalError, NonFiniteError) as err:
+        when = "once the server answers again" if isinstance(err, RetrieverOutage) else "once that is fixed"
+        if trainer.state.global_step == 0:  # nothing trained yet: nothing to save
+            message = f"training stopped: {str(err).rstrip('.')}. No step had finished; {when}, rerun."
+            raise type(err)(message) from err
+        checkpoint = save_checkpoint_and_release(trainer)
+        raise type(err)(
+            f"training stopped: {str(err).rstrip('.')}. Saved {checkpoint}; {when}, rerun with "
+            f"--resume_from_checkpoint {checkpoint}."
+        ) from err
+    except Exception as err:
+        if is_disk_full(err):
+            step = trainer.state.global_step
+            doing = f"training stopped at step {step}: saving {Path(training_args.output_dir, f'checkpoint-{step}')}"
+            raise disk_full_error(doing, training_args) from err
+        raise
+    finally:
+        if stop is not None:
+            stop.restore()
+    if stop is not None and stop.received and trainer.state.global_step < trainer.state.max_steps:
+        release_process_groups(trainer)  # the checkpoint was saved by every process at the last step
+        checkpoint = Path(training_args.output_dir, f"checkpoint-{trainer.state.global_step}")
+        raise TrainingStopped(
+            f"training stopped by {stop.received} after step {trainer.state.global_step}/{trainer.state.max_steps}. "
+            f"Saved {checkpoint}; rerun with --resume_from_checkpoint {checkpoint} to continue."
+        )
+    save_model_or_rescue(trainer, training_args.output_dir)
+    metrics = {**result.metrics, **trainer.final_metrics()}
+    metrics.update(heldout_summary(trainer.callback_handler.callbacks) or {})
+    if trainer.is_world_process_zero():
+        Path(training_args.output_dir, "mempo_metrics.json").write_text(json.dumps(metrics, indent=2))
+        trainer.create_model_card(dataset_name=dataset_name)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=dataset_name)
+    return metrics
+
+
+def save_checkpoint_and_release(trainer) -> Path:
+    """Save a checkpoint of the last finished step, then `release_process_groups` (no process exits, and gets the
+    others killed, before all saved)."""
+    from mempo_trl.checkpoints import save_checkpoint_now
+
+    checkpoint = save_checkpoint_now(trainer)
+    release_process_groups(trainer)
+    return checkpoint
+
+
+def remove_previous_results(output_dir: str | Path) -> list[str]:
+    """Delete everything in ``output_dir`` (weights or adapter, card, metrics, checkpoints, logs of the previous
+    run), so that nothing stale of another kind (full weights beside a new adapter) stays
+    there. Returns the names removed.
+
+    Example:
+        >>> remove_previous_results("outputs/tiny")  # doctest: +SKIP
+        ['README.md', 'adapter_config.json', 'adapter_model.safetensors', 'mempo_metrics.json', ...]
+    """
+    import shutil
+
+    from mempo_trl.outputs import PROBE_PREFIX
+
+    removed = []
+    for entry in sorted(Path(output_dir).iterdir()):
+        if entry.name.startswith(PROBE_PREFIX):  # another process's probe
+            continue
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        removed.append(entry.name)
+    return removed
+
+
+def check_before_training(script_args: ScriptArguments, training_args, model_args) -> None:
+    """Fail in seconds, not after training: model path, logging backends, a writable and unused `output_dir`."""
+    from mempo_trl.loading import check_model_path
+    from mempo_trl.outputs import check_report_to, prepare_output_dir
+
+    if not model_args.model_name_or_path:
+        raise ValueError("no model: set model_name_or_path (a model directory or a Hub id; `mempo-trl kit learner` "
+                         "writes a small one).")  # fmt: skip
+    check_model_path(model_args.model_name_or_path)
+    if script_args.environment and script_args.heldout_questions > 0:
+        raise ValueError(
+            "heldout_questions evaluates the search task; evaluate an environment agent with "
+            f"`mempo-trl eval --environment {script_args.environment}` instead (set heldout_questions: 0)."
+        )
+    check_report_to(training_args.report_to)
+    first = int(os.environ.get("RANK", "0")) == 0
+    prepare_output_dir(
+        training_args.output_dir,
+        overwrite=script_args.overwrite_output_dir,
+        resume=training_args.resume_from_checkpoint,
+        check_existing=first,
+    )
+    if first and script_args.overwrite_output_dir and not training_args.resume_from_checkpoint:
+        removed = remove_previous_results(training_args.output_dir)
+        if removed:
+            print(
+                f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {training_args.output_dir}"
+            )
+
+
+def main(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments) -> int:
+    """Check the inputs, build the trainer, train, save (and push); print where everything went."""
+    from mempo_trl.checkpoints import prepare_resume
+
+    if training_args.ddp_find_unused_parameters is None:
+        # Trainer's default without activation checkpointing is True, and DDP then warns every run that it found none:
+        # every parameter of a MemPO policy (full or LoRA) gets a gradient.
+        training_args.ddp_find_unused_parameters = False
+    check_before_training(script_args, training_args, model_args)
+    finished = prepare_resume(training_args)  # validates the checkpoint before any model is loaded
+    if finished:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(finished)
+        return 0
+    trainer = build_trainer(script_args, training_args, model_args, retriever_args)
+    metrics = train(trainer, training_args, script_args.dataset_name)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"model saved to {training_args.output_dir}")
+        print(f"metrics written to {Path(training_args.output_dir, 'mempo_metrics.json')}")
+        summary = {k: metrics[k] for k in sorted(metrics) if k.startswith(("train_runtime", "episode/", "memory/"))}
+        print(json.dumps(summary, indent=2))
+        for callback in trainer.callback_handler.callbacks:
+            if hasattr(callback, "before_after"):
+                print(callback.before_after())
+    release_process_groups(trainer)
+    return 0
+
+
+def make_parser(prog: str = "mempo-trl train") -> trl.TrlParser:
+    """The recipe's parser: `ScriptArguments`, `MemPOConfig`, TRL's `ModelConfig` and `RetrieverArguments`."""
+    from mempo_trl.config import MemPOConfig
+
+    return trl.TrlParser((ScriptArguments, MemPOConfig, trl.ModelConfig, RetrieverArguments), prog=prog)
