@@ -85,10 +85,9 @@ def test_eval_cli_plays_a_kit_environment_in_both_modes(tiny_model_dir, tmp_path
     assert main([*argv, "--disable_tqdm", "true"]) == 0
     assert "reward" in capsys.readouterr().out
     report = json.loads((out / "results.json").read_text())
-    assert report["settings"]["retriever"] == {"environment": "safe"}
     assert report["settings"]["protocol"]["instruction"] == ENVIRONMENT_INSTRUCTION
+    assert report["settings"]["protocol"]["action"] == "tool_call"
     assert report["settings"]["retriever"] == {"environment": "mempo_trl.kit.envs.SafeEnv"}
-    assert report["settings"]["agent"]["instruction"] == ENVIRONMENT_INSTRUCTION
     lines = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     tasks = [SafeEnv().reset(**row) for row in safe_rows(3, seed=1)]  # the held-out kit rows
     assert [line["question"] for line in lines] == tasks * 2
