@@ -1,12 +1,81 @@
-"""Helpers shared by the tests (fixtures live in conftest.py)."""
+"""Helpers and test doubles shared by the tests and their worker scripts (fixtures live in conftest.py).
+
+Importable by name (``from helpers import ...``): pytest puts ``tests/`` on ``sys.path`` (``pythonpath`` in
+pyproject.toml), and `worker_env` puts it on the ``PYTHONPATH`` of the scripts under ``tests/scripts``.
+"""
 
 import math
+import os
 import socket
 from pathlib import Path
 
 import torch
 
 from mempo_trl.retrieval import Passage
+
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+CPU_CONFIG = {
+    "per_device_train_batch_size": 4,
+    "num_generations": 2,
+    "max_completion_length": 32,
+    "max_turns": 3,
+    "max_steps": 1,
+    "use_cpu": True,
+    "bf16": False,
+    "activation_checkpointing": False,
+    "report_to": "none",
+    "save_strategy": "no",
+    "logging_steps": 1,
+    "seed": 0,
+}
+"""What `cpu_config` sets: a one-step fp32 run on the CPU, logging every step, saving and reporting nothing."""
+
+
+def cpu_config(output_dir, **overrides):
+    """A `MemPOConfig` for a short CPU run into ``output_dir``: `CPU_CONFIG` with ``overrides``."""
+    from mempo_trl import MemPOConfig
+
+    return MemPOConfig(output_dir=str(output_dir), **{**CPU_CONFIG, **overrides})
+
+
+CPU_RECIPE = {
+    "use_cpu": True,
+    "bf16": False,
+    "report_to": "none",
+    "max_steps": 1,
+    "per_device_train_batch_size": 4,
+    "num_generations": 4,
+    "max_completion_length": 8,
+    "max_turns": 1,
+}
+"""What `cpu_recipe` sets: one short fp32 step on the CPU, reporting nothing."""
+
+
+def cpu_recipe(directory: Path, model_dir, raw: str = "", **fields) -> Path:
+    """Write ``directory/recipe.yaml``, a `mempo-trl train` recipe for a short CPU run of ``model_dir`` into
+    ``directory/out``: `CPU_RECIPE` with ``fields``, then the YAML ``raw`` as is. Returns its path."""
+    import json
+
+    settings = {"model_name_or_path": str(model_dir), "output_dir": str(directory / "out"), **CPU_RECIPE, **fields}
+    path = directory / "recipe.yaml"
+    path.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in settings.items()) + "\n" + raw)
+    return path
+
+
+def one_error_line(capsys) -> str:
+    """The one ``error:`` line a failed command wrote to stderr (asserting there is one, and no traceback)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment of a script under ``tests/scripts``: this one, offline, ``tests/`` first on PYTHONPATH."""
+    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, **extra}
 
 
 def free_port() -> int:

@@ -73,7 +73,7 @@ class ScriptArguments:
     heldout_questions: int = field(
         default=0,
         metadata={"help": "Evaluate greedily on this many held-out questions (`eval_dataset_name`, default the demo "
-                  "test set, or the learner world's) before and after training, and print both (`mempo_trl.kit.learner`); single-process runs only. 0: off."},
+                  "test set, or the learner world's) before and after training, and print both (`mempo_trl.callbacks.HeldOutEvalCallback`); single-process runs only. 0: off."},
     )  # fmt: skip
 
 
@@ -335,7 +335,8 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
             print(f"heldout_questions={script_args.heldout_questions} is skipped on {training_args.world_size} "
                   "processes: evaluate the saved model with `mempo-trl eval` instead.")  # fmt: skip
     elif script_args.heldout_questions > 0:
-        from mempo_trl.kit.learner import HeldOutEvalCallback
+        from mempo_trl.callbacks import HeldOutEvalCallback
+        from mempo_trl.kit.learner import memory_recall_metric
 
         heldout = eval_dataset if eval_dataset is not None else load_qa(str(world.test), split="test")
         rows = list(heldout.select(range(min(script_args.heldout_questions, len(heldout)))))
@@ -347,6 +348,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
                 rows,
                 retriever,
                 on_result=progress.report,
+                row_metric=memory_recall_metric(retriever),
                 max_turns=training_args.max_turns,
                 topk=training_args.retrieval_topk,
                 max_new_tokens=training_args.max_completion_length,
