@@ -109,6 +109,34 @@ def test_answer_time_facts_leave_out_only_a_bridge():
     )  # then: the gold answer
 
 
+def test_the_quick_starts_row_metric_scores_the_last_memory_against_the_needed_facts():
+    """`memory_recall_metric` (what `--heldout_questions` reports): the episode's EM and F1, and the share of the
+    row's hop values in its last ``<mem>``; NaN (not counted) for a row without hops."""
+    from mempo_trl.evaluation import heldout_metrics
+
+    class NoPassages:
+        def search(self, queries, topk):
+            return [[] for _ in queries]
+
+    row = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
+           "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
+           "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
+    rounds = [{"mem": "Nothing yet."}, {"mem": "Tisdin Purbro: Sedo."}, {"mem": None}]  # the last turn wrote none
+    record = {"em": 0.0, "f1": 0.5, "rounds": rounds}
+    metric = learner.memory_recall_metric(NoPassages())
+    assert metric(row, record) == {"em": 0.0, "f1": 0.5, "memory_recall": 0.5}  # "Sedo" of "Sedo", "634,400"
+    assert math.isnan(metric({**row, "hop_queries": []}, record)["memory_recall"])
+    # Summed up over rows, a row without hops does not count.
+    result = SimpleNamespace(
+        metrics={"overall": dict.fromkeys(("em", "f1", "format_valid", "turns_per_question",
+                                           "total_tokens_per_question", "peak_context_tokens"), 0.0),
+                 "by_data_source": {"demo_2hop": {"em": 0.0, "f1": 0.5}}},
+        records=[{**record, "data_source": "demo_2hop"}] * 2,
+    )  # fmt: skip
+    summed = heldout_metrics(result, [row, {**row, "hop_queries": []}], metric)
+    assert summed["memory_recall"] == summed["by_type"]["demo_2hop"]["memory_recall"] == 0.5
+
+
 @pytest.mark.slow
 def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
     """`--quick`: every arm trains and is evaluated; the outputs are written; a rerun skips the finished runs."""

@@ -9,7 +9,8 @@ and the quick start's held-out memory recall.
   `derive_learner` continues a warm start with other settings (a more forgetful memory);
 - `memory_recall_metric` is the per-row held-out metric of the quick start (`mempo-trl train --heldout_questions`,
   `mempo_trl.callbacks.HeldOutEvalCallback`): EM, F1 and ``memory_recall``, the share of the facts a demo-world
-  question needs that are in the episode's last ``<mem>``;
+  question needs that are in the episode's last ``<mem>``; `heldout_eval` evaluates a model with it (the quick
+  start notebook);
 - `shipped_learner` is a learner shipped with the package, warm-started and made forgetful, from which RL gains
   in minutes (`model_name_or_path: learner` of `mempo-trl train`, the quick start).
 
@@ -241,3 +242,13 @@ def memory_recall_metric(retriever):
         return {**exact_match_f1(row, record), "memory_recall": recall}
 
     return metric
+
+
+def heldout_eval(model, tokenizer, rows: Sequence[dict], retriever, **episode: Any) -> dict[str, Any]:
+    """The quick start's held-out evaluation of ``model`` (the notebook's before and after): greedy episodes
+    (`mempo_trl.evaluation.evaluate_model` with the ``episode`` settings) summed up with `memory_recall_metric`
+    (`mempo_trl.evaluation.heldout_metrics`: EM, F1, format, tokens, ``memory_recall``, and ``by_type``)."""
+    from mempo_trl.evaluation import evaluate_model, heldout_metrics
+
+    result = evaluate_model(model, tokenizer, rows, retriever, **episode)
+    return heldout_metrics(result, rows, memory_recall_metric(retriever))
