@@ -20,6 +20,17 @@ from mempo_trl.kit.learner import memory_recall, needed_facts, write_learner_wor
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
+TWO_HOP = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
+           "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
+           "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
+"""A demo-world 2-hop row; `hop_facts` finds ``Tisdin Purbro: Sedo.`` and ``Sedo: 634,400.`` for it."""
+
+
+class NoPassages:
+    """A retriever that finds nothing."""
+
+    def search(self, queries, topk):
+        return [[] for _ in queries]
 
 
 @pytest.mark.parametrize("module", [learner, analytics, learning], ids=lambda m: m.__name__)
@@ -91,13 +102,7 @@ def test_failure_kinds_are_checked_in_order():
 
 
 def test_answer_time_facts_leave_out_only_a_bridge():
-    class NoPassages:
-        def search(self, queries, topk):
-            return [[] for _ in queries]
-
-    two_hop = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
-               "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
-               "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
+    two_hop = TWO_HOP
     multi = {**two_hop, "data_source": "demo_multi", "sub_answers": [["1446"], ["1903"]]}
     assert answer_time_facts(two_hop, needed_facts(two_hop, NoPassages())) == [
         "634,400"
@@ -114,13 +119,7 @@ def test_the_quick_starts_row_metric_scores_the_last_memory_against_the_needed_f
     row's hop values in its last ``<mem>``; NaN (not counted) for a row without hops."""
     from mempo_trl.evaluation import heldout_metrics
 
-    class NoPassages:
-        def search(self, queries, topk):
-            return [[] for _ in queries]
-
-    row = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
-           "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
-           "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
+    row = TWO_HOP
     rounds = [{"mem": "Nothing yet."}, {"mem": "Tisdin Purbro: Sedo."}, {"mem": None}]  # the last turn wrote none
     record = {"em": 0.0, "f1": 0.5, "rounds": rounds}
     metric = learner.memory_recall_metric(NoPassages())
@@ -245,18 +244,12 @@ class _ReadsMemory(torch.nn.Module):
 def test_memory_signal_measures_what_each_remembered_fact_adds_to_p_gold(any_tokenizer):
     from mempo_trl.scoring import gold_answer_tokens
 
-    row = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
-           "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
-           "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
+    row = TWO_HOP
     facts = ["Tisdin Purbro: Sedo.", "Sedo: 634,400."]  # what `hop_facts` finds for this row
-
-    class NoSearch:
-        def search(self, queries, topk):
-            return [[] for _ in queries]
 
     gold_ids, gold_mask = gold_answer_tokens(any_tokenizer, row["golden_answers"])
     model = _ReadsMemory(any_tokenizer, facts, [i for i, m in zip(gold_ids, gold_mask) if m])
-    result = memory_signal(model, any_tokenizer, [row], NoSearch())
+    result = memory_signal(model, any_tokenizer, [row], NoPassages())
 
     size = len(model.gold_ids)
 
