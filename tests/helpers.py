@@ -78,6 +78,53 @@ def worker_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, **extra}
 
 
+SERVER_CORPUS = [("1", "Hamlet", "Hamlet is a tragedy by William Shakespeare."), ("2", "Paris", "Paris is in France.")]
+"""The corpus of `write_corpus`: (id, title, text) rows."""
+
+
+def write_corpus(directory: Path) -> Path:
+    """Write `SERVER_CORPUS` as ``directory/corpus.jsonl``; return its path."""
+    import json
+
+    corpus = directory / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i, "contents": f'"{t}"\n{x}'}) + "\n" for i, t, x in SERVER_CORPUS))
+    return corpus
+
+
+def start_retriever(directory: Path, port: int, *flags: str, env: dict | None = None):
+    """`mempo-trl serve-retriever` over `write_corpus` on 127.0.0.1:`port`, up and answering (or the test fails with
+    its log); returns the process (end it with `stop`)."""
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from mempo_trl.retrieval import HttpRetriever, RetrievalError
+
+    corpus = write_corpus(directory)
+    command = [sys.executable, "-m", "mempo_trl", "serve-retriever", "--corpus", str(corpus), "--port", str(port)]
+    command += ["--retriever_cache_dir", str(directory / "cache"), "--log_level", "warning", *flags]
+    log = directory / f"server-{port}-{time.monotonic_ns()}.log"
+    with log.open("w") as log_file:
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+    try:
+        with HttpRetriever(f"http://127.0.0.1:{port}") as client:
+            client.wait_ready(timeout=60)
+    except RetrievalError:
+        process.kill()
+        pytest.fail(f"the retrieval server did not come up; its log:\n{log.read_text()}")
+    return process
+
+
+def stop(process) -> None:
+    """Kill a process and wait for it."""
+    process.kill()
+    process.wait(timeout=10)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on (just released)."""
     with socket.socket() as sock:

@@ -16,43 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import cpu_recipe, free_port, one_error_line
+from helpers import cpu_recipe, free_port, one_error_line, start_retriever, stop, write_corpus
 
 from mempo_trl.cli import main
 from mempo_trl.retrieval import HttpRetriever, RetrievalError, RetrieverOutage
-
-
-CORPUS = [("1", "Hamlet", "Hamlet is a tragedy by William Shakespeare."), ("2", "Paris", "Paris is in France.")]
-
-
-def write_corpus(directory: Path) -> Path:
-    corpus = directory / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"id": i, "contents": f'"{t}"\n{x}'}) + "\n" for i, t, x in CORPUS))
-    return corpus
-
-
-def start_retriever(directory: Path, port: int, *flags: str, env: dict | None = None) -> subprocess.Popen:
-    """`mempo-trl serve-retriever` on 127.0.0.1:`port`, up and answering (or the test fails with its log)."""
-    corpus = write_corpus(directory)
-    command = [sys.executable, "-m", "mempo_trl", "serve-retriever", "--corpus", str(corpus), "--port", str(port)]
-    command += ["--retriever_cache_dir", str(directory / "cache"), "--log_level", "warning", *flags]
-    log = directory / f"server-{port}-{time.monotonic_ns()}.log"
-    with log.open("w") as log_file:
-        process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
-    try:
-        with HttpRetriever(f"http://127.0.0.1:{port}") as client:
-            client.wait_ready(timeout=60)
-    except RetrievalError:
-        process.kill()
-        pytest.fail(f"the retrieval server did not come up; its log:\n{log.read_text()}")
-    return process
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.kill()
-    process.wait(timeout=10)
 
 
 # ------------------------------------------------------------------------------------------ retriever client

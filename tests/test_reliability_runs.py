@@ -408,8 +408,7 @@ def test_a_retriever_error_mid_training_saves_a_checkpoint_first(tmp_path, capsy
 
 
 def test_server_closes_idle_and_slow_connections(tmp_path):
-    from helpers import free_port
-    from test_reliability import start_retriever, stop
+    from helpers import free_port, start_retriever, stop
 
     port = free_port()
     server = start_retriever(tmp_path, port, "--request_timeout", "1")
