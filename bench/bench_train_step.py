@@ -55,19 +55,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from bench_memory_scoring import MODEL_DIMS, ScriptedPolicy, demo_rows  # run as a script: bench/ is on sys.path
 from transformers import PrinterCallback, Qwen2ForCausalLM, TrainerCallback
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_memory_scoring import MODEL_DIMS, ScriptedPolicy, demo_rows  # noqa: E402
-
-from mempo_trl.context import DEFAULT_SYSTEM_PROMPT, initial_messages  # noqa: E402
-from mempo_trl.kit.demo_world import demo_paths  # noqa: E402
-from mempo_trl.kit.tiny import build_tiny_model  # noqa: E402
-from mempo_trl.loading import load_tokenizer  # noqa: E402
-from mempo_trl.protocol import render_information  # noqa: E402
-from mempo_trl.retrieval import BM25Retriever  # noqa: E402
+from mempo_trl.context import DEFAULT_SYSTEM_PROMPT, initial_messages
+from mempo_trl.kit.demo_world import demo_paths
+from mempo_trl.kit.tiny import build_tiny_model
+from mempo_trl.loading import load_tokenizer
+from mempo_trl.protocol import render_information
+from mempo_trl.retrieval import BM25Retriever
 from mempo_trl.rewards import exact_match  # noqa: E402
 
 

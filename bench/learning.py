@@ -24,9 +24,9 @@ its command.
     python bench/learning.py --headroom --set temperature=0.7        # what RL can gain, before spending it
 
 `--headroom` trains nothing: it plays the held-out rows with the warm start, greedily (why each miss fails:
-`mempo_trl.kit.learner.failure_kind`) and G times sampled at the budget's temperature (mean EM, pass@G, the share
+`analytics.failure_kind`) and G times sampled at the budget's temperature (mean EM, pass@G, the share
 of rows whose samples disagree), measures how much each remembered fact raises P(gold), the memory reward's raw
-material (`mempo_trl.kit.learner.memory_signal`), and writes `headroom.json` next to the runs. `--mem-drop P` starts every arm
+material (`analytics.memory_signal`), and writes `headroom.json` next to the runs. `--mem-drop P` starts every arm
 from a more forgetful warm start instead (the shipped one continued with the oracle's `<mem>` dropping each fact
 with probability P), into `<out>/mem_drop=P/`.
 """
@@ -142,10 +142,11 @@ def _settings(args, budget: dict, warm: dict, world: dict, sizes: dict) -> dict:
 def run_arm(arm: str, seed: int, run_dir: Path, warm_dir: Path, rows: dict, retriever, settings: dict, args) -> dict:
     """Train one arm from the warm start; write `curve.json` after every evaluation and `run.json` at the end."""
     import torch
+    from analytics import lab_row_metric
 
     from mempo_trl import MemPOConfig, MemPOTrainer
+    from mempo_trl.callbacks import HeldOutEvalCallback
     from mempo_trl.data import load_qa
-    from mempo_trl.kit.learner import HeldOutEvalCallback
     from mempo_trl.kit.tiny import load_tiny
 
     overrides = ARMS[arm]
@@ -175,10 +176,8 @@ def run_arm(arm: str, seed: int, run_dir: Path, warm_dir: Path, rows: dict, retr
         retriever,
         eval_every=args.eval_every,
         on_result=save_curve,
-        max_turns=settings["budget"]["max_turns"],
-        topk=settings["budget"]["retrieval_topk"],
-        context_mode=context_mode,
-        instruction=settings["budget"]["instruction"],
+        row_metric=lab_row_metric(retriever, memory_context=context_mode == "memory"),
+        protocol=protocol_of(settings["budget"], context_mode),
     )
     # The warm start's evaluation is the same for every arm and seed of a context mode: computed once.
     warm_eval = run_dir.parent / f"warm_eval_{context_mode}.json"
@@ -369,12 +368,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from mempo_trl.data import read_jsonl
     from mempo_trl.kit import learner
+    from mempo_trl.kit.warmstart import WarmSettings
     from mempo_trl.outputs import OutputError, check_writable
     from mempo_trl.retrieval import BM25Retriever
 
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and the machine is shared
     out = Path(args.out)
-    budget, warm = dict(BUDGET), asdict(learner.WarmSettings())
+    budget, warm = dict(BUDGET), asdict(learner.LEARNER_WARM)
     world, sizes = learner.LEARNER_WORLD, learner.SPLIT_SIZES
     if args.quick:
         budget.update(QUICK["budget"])
@@ -411,10 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     if shipped is not None:
         warm_dir = shipped
     else:
-        warm_dir = learner.build_learner(out / "warm_model", paths, learner.WarmSettings(**warm))
+        warm_dir = learner.build_learner(out / "warm_model", paths, WarmSettings(**warm))
     if derived is not None and shipped is None:
         derived_dir = out / f"warm_model_mem_drop={args.mem_drop}"
-        warm_dir = learner.derive_learner(warm_dir, derived_dir, paths, learner.WarmSettings(**derived))
+        warm_dir = learner.derive_learner(warm_dir, derived_dir, paths, WarmSettings(**derived))
     stats = json.loads((warm_dir / "warm_start.json").read_text())["stats"]
     print(f"warm start: {warm_dir} ({stats['steps']} SFT steps, final loss {stats['final_loss']:.3f}, "
           f"{time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
@@ -441,20 +441,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def protocol_of(budget: dict, context_mode: str = "memory"):
+    """The `TurnProtocol` of a ``budget`` (its `MemPOConfig` fields) played in ``context_mode``."""
+    from mempo_trl.context import TurnProtocol
+
+    fields = ("max_turns", "retrieval_topk", "max_completion_length", "instruction")
+    return TurnProtocol(context_mode=context_mode, **{name: budget[name] for name in fields if name in budget})
+
+
 def write_headroom(run_root: Path, warm_dir: Path, rows: list[dict], retriever, budget: dict, command: str) -> int:
-    """`--headroom`: `mempo_trl.kit.learner.headroom` of the warm start on the held-out rows -> headroom.json."""
-    from mempo_trl.kit.learner import headroom, memory_signal
+    """`--headroom`: `analytics.headroom` of the warm start on the held-out rows -> headroom.json."""
+    from analytics import headroom, memory_signal
+
     from mempo_trl.kit.tiny import load_tiny
 
     model, tokenizer = load_tiny(warm_dir)
-    episode = {
-        "max_turns": budget["max_turns"],
-        "topk": budget["retrieval_topk"],
-        "max_new_tokens": budget["max_completion_length"],
-        "instruction": budget["instruction"],
-    }
     start = time.perf_counter()
-    result = headroom(model, tokenizer, rows, retriever, budget["num_generations"], budget["temperature"], **episode)
+    protocol = protocol_of(budget)
+    result = headroom(model, tokenizer, rows, retriever, protocol, budget["num_generations"], budget["temperature"])
     threshold = budget.get("memory_threshold", math.log(0.5))  # MemPOConfig's confidence filter
     result["memory_signal"] = {
         name: memory_signal(model, tokenizer, rows, retriever, value, instruction=budget["instruction"])

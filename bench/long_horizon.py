@@ -124,11 +124,12 @@ def recall_where_needed(record: dict, values: list[str]) -> float | None:
 def evaluate_horizons(model, tokenizer, rows: list[dict], retriever, budget: dict, context_mode: str) -> dict:
     """Greedy episodes of ``rows``; per K (``horizon_K``): EM, F1, tokens per question, peak context, turns, memory
     recall where it matters (`recall_where_needed`, memory context only) and the share of rows per failure kind."""
+    from analytics import FAILURE_KINDS, failure_kind
+
     from mempo_trl.agent import MemPOAgent
     from mempo_trl.context import TurnProtocol
     from mempo_trl.evaluation import evaluate
     from mempo_trl.generation import HFGenerator
-    from mempo_trl.kit.learner import FAILURE_KINDS, failure_kind
 
     protocol = TurnProtocol(
         instruction=budget["instruction"],
@@ -167,9 +168,9 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     import hashlib
 
     from mempo_trl.kit.demo_world import HORIZON_SPLITS, _write_jsonl, generate_horizon_world
-    from mempo_trl.kit.learner import LEARNER_SIZE, WarmSettings, sft_warm_start
+    from mempo_trl.kit.learner import LEARNER_SIZE
     from mempo_trl.kit.tiny import build_tiny_model
-    from mempo_trl.kit.warmstart import WARM_START_FILE
+    from mempo_trl.kit.warmstart import WARM_START_FILE, WarmSettings, sft_warm_start
     from mempo_trl.retrieval import BM25Retriever
 
     world_dir = out / "world"

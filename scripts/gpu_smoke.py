@@ -42,7 +42,6 @@ import torch
 
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 
 
 def _setup(cpu: bool):

@@ -14,6 +14,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# gpu_smoke.py uses the benches' scripted policy and the tests' fake vLLM engine.
+export PYTHONPATH="$PWD/bench:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 CPU=""
 if [ "${1:-}" = "--cpu" ]; then CPU="--cpu"; shift; fi
 WORK="${1:-$(mktemp -d)}"

@@ -1,6 +1,13 @@
-"""Shared fixtures: the tiny and Qwen2.5-shaped offline models (built once per session) and the demo data."""
+"""Shared fixtures: the tiny and Qwen2.5-shaped offline models (built once per session) and the demo data.
+
+Helpers and test doubles that worker scripts share too (`helpers.cpu_config`, `helpers.EchoRetriever`,
+`helpers.free_port`, `helpers.scripted_scorers`, `fake_vllm`) are modules of this folder, importable by name."""
 
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +26,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def warm_model_dir(tmp_path_factory):
-    """The tiny model SFT-warm-started on the MemPO format (`build_warm_tiny_model(seed=0)`, ~1-2 min, once)."""
+    """The tiny model SFT-warm-started on the MemPO format (`build_warm_tiny_model(seed=0)`, once per session)."""
     from mempo_trl.kit.warmstart import build_warm_tiny_model
 
     return build_warm_tiny_model(tmp_path_factory.mktemp("warm_model"), seed=0)
@@ -57,3 +64,25 @@ def any_tokenizer(request, tiny_model_dir):
 
         return load_tokenizer(tiny_model_dir)
     return request.getfixturevalue("qwen_tokenizer")
+
+
+@pytest.fixture
+def bad_server(tmp_path):
+    """Start `tests/scripts/bad_server.py MODE` (a misbehaving retrieval server): ``bad_server(mode)`` returns its
+    URL. Killed at the end of the test."""
+    processes = []
+    script = Path(__file__).parent / "scripts" / "bad_server.py"
+
+    def start(mode: str) -> str:
+        port_file = tmp_path / f"{mode}.port"
+        processes.append(subprocess.Popen([sys.executable, str(script), mode, str(port_file)]))
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text():
+            assert time.monotonic() < deadline, "bad_server.py did not start"
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{port_file.read_text()}"
+
+    yield start
+    for process in processes:
+        process.kill()
+        process.wait(timeout=10)

@@ -168,11 +168,9 @@ class FakeVLLMClient:
 
 def colocate_env() -> dict[str, str]:
     """The environment TRL's colocate init writes (RANK, ..., a free MASTER_PORT), to set before it in one process."""
-    import socket
+    from helpers import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())
     return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
 
 

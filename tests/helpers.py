@@ -1,12 +1,134 @@
-"""Helpers shared by the tests (fixtures live in conftest.py)."""
+"""Helpers and test doubles shared by the tests and their worker scripts (fixtures live in conftest.py).
+
+Importable by name (``from helpers import ...``): pytest puts ``tests/`` on ``sys.path`` (``pythonpath`` in
+pyproject.toml), and `worker_env` puts it on the ``PYTHONPATH`` of the scripts under ``tests/scripts``.
+"""
 
 import math
+import os
 import socket
 from pathlib import Path
 
 import torch
 
 from mempo_trl.retrieval import Passage
+
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+CPU_CONFIG = {
+    "per_device_train_batch_size": 4,
+    "num_generations": 2,
+    "max_completion_length": 32,
+    "max_turns": 3,
+    "max_steps": 1,
+    "use_cpu": True,
+    "bf16": False,
+    "activation_checkpointing": False,
+    "report_to": "none",
+    "save_strategy": "no",
+    "logging_steps": 1,
+    "seed": 0,
+}
+"""What `cpu_config` sets: a one-step fp32 run on the CPU, logging every step, saving and reporting nothing."""
+
+
+def cpu_config(output_dir, **overrides):
+    """A `MemPOConfig` for a short CPU run into ``output_dir``: `CPU_CONFIG` with ``overrides``."""
+    from mempo_trl import MemPOConfig
+
+    return MemPOConfig(output_dir=str(output_dir), **{**CPU_CONFIG, **overrides})
+
+
+CPU_RECIPE = {
+    "use_cpu": True,
+    "bf16": False,
+    "report_to": "none",
+    "max_steps": 1,
+    "per_device_train_batch_size": 4,
+    "num_generations": 4,
+    "max_completion_length": 8,
+    "max_turns": 1,
+}
+"""What `cpu_recipe` sets: one short fp32 step on the CPU, reporting nothing."""
+
+
+def cpu_recipe(directory: Path, model_dir, raw: str = "", **fields) -> Path:
+    """Write ``directory/recipe.yaml``, a `mempo-trl train` recipe for a short CPU run of ``model_dir`` into
+    ``directory/out`` on the demo world (its rows and corpus; none with an ``environment``): `CPU_RECIPE` with
+    ``fields``, then the YAML ``raw`` as is. Returns its path."""
+    import json
+
+    from mempo_trl.kit.demo_world import demo_paths
+
+    demo = demo_paths()
+    data = {} if "environment" in fields else {"dataset_name": str(demo.train.parent), "corpus": str(demo.corpus)}
+    settings = {"model_name_or_path": str(model_dir), "output_dir": str(directory / "out"), **data, **CPU_RECIPE}
+    settings.update(fields)
+    path = directory / "recipe.yaml"
+    path.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in settings.items()) + "\n" + raw)
+    return path
+
+
+def one_error_line(capsys) -> str:
+    """The one ``error:`` line a failed command wrote to stderr (asserting there is one, and no traceback)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment of a script under ``tests/scripts``: this one, offline, ``tests/`` first on PYTHONPATH."""
+    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, **extra}
+
+
+SERVER_CORPUS = [("1", "Hamlet", "Hamlet is a tragedy by William Shakespeare."), ("2", "Paris", "Paris is in France.")]
+"""The corpus of `write_corpus`: (id, title, text) rows."""
+
+
+def write_corpus(directory: Path) -> Path:
+    """Write `SERVER_CORPUS` as ``directory/corpus.jsonl``; return its path."""
+    import json
+
+    corpus = directory / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i, "contents": f'"{t}"\n{x}'}) + "\n" for i, t, x in SERVER_CORPUS))
+    return corpus
+
+
+def start_retriever(directory: Path, port: int, *flags: str, env: dict | None = None):
+    """`mempo-trl serve-retriever` over `write_corpus` on 127.0.0.1:`port`, up and answering (or the test fails with
+    its log); returns the process (end it with `stop`)."""
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from mempo_trl.retrieval import HttpRetriever, RetrievalError
+
+    corpus = write_corpus(directory)
+    command = [sys.executable, "-m", "mempo_trl", "serve-retriever", "--corpus", str(corpus), "--port", str(port)]
+    command += ["--retriever_cache_dir", str(directory / "cache"), "--log_level", "warning", *flags]
+    log = directory / f"server-{port}-{time.monotonic_ns()}.log"
+    with log.open("w") as log_file:
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+    try:
+        with HttpRetriever(f"http://127.0.0.1:{port}") as client:
+            client.wait_ready(timeout=60)
+    except RetrievalError:
+        process.kill()
+        pytest.fail(f"the retrieval server did not come up; its log:\n{log.read_text()}")
+    return process
+
+
+def stop(process) -> None:
+    """Kill a process and wait for it."""
+    process.kill()
+    process.wait(timeout=10)
 
 
 def free_port() -> int:

@@ -5,27 +5,15 @@ bench's two schemes give the same P values (and the shared-prefix one forwards f
 training-step bench played the same rounds with both trainers.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
+import importlib
 
 import pytest
 import torch
 
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
 def _load(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """A bench of `bench/` (on pytest's ``pythonpath``) by its module name."""
+    return importlib.import_module(name)
 
 
 @pytest.fixture

@@ -2,22 +2,16 @@
 `<information>` blocks are cut; never a crash. Unit tests on the rollout, then the trainer on TRL's vLLM colocate
 path with a fake engine that rejects long prompts as vLLM does."""
 
-import sys
-from pathlib import Path
-
+import fake_vllm
 import pytest
 from datasets import Dataset
+from helpers import cpu_config
 
-from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl import MemPOTrainer
 from mempo_trl.context import TurnProtocol, initial_messages, render_prompt
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.retrieval import Passage
 from mempo_trl.rollout import RolloutEngine
-
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-import fake_vllm  # noqa: E402
 
 
 LONG = " ".join(f"word{i}" for i in range(120))
@@ -106,22 +100,13 @@ def test_trainer_on_vllm_never_sends_a_prompt_over_the_limit(tiny_model_dir, tmp
     monkeypatch.setattr(fake_vllm, "SERVER_MODEL_DIR", [])
     fake_vllm.install(tiny_model_dir)
     model, tokenizer = load_tiny(tiny_model_dir)
-    args = MemPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=32,
+    args = cpu_config(
+        tmp_path,
         max_turns=4,
-        max_steps=1,
         use_vllm=True,
         vllm_mode="colocate",
         vllm_max_model_length=200 + 32,
         context_overflow=mode,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
         disable_tqdm=True,
     )
     dataset = Dataset.from_list([{"question": f"Q{k} where?", "golden_answers": [f"A{k}"]} for k in (2, 3)])

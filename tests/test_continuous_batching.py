@@ -5,11 +5,11 @@ one real `generate_batch` run.
 
 import pytest
 from datasets import Dataset
-from helpers import EchoRetriever
+from helpers import EchoRetriever, cpu_config
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching import RequestState, RequestStatus
 
-from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl import MemPOTrainer
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
 from mempo_trl.stopping import ContinuousBatchingStops
@@ -57,16 +57,7 @@ def test_a_request_ends_on_the_token_completing_the_action_tag(tokenizer_name, t
 
 def test_trainer_generates_under_the_stops_with_continuous_batching(tiny_model_dir, tmp_path, monkeypatch):
     model, tokenizer = load_tiny(tiny_model_dir)
-    args = MemPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=32,
-        max_turns=1,
-        use_cpu=True,
-        report_to="none",
-        use_transformers_continuous_batching=True,
-    )
+    args = cpu_config(tmp_path, per_device_train_batch_size=2, max_turns=1, use_transformers_continuous_batching=True)
     dataset = Dataset.from_list([{"question": "Where is Alpha?", "golden_answers": ["Paris"]}])
     trainer = MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
     original = RequestState.update_and_check_completion

@@ -1,21 +1,19 @@
 """Multi-process runs on CPU (gloo): the memory pool of a question split over two processes."""
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port, worker_env
 
 
 WORKER = Path(__file__).parent / "scripts" / "pooling_worker.py"
 
 
 def _run(cmd: list[str], tmp_path: Path) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -24,9 +22,7 @@ def _run(cmd: list[str], tmp_path: Path) -> None:
 def test_memory_pool_split_over_two_processes_matches_one_process(tiny_model_dir, tmp_path):
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     _run([sys.executable, str(WORKER), str(tiny_model_dir), str(one)], tmp_path)
-    with socket.socket() as sock:  # a free loopback port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())  # for the rendezvous
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
     _run([*torchrun, str(WORKER), str(tiny_model_dir), str(two)], tmp_path)
     single, split = json.loads(one.read_text()), json.loads(two.read_text())

@@ -10,9 +10,9 @@ import statistics
 import pytest
 import torch
 from datasets import Dataset
-from helpers import scripted_scorers
+from helpers import cpu_config, scripted_scorers
 
-from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl import MemPOTrainer
 from mempo_trl.context import TurnProtocol, initial_messages, render_prompt, round_messages
 from mempo_trl.environments import (
     ENVIRONMENT_INSTRUCTION,
@@ -218,21 +218,12 @@ def p_of_context(model, context: str) -> float:
 
 def make_trainer(tiny_model_dir, tmp_path, monkeypatch, factory, rows, context_mode="memory", **kwargs):
     model, tokenizer = load_tiny(tiny_model_dir)
-    args = MemPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
+    args = cpu_config(
+        tmp_path,
         max_completion_length=64,
         max_turns=6,
         memory_threshold=None,
         context_mode=context_mode,
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        max_steps=1,
-        seed=0,
     )
     trainer = MemPOTrainer(
         model,

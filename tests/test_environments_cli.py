@@ -4,6 +4,7 @@
 import json
 
 import pytest
+from helpers import cpu_recipe
 
 from mempo_trl.agent import AgentError, MemPOAgent
 from mempo_trl.cli import main
@@ -106,14 +107,7 @@ def test_eval_cli_refuses_an_unknown_environment_in_one_line(tiny_model_dir, tmp
 @pytest.fixture
 def recipe(tmp_path, tiny_model_dir):
     def write(**fields):
-        settings = {
-            "model_name_or_path": str(tiny_model_dir), "output_dir": str(tmp_path / "out"), "use_cpu": True,
-            "bf16": False, "report_to": "none", "max_steps": 1, "per_device_train_batch_size": 4,
-            "num_generations": 2, "max_completion_length": 8, "max_turns": 2, **fields,
-        }  # fmt: skip
-        path = tmp_path / "recipe.yaml"
-        path.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in settings.items()))
-        return str(path)
+        return str(cpu_recipe(tmp_path, tiny_model_dir, **{"num_generations": 2, "max_turns": 2, **fields}))
 
     return write
 

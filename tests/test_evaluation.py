@@ -12,7 +12,7 @@ from helpers import EchoRetriever, free_port
 from mempo_trl.agent import MemPOAgent
 from mempo_trl.cli import main
 from mempo_trl.context import TurnProtocol, initial_messages, render_prompt, stop_token_ids
-from mempo_trl.evaluation import compare_modes, evaluate
+from mempo_trl.evaluation import HELDOUT_OVERALL, compare_modes, evaluate, heldout_metrics
 from mempo_trl.generation import HFGenerator, strip_completion
 from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.kit.tiny import load_tiny
@@ -124,6 +124,67 @@ def test_scripted_policy_metrics(tokenizer):
     assert a["format_valid"] == 1.0 and b["format_valid"] == pytest.approx(1 / 3)
     assert a["turns_per_question"] == pytest.approx(4 / 3) and b["turns_per_question"] == pytest.approx(5 / 3)
     assert a["searches_per_question"] == pytest.approx(1 / 3) and b["searches_per_question"] == pytest.approx(2 / 3)
+
+
+def test_heldout_metrics_average_a_pluggable_row_metric(tokenizer):
+    """`heldout_metrics` over the scripted episodes: the default row metric is the episodes' EM and F1; another one
+    is averaged over the rows that give a value (None and NaN do not count), nested values key by key, per type."""
+    agent = MemPOAgent(
+        tokenizer, EchoRetriever(), Script(tokenizer, METRIC_SCRIPT), TurnProtocol(max_turns=3, retrieval_topk=2)
+    )
+    result = evaluate(agent, METRIC_ROWS, progress=False)
+    default = heldout_metrics(result, METRIC_ROWS)
+    assert (default["em"], default["f1"]) == pytest.approx((1.5 / 6, (1 + 2 / 3 + 0.5) / 6))
+    assert default["format_valid"] == pytest.approx(4 / 6) and default["turns_per_question"] == pytest.approx(9 / 6)
+    assert default["by_type"] == {
+        "a": pytest.approx({"em": 1 / 3, "f1": (1 + 2 / 3) / 3}),
+        "b": pytest.approx({"em": 0.5 / 3, "f1": 0.5 / 3}),
+    }
+    assert "memory_recall" not in default  # the library measures no memory recall of its own
+
+    def answered(row, record):  # None for the rows whose question has no "the": not counted
+        counted = " the " in f" {row['question']} "
+        return {"answered": float(record["answer"] is not None) if counted else None,
+                "kind": {"hit": record["em"], "miss": 1.0 - record["em"]}, "nan": math.nan}  # fmt: skip
+
+    custom = heldout_metrics(result, METRIC_ROWS, answered)
+    # "the" rows: Eiffel (answered), capital (answered), largest (no answer) -> 2 / 3.
+    assert custom["answered"] == pytest.approx(2 / 3) and math.isnan(custom["nan"])
+    assert custom["kind"] == pytest.approx({"hit": 1.5 / 6, "miss": 4.5 / 6})
+    assert custom["by_type"]["a"]["answered"] == 1.0 and custom["by_type"]["b"]["answered"] == 0.0
+    assert custom["by_type"]["b"]["kind"] == pytest.approx({"hit": 0.5 / 3, "miss": 2.5 / 3})
+    assert {k: custom[k] for k in HELDOUT_OVERALL} == {k: default[k] for k in HELDOUT_OVERALL}  # always there
+
+
+def test_heldout_callback_evaluates_before_at_intervals_and_after(tiny_model_dir, tokenizer):
+    """`HeldOutEvalCallback` on the tiny model: step 0, every `eval_every` steps, the last step once; each evaluation
+    goes to `on_result`, and `before_after` compares the first with the last."""
+    from types import SimpleNamespace
+
+    from mempo_trl.callbacks import HeldOutEvalCallback
+
+    model, _ = load_tiny(tiny_model_dir)
+    rows = METRIC_ROWS[:2]
+    reported = []
+    callback = HeldOutEvalCallback(
+        tokenizer, rows, EchoRetriever(), eval_every=2, on_result=lambda curve: reported.append(curve[-1]["step"]),
+        row_metric=lambda row, record: {"turns": float(record["num_turns"])},
+        protocol=TurnProtocol(max_turns=2, max_completion_length=8),
+    )  # fmt: skip
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+    callback.on_train_begin(None, state, None, model=model)
+    for step in (1, 2, 3, 4):
+        state.global_step = step
+        callback.on_step_end(None, state, None, model=model)
+    callback.on_train_end(None, state, None, model=model)
+    assert [point["step"] for point in callback.curve] == reported == [0, 2, 4]
+    first = callback.curve[0]
+    assert first["turns"] == first["turns_per_question"] and first["by_type"]["a"]["turns"] == first["turns"]
+    assert first["em"] == 0.0 and first["eval_seconds"] > 0  # random weights answer nothing
+    assert callback.before_after() == (
+        "held-out EM (2 questions, greedy): 0.000 before training (step 0) -> 0.000 after (step 4) | format "
+        f"{first['format_valid']:.3f} -> {callback.curve[-1]['format_valid']:.3f}"
+    )
 
 
 # ---------------------------------------------------------------- token accounting against a hand count

@@ -73,7 +73,6 @@ def test_realsize_stage_dry_run_reports_memory_and_the_step_split(tmp_path):
 
 
 def test_realsize_budgets_cover_every_gpu_configuration():
-    sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_smoke
 
     for config in gpu_smoke.REALSIZE_GPU.split():

@@ -91,8 +91,7 @@ def test_commands_never_import_the_kit():
         found = kit_imports(ast.parse(path.read_text(encoding="utf-8")))
         if found:
             offenders[path.name] = found
-    # The held-out evaluation callback leaves the kit for `mempo_trl.callbacks` (issue 23, step 2); then: {}.
-    assert offenders == {"recipe.py": ["mempo_trl.kit.learner"]}
+    assert offenders == {}
 
 
 def test_commands_do_not_import_the_dispatcher():

@@ -1,53 +1,56 @@
-"""The learning kit (`mempo_trl.kit.learner`) and the experiment script `bench/learning.py` in its quick mode."""
+"""The learning kit (`mempo_trl.kit.learner`), the lab's analytics (`bench/analytics.py`) and the experiment script
+`bench/learning.py` in its quick mode."""
 
 import doctest
-import importlib.util
 import json
 import math
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import analytics
+import learning
 import pytest
 import torch
+from analytics import answer_time_facts, failure_kind, memory_signal
 
 from mempo_trl.kit import learner
-from mempo_trl.kit.learner import answer_time_facts, failure_kind, memory_recall, needed_facts, write_learner_world
+from mempo_trl.kit.learner import memory_recall, needed_facts, write_learner_world
 
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
+TWO_HOP = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
+           "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
+           "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
+"""A demo-world 2-hop row; `hop_facts` finds ``Tisdin Purbro: Sedo.`` and ``Sedo: 634,400.`` for it."""
 
 
-def _bench(name: str = "learning_bench"):
-    """`bench/learning.py` as a fresh module."""
-    spec = importlib.util.spec_from_file_location(name, BENCH / "learning.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+class NoPassages:
+    """A retriever that finds nothing."""
+
+    def search(self, queries, topk):
+        return [[] for _ in queries]
 
 
-def test_doctests():
-    assert doctest.testmod(learner).failed == 0
+@pytest.mark.parametrize("module", [learner, analytics, learning], ids=lambda m: m.__name__)
+def test_doctests(module):
+    assert doctest.testmod(module).failed == 0
 
 
 def test_the_headline_is_the_readme_command_and_publishes_its_summary():
     """The README's answer comes from `HEADLINE`: its command sets exactly HEADLINE's warm start and budget, and that
     configuration alone writes `bench/results/learning.json` (the doctests of `default_results`)."""
-    module = _bench("learning_bench_headline")
-    assert doctest.testmod(module).failed == 0
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     command = re.search(r"python bench/learning\.py (--mem-drop .*?)\n```", readme, re.S).group(1).replace("\\\n", " ")
     words = command.split()
     mem_drop = float(words[words.index("--mem-drop") + 1])
     items = [w for w in words[words.index("--set") + 1 :] if "=" in w]
-    budget = {**module.BUDGET, **module.parse_overrides(items)}
-    assert (mem_drop, budget) == (module.HEADLINE["mem_drop"], module.HEADLINE["budget"])
+    budget = {**learning.BUDGET, **learning.parse_overrides(items)}
+    assert (mem_drop, budget) == (learning.HEADLINE["mem_drop"], learning.HEADLINE["budget"])
     summary = json.loads((BENCH / "results" / "learning.json").read_text())
-    assert summary["settings"]["budget"] == module.HEADLINE["budget"]
-    assert summary["settings"]["warm"]["derived"]["mem_drop"] == module.HEADLINE["mem_drop"]
+    assert summary["settings"]["budget"] == learning.HEADLINE["budget"]
+    assert summary["settings"]["warm"]["derived"]["mem_drop"] == learning.HEADLINE["mem_drop"]
 
 
 def test_splits_are_disjoint_and_complete(tmp_path):
@@ -99,13 +102,7 @@ def test_failure_kinds_are_checked_in_order():
 
 
 def test_answer_time_facts_leave_out_only_a_bridge():
-    class NoPassages:
-        def search(self, queries, topk):
-            return [[] for _ in queries]
-
-    two_hop = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
-               "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
-               "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
+    two_hop = TWO_HOP
     multi = {**two_hop, "data_source": "demo_multi", "sub_answers": [["1446"], ["1903"]]}
     assert answer_time_facts(two_hop, needed_facts(two_hop, NoPassages())) == [
         "634,400"
@@ -117,13 +114,34 @@ def test_answer_time_facts_leave_out_only_a_bridge():
     )  # then: the gold answer
 
 
+def test_the_quick_starts_row_metric_scores_the_last_memory_against_the_needed_facts():
+    """`memory_recall_metric` (what `--heldout_questions` reports): the episode's EM and F1, and the share of the
+    row's hop values in its last ``<mem>``; NaN (not counted) for a row without hops."""
+    from mempo_trl.evaluation import heldout_metrics
+
+    row = TWO_HOP
+    rounds = [{"mem": "Nothing yet."}, {"mem": "Tisdin Purbro: Sedo."}, {"mem": None}]  # the last turn wrote none
+    record = {"em": 0.0, "f1": 0.5, "rounds": rounds}
+    metric = learner.memory_recall_metric(NoPassages())
+    assert metric(row, record) == {"em": 0.0, "f1": 0.5, "memory_recall": 0.5}  # "Sedo" of "Sedo", "634,400"
+    assert math.isnan(metric({**row, "hop_queries": []}, record)["memory_recall"])
+    # Summed up over rows, a row without hops does not count.
+    result = SimpleNamespace(
+        metrics={"overall": dict.fromkeys(("em", "f1", "format_valid", "turns_per_question",
+                                           "total_tokens_per_question", "peak_context_tokens"), 0.0),
+                 "by_data_source": {"demo_2hop": {"em": 0.0, "f1": 0.5}}},
+        records=[{**record, "data_source": "demo_2hop"}] * 2,
+    )  # fmt: skip
+    summed = heldout_metrics(result, [row, {**row, "hop_queries": []}], metric)
+    assert summed["memory_recall"] == summed["by_type"]["demo_2hop"]["memory_recall"] == 0.5
+
+
 @pytest.mark.slow
 def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
     """`--quick`: every arm trains and is evaluated; the outputs are written; a rerun skips the finished runs."""
-    module = _bench("learning_bench")
-    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert learning.main(["--quick", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "learning.json").read_text())
-    assert sorted(summary["arms"]) == sorted(module.ARMS)
+    assert sorted(summary["arms"]) == sorted(learning.ARMS)
     for arm in summary["arms"].values():
         for key in ("warm_em", "final_em_mean", "final_em_std", "seeds", "final_em_by_type", "tokens_per_question",
                     "memory_recall"):  # fmt: skip
@@ -133,16 +151,16 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
         assert math.isclose(sum(arm["final_failures"].values()), 1.0)
     assert summary["command"].startswith("python bench/learning.py") and "trl" in summary["versions"]
     curves = json.loads((tmp_path / "learning_curves.json").read_text())
-    assert {c["arm"] for c in curves} == set(module.ARMS)
+    assert {c["arm"] for c in curves} == set(learning.ARMS)
     assert all([p["step"] for p in c["curve"]] == [0, 1, 2] for c in curves)
     assert all(math.isclose(p["failures"]["correct"], p["em"]) for c in curves for p in c["curve"])
     assert (tmp_path / "learning.png").stat().st_size > 0
     capsys.readouterr()
-    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.count("done already") == len(module.ARMS)
+    assert learning.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("done already") == len(learning.ARMS)
     # A probe (`--set`) trains from the same warm start into its own directory, leaving the shipped runs alone.
     shipped = {p: p.read_bytes() for p in (tmp_path / "runs").glob("*/run.json")}
-    assert module.main(["--quick", "--out", str(tmp_path), "--arms", "mempo", "--set", "learning_rate=0.001"]) == 0
+    assert learning.main(["--quick", "--out", str(tmp_path), "--arms", "mempo", "--set", "learning_rate=0.001"]) == 0
     probe = tmp_path / "probes" / "learning_rate=0.001"
     assert (
         json.loads((probe / "runs" / "mempo_s0" / "run.json").read_text())["settings"]["budget"]["learning_rate"]
@@ -152,7 +170,7 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert {p: p.read_bytes() for p in (tmp_path / "runs").glob("*/run.json")} == shipped
     # `--headroom` trains nothing and writes headroom.json next to the (probe's) runs.
     capsys.readouterr()
-    assert module.main(["--quick", "--out", str(tmp_path), "--headroom", "--set", "temperature=0.7"]) == 0
+    assert learning.main(["--quick", "--out", str(tmp_path), "--headroom", "--set", "temperature=0.7"]) == 0
     assert "headroom on 8 held-out rows: greedy EM " in capsys.readouterr().out
     result = json.loads((tmp_path / "probes" / "temperature=0.7" / "headroom.json").read_text())
     assert not (tmp_path / "probes" / "temperature=0.7" / "runs").exists()
@@ -164,7 +182,7 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert (signal["unfiltered"]["threshold"], signal["filtered"]["threshold"]) == (None, math.log(0.5))
     assert 0 < signal["unfiltered"]["rows"] <= 8 and 0 <= signal["unfiltered"]["p_all"] <= 1
     # `--mem-drop P` continues the warm start with a more forgetful oracle memory, into its own directories.
-    assert module.main(["--quick", "--out", str(tmp_path), "--mem-drop", "0.9", "--arms", "mempo"]) == 0
+    assert learning.main(["--quick", "--out", str(tmp_path), "--mem-drop", "0.9", "--arms", "mempo"]) == 0
     derived = json.loads((tmp_path / "warm_model_mem_drop=0.9" / "warm_start.json").read_text())
     assert derived["settings"]["mem_drop"] == 0.9 and derived["derived"]["base"] is not None
     run = json.loads((tmp_path / "mem_drop=0.9" / "runs" / "mempo_s0" / "run.json").read_text())
@@ -174,10 +192,9 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
 
 def test_unwritable_output_fails_before_any_work(tmp_path, capsys):
     """A file where the output directory should be: one `error:` line, exit 2, no world or model built."""
-    module = _bench("learning_bench_out")
     blocker = tmp_path / "taken"
     blocker.write_text("not a directory")
-    assert module.main(["--quick", "--out", str(blocker / "learning")]) == 2
+    assert learning.main(["--quick", "--out", str(blocker / "learning")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "taken" in err and err.count("\n") == 1
     assert not (tmp_path / "learning").exists()
@@ -185,18 +202,16 @@ def test_unwritable_output_fails_before_any_work(tmp_path, capsys):
 
 @pytest.mark.parametrize("item", ["learnin_rate=1e-4", "learning_rate"])
 def test_set_rejects_a_bad_override_before_any_work(tmp_path, capsys, item):
-    module = _bench("learning_bench_set")
-    overrides = module.parse_overrides(["learning_rate=1e-4", "memory_threshold=null", "loss_type=bnpo"])
+    overrides = learning.parse_overrides(["learning_rate=1e-4", "memory_threshold=null", "loss_type=bnpo"])
     assert overrides == {"learning_rate": 1e-4, "memory_threshold": None, "loss_type": "bnpo"}
-    assert module.main(["--quick", "--out", str(tmp_path / "out"), "--set", item]) == 2
+    assert learning.main(["--quick", "--out", str(tmp_path / "out"), "--set", item]) == 2
     err = capsys.readouterr().err
     assert err == f"error: --set {item}: expected KEY=VALUE with KEY a MemPOConfig field (e.g. learning_rate=1e-4)\n"
     assert not (tmp_path / "out").exists()
 
 
 def test_mem_drop_must_be_a_probability(tmp_path, capsys):
-    module = _bench("learning_bench_drop")
-    assert module.main(["--quick", "--out", str(tmp_path / "out"), "--mem-drop", "1.5"]) == 2
+    assert learning.main(["--quick", "--out", str(tmp_path / "out"), "--mem-drop", "1.5"]) == 2
     assert capsys.readouterr().err == "error: --mem-drop 1.5: expected a probability in [0, 1]\n"
     assert not (tmp_path / "out").exists()
 
@@ -227,21 +242,14 @@ class _ReadsMemory(torch.nn.Module):
 
 
 def test_memory_signal_measures_what_each_remembered_fact_adds_to_p_gold(any_tokenizer):
-    from mempo_trl.kit.learner import memory_signal
     from mempo_trl.scoring import gold_answer_tokens
 
-    row = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
-           "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
-           "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
+    row = TWO_HOP
     facts = ["Tisdin Purbro: Sedo.", "Sedo: 634,400."]  # what `hop_facts` finds for this row
-
-    class NoSearch:
-        def search(self, queries, topk):
-            return [[] for _ in queries]
 
     gold_ids, gold_mask = gold_answer_tokens(any_tokenizer, row["golden_answers"])
     model = _ReadsMemory(any_tokenizer, facts, [i for i, m in zip(gold_ids, gold_mask) if m])
-    result = memory_signal(model, any_tokenizer, [row], NoSearch())
+    result = memory_signal(model, any_tokenizer, [row], NoPassages())
 
     size = len(model.gold_ids)
 
@@ -264,13 +272,12 @@ def test_the_shipped_learner_is_the_experiments_forgetful_warm_start(tmp_path):
 
     from mempo_trl.kit.learner import shipped_learner
 
-    module = _bench("learning_bench_shipped")
     paths = write_learner_world(tmp_path, learner.LEARNER_WORLD, learner.SPLIT_SIZES)
-    derived = {**asdict(learner.WarmSettings()), **module.FORGETFUL, "mem_drop": module.HEADLINE["mem_drop"]}
-    assert module.shipped_warm_start(derived, paths) == shipped_learner()
-    assert module.shipped_warm_start({**derived, "mem_drop": 0.9}, paths) is None
+    derived = {**asdict(learner.LEARNER_WARM), **learning.FORGETFUL, "mem_drop": learning.HEADLINE["mem_drop"]}
+    assert learning.shipped_warm_start(derived, paths) == shipped_learner()
+    assert learning.shipped_warm_start({**derived, "mem_drop": 0.9}, paths) is None
     small = write_learner_world(tmp_path / "small", {"seed": 1, "num_entities": 60, "num_questions": 90},
                                 {"test": 20, "rl": 30})  # fmt: skip
-    assert module.shipped_warm_start(derived, small) is None
+    assert learning.shipped_warm_start(derived, small) is None
     settings = json.loads((shipped_learner() / "mempo_agent.json").read_text())
     assert settings["instruction"] == learner.LEARNER_INSTRUCTION

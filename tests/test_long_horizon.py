@@ -1,11 +1,10 @@
 """The long-horizon task family (`generate_horizon_world`) and its experiment, `bench/long_horizon.py`."""
 
 import doctest
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
+import long_horizon
 import pytest
 
 from mempo_trl.kit.demo_world import HORIZON_SPLITS, generate_horizon_world
@@ -13,19 +12,6 @@ from mempo_trl.rewards import outcome_score
 
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def _bench():
-    """`bench/long_horizon.py` as a module (it imports `learning` from its own folder, as when run as a script)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("long_horizon_bench", BENCH / "long_horizon.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["long_horizon_bench"] = module
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +58,11 @@ def test_each_objective_earns_its_share_of_em_and_f1():
 
 
 def test_doctests():
-    assert doctest.testmod(_bench()).failed == 0
+    assert doctest.testmod(long_horizon).failed == 0
 
 
 def test_targets_are_computed_from_the_arms():
-    module = _bench()
+    module = long_horizon
 
     def cell(em, std, tokens):
         return {"final_em_mean": em, "final_em_std": std, "tokens_per_question": tokens}
@@ -95,7 +81,7 @@ def test_targets_are_computed_from_the_arms():
 
 @pytest.mark.slow
 def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
-    module = _bench()
+    module = long_horizon
     out = tmp_path / "lh"
     assert module.main(["--quick", "--out", str(out)]) == 0
     summary = json.loads((out / "long_horizon.json").read_text())
@@ -117,7 +103,7 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
 
 
 def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
-    module = _bench()
+    module = long_horizon
     assert module.main(["--quick", "--out", str(tmp_path / "x"), "--set", "no_such_field=1"]) == 2
     assert "error: --set no_such_field=1" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

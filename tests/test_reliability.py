@@ -16,73 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import cpu_recipe, free_port, one_error_line, start_retriever, stop, write_corpus
 
 from mempo_trl.cli import main
-from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.retrieval import HttpRetriever, RetrievalError, RetrieverOutage
-
-
-DEMO = demo_paths()
-"""The demo world shipped with the kit: what these recipes train and search."""
-
-
-SCRIPTS = Path(__file__).parent / "scripts"
-CORPUS = [("1", "Hamlet", "Hamlet is a tragedy by William Shakespeare."), ("2", "Paris", "Paris is in France.")]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def write_corpus(directory: Path) -> Path:
-    corpus = directory / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"id": i, "contents": f'"{t}"\n{x}'}) + "\n" for i, t, x in CORPUS))
-    return corpus
-
-
-def start_retriever(directory: Path, port: int, *flags: str, env: dict | None = None) -> subprocess.Popen:
-    """`mempo-trl serve-retriever` on 127.0.0.1:`port`, up and answering (or the test fails with its log)."""
-    corpus = write_corpus(directory)
-    command = [sys.executable, "-m", "mempo_trl", "serve-retriever", "--corpus", str(corpus), "--port", str(port)]
-    command += ["--retriever_cache_dir", str(directory / "cache"), "--log_level", "warning", *flags]
-    log = directory / f"server-{port}-{time.monotonic_ns()}.log"
-    with log.open("w") as log_file:
-        process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
-    try:
-        with HttpRetriever(f"http://127.0.0.1:{port}") as client:
-            client.wait_ready(timeout=60)
-    except RetrievalError:
-        process.kill()
-        pytest.fail(f"the retrieval server did not come up; its log:\n{log.read_text()}")
-    return process
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.kill()
-    process.wait(timeout=10)
-
-
-@pytest.fixture
-def bad_server(tmp_path):
-    """Start `tests/scripts/bad_server.py MODE`; returns its URL. Killed at the end of the test."""
-    processes = []
-
-    def start(mode: str) -> str:
-        port_file = tmp_path / f"{mode}.port"
-        processes.append(subprocess.Popen([sys.executable, str(SCRIPTS / "bad_server.py"), mode, str(port_file)]))
-        deadline = time.monotonic() + 30
-        while not port_file.exists() or not port_file.read_text():
-            assert time.monotonic() < deadline, "bad_server.py did not start"
-            time.sleep(0.05)
-        return f"http://127.0.0.1:{port_file.read_text()}"
-
-    yield start
-    for process in processes:
-        stop(process)
 
 
 # ------------------------------------------------------------------------------------------ retriever client
@@ -243,22 +180,7 @@ def test_build_index_fails_when_it_cannot_write_its_cache(tmp_path, capsys):
 
 def train_settings(tmp_path: Path, model_dir: Path, **fields) -> list[str]:
     """`mempo-trl train` arguments for a 1-step CPU run of the tiny model (as a recipe file plus `fields`)."""
-    settings = {
-        "model_name_or_path": str(model_dir), "dataset_name": str(DEMO.train.parent),
-        "corpus": str(DEMO.corpus), "output_dir": str(tmp_path / "out"), "use_cpu": True, "bf16": False,
-        "report_to": "none", "max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4,
-        "max_completion_length": 8, "max_turns": 1, **fields,
-    }  # fmt: skip
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in settings.items()))
-    return ["train", "--config", str(recipe)]
-
-
-def one_error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
+    return ["train", "--config", str(cpu_recipe(tmp_path, model_dir, **fields))]
 
 
 @pytest.mark.parametrize(

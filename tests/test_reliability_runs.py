@@ -20,40 +20,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import cpu_recipe, one_error_line
 from safetensors.torch import load_file
 
 from mempo_trl.checkpoints import newest_complete_checkpoint, resolve_resume, validate_checkpoint
 from mempo_trl.cli import main
-from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.retrieval import HttpRetriever, RetrievalError, RetrieverOutage
 
 
-DEMO = demo_paths()
-"""The demo world shipped with the kit: what these recipes train and search."""
-
-
-SCRIPTS = Path(__file__).parent / "scripts"
 CALLS = {"reward": 0}
 
 
 def recipe(tmp_path: Path, model_dir: Path, raw: str = "", **fields) -> list[str]:
     """`mempo-trl train` arguments for a short CPU run of the tiny model; `raw` is appended to the YAML as is."""
-    settings = {
-        "model_name_or_path": str(model_dir), "dataset_name": str(DEMO.train.parent),
-        "corpus": str(DEMO.corpus), "output_dir": str(tmp_path / "out"), "use_cpu": True, "bf16": False,
-        "report_to": "none", "max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4,
-        "max_completion_length": 8, "max_turns": 1, "logging_steps": 1, "save_strategy": "no", **fields,
-    }  # fmt: skip
-    path = tmp_path / "recipe.yaml"
-    path.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in settings.items()) + "\n" + raw)
+    path = cpu_recipe(tmp_path, model_dir, raw, **{"logging_steps": 1, "save_strategy": "no", **fields})
     return ["train", "--config", str(path)]
-
-
-def one_error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------------------ bad values (5, 6, 7)
@@ -362,26 +343,6 @@ def test_a_full_disk_during_a_checkpoint_names_the_last_complete_one(tmp_path, c
 # ------------------------------------------------------------------------------------------ retriever client (8)
 
 
-@pytest.fixture
-def bad_server(tmp_path):
-    """Start `tests/scripts/bad_server.py MODE`; returns its URL. Killed at the end of the test."""
-    processes = []
-
-    def start(mode: str) -> str:
-        port_file = tmp_path / f"{mode}.port"
-        processes.append(subprocess.Popen([sys.executable, str(SCRIPTS / "bad_server.py"), mode, str(port_file)]))
-        deadline = time.monotonic() + 30
-        while not port_file.exists() or not port_file.read_text():
-            assert time.monotonic() < deadline, "bad_server.py did not start"
-            time.sleep(0.05)
-        return f"http://127.0.0.1:{port_file.read_text()}"
-
-    yield start
-    for process in processes:
-        process.kill()
-        process.wait(timeout=10)
-
-
 def test_client_deadline_bounds_a_server_trickling_headers(bad_server):
     client = HttpRetriever(bad_server("trickle_headers"), timeout=1.0, max_retries=0)
     start = time.monotonic()
@@ -447,7 +408,7 @@ def test_a_retriever_error_mid_training_saves_a_checkpoint_first(tmp_path, capsy
 
 
 def test_server_closes_idle_and_slow_connections(tmp_path):
-    from test_reliability import free_port, start_retriever, stop
+    from helpers import free_port, start_retriever, stop
 
     port = free_port()
     server = start_retriever(tmp_path, port, "--request_timeout", "1")

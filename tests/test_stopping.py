@@ -8,10 +8,10 @@ the token that completes the action tag, each sequence on its own.
 import pytest
 import torch
 from datasets import Dataset
-from helpers import EchoRetriever
+from helpers import EchoRetriever, cpu_config
 from transformers import Qwen2ForCausalLM
 
-from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl import MemPOTrainer
 from mempo_trl.context import TurnProtocol, initial_messages, render_prompt
 from mempo_trl.generation import HFGenerator
 from mempo_trl.loading import load_tokenizer
@@ -98,17 +98,12 @@ def qwen_trainer(qwen_model_dir, tmp_path):
     tokenizer = load_tokenizer(qwen_model_dir)
     model = script_model(Qwen2ForCausalLM.from_pretrained(qwen_model_dir), _continuation(tokenizer))
     dataset = Dataset.from_list([{"question": q, "golden_answers": ["x"], "data_source": "demo"} for q in TURNS])
-    args = MemPOConfig(
-        output_dir=str(tmp_path),
+    args = cpu_config(
+        tmp_path,
         per_device_train_batch_size=3,
         num_generations=3,
         max_completion_length=48,
         max_turns=1,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        max_steps=1,
     )
     return MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
 

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import cpu_recipe
 
 from mempo_trl.cli import main
 from mempo_trl.kit.demo_world import demo_paths
@@ -18,15 +19,7 @@ DEMO = demo_paths()
 @pytest.fixture
 def recipe(tmp_path, tiny_model_dir):
     def write(**fields):
-        settings = {
-            "model_name_or_path": str(tiny_model_dir), "dataset_name": str(DEMO.train.parent),
-            "corpus": str(DEMO.corpus), "output_dir": str(tmp_path / "out"), "use_cpu": True,
-            "bf16": False, "report_to": "none", "max_steps": 1, "per_device_train_batch_size": 4,
-            "num_generations": 4, "max_completion_length": 8, "max_turns": 1, **fields,
-        }  # fmt: skip
-        path = tmp_path / "recipe.yaml"
-        path.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in settings.items()))
-        return str(path)
+        return str(cpu_recipe(tmp_path, tiny_model_dir, **fields))
 
     return write
 
@@ -70,7 +63,8 @@ def test_invalid_mempo_setting(capsys, recipe):
 
 
 def test_heldout_questions_prints_em_before_and_after_training(capsys, recipe, tmp_path):
-    assert main(["train", "--config", recipe(heldout_questions=3, max_steps=1)]) == 0
+    metric = "mempo_trl.kit.learner.memory_recall_metric"
+    assert main(["train", "--config", recipe(heldout_questions=3, heldout_row_metric=metric, max_steps=1)]) == 0
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]
     assert last.startswith("held-out EM (3 questions, greedy): ")
@@ -78,13 +72,17 @@ def test_heldout_questions_prints_em_before_and_after_training(capsys, recipe, t
     # Each evaluation says when it starts and what it found, with its time.
     assert out.count("held-out evaluation before training: 3 questions, greedy ...") == 1
     assert out.count("held-out evaluation after training: 3 questions, greedy ...") == 1
-    assert re.search(r"held-out evaluation at step 0: EM [\d.]+ \| format [\d.]+ \| memory recall \S+ \(\d+ s\)", out)
+    # The demo rows' memory recall (`mempo_trl.kit.learner.memory_recall_metric`): a number, every row has hops.
+    assert re.search(
+        r"held-out evaluation at step 0: EM [\d.]+ \| format [\d.]+ \| memory recall [\d.]+ \(\d+ s\)", out
+    )
     # ... and the metrics file keeps both, next to the last step's metrics.
     metrics = json.loads((tmp_path / "out" / "mempo_metrics.json").read_text())
     assert metrics["heldout/questions"] == 3
     assert (metrics["heldout/step_before"], metrics["heldout/step_after"]) == (0, 1)
     assert f"{metrics['heldout/em_before']:.3f} before training" in last
     assert f"{metrics['heldout/em_after']:.3f} after (step 1)" in last
+    assert f"memory recall {metrics['heldout/memory_recall_before']:.3f} -> " in last
     assert "episode/em" in metrics
 
 

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from helpers import cpu_config
 
-from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl import MemPOTrainer
 from mempo_trl.data import load_qa
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.retrieval import BM25Retriever
@@ -19,26 +20,12 @@ def _train(model_dir, demo_paths, retriever, tmp_path, peft_config=None, reward_
     model, tokenizer = load_tiny(model_dir)
     model.train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    settings = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=40,
-        max_turns=3,
-        learning_rate=5e-3,
-        max_steps=2,
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-    )
-    settings.update(overrides)
+    settings = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=40, learning_rate=5e-3,
+                    max_steps=2)  # fmt: skip
+    args = cpu_config(tmp_path, **{**settings, **overrides})
     dataset = load_qa(str(demo_paths.train)).select(range(16))
     trainer = MemPOTrainer(
-        model, retriever, args=MemPOConfig(**settings), train_dataset=dataset, processing_class=tokenizer,
+        model, retriever, args=args, train_dataset=dataset, processing_class=tokenizer,
         peft_config=peft_config, reward_funcs=reward_funcs,
     )  # fmt: skip
     trainer.train()
@@ -115,11 +102,8 @@ def test_full_history_baseline_trains_without_memory_scoring(warm_model_dir, dem
 @pytest.mark.slow
 def test_evaluate_logs_episode_and_memory_metrics(warm_model_dir, demo_paths, demo_retriever, tmp_path):
     model, tokenizer = load_tiny(warm_model_dir)
-    args = MemPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, per_device_eval_batch_size=4,
-        num_generations_eval=2, max_completion_length=40, max_turns=3, use_cpu=True, bf16=False,
-        activation_checkpointing=False, report_to="none",
-    )  # fmt: skip
+    args = cpu_config(tmp_path, num_generations=4, per_device_eval_batch_size=4, num_generations_eval=2,
+                      max_completion_length=40)  # fmt: skip
     trainer = MemPOTrainer(
         model, demo_retriever, args=args, train_dataset=load_qa(str(demo_paths.train)).select(range(4)),
         eval_dataset=load_qa(str(demo_paths.test)).select(range(4)), processing_class=tokenizer,

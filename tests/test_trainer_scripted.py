@@ -13,9 +13,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 from datasets import Dataset
+from helpers import cpu_config
 from transformers import Qwen2ForCausalLM
 
-from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl import MemPOTrainer
 from mempo_trl.context import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
@@ -74,22 +75,7 @@ def scripted_trainer(request, tiny_model_dir, tmp_path, monkeypatch):
         model_dir = request.getfixturevalue("qwen_model_dir")
         model, tokenizer = Qwen2ForCausalLM.from_pretrained(model_dir), load_tokenizer(model_dir)
     dataset = Dataset.from_list([{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT])
-    args = MemPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=32,
-        max_turns=3,
-        memory_threshold=None,
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        max_steps=1,
-        seed=0,
-    )
+    args = cpu_config(tmp_path, memory_threshold=None)
     retriever = EchoRetriever()
     trainer = MemPOTrainer(model, retriever, args=args, train_dataset=dataset, processing_class=tokenizer)
 

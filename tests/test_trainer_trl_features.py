@@ -7,7 +7,7 @@
 
 import pytest
 from datasets import Dataset
-from helpers import EchoRetriever
+from helpers import EchoRetriever, cpu_config
 
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.kit.tiny import load_tiny
@@ -41,20 +41,7 @@ def turns_reward(completions, trajectory, log_metric, log_extra, **kwargs):
 
 def make_trainer(model_dir, output_dir, monkeypatch):
     model, tokenizer = load_tiny(model_dir)
-    args = MemPOConfig(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=32,
-        max_turns=3,
-        use_cpu=True,
-        activation_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        max_steps=1,
-        seed=0,
-    )
+    args = cpu_config(output_dir)
     dataset = Dataset.from_list([{"question": q, "golden_answers": GOLDS[q]} for q in SCRIPT])
     trainer = MemPOTrainer(
         model,

@@ -12,9 +12,9 @@ import statistics
 import pytest
 import torch
 from datasets import Dataset
-from helpers import EchoRetriever, scripted_scorers
+from helpers import EchoRetriever, cpu_config, scripted_scorers
 
-from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl import MemPOTrainer
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.scoring import memory_scoring_items
 
@@ -57,21 +57,7 @@ P_REF = {"a1 r2": 0.62, "a2 r2": 0.25, "a2 r3": 0.33, "g1 r2": 0.58, "d1 r2": 0.
 def make_trainer(model_dir, output_dir, monkeypatch, scripted_scores=True, **config):
     model, tokenizer = load_tiny(model_dir)
     rows = [{"question": q, "golden_answers": gold} for q, (gold, _) in SCRIPT.items()]
-    args = MemPOConfig(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=6,
-        num_generations=2,
-        max_completion_length=32,
-        max_turns=3,
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        max_steps=1,
-        seed=0,
-        **config,
-    )
+    args = cpu_config(output_dir, per_device_train_batch_size=6, **config)
     dataset = Dataset.from_list(rows)
     trainer = MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
     started = {}

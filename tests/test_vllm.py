@@ -7,35 +7,29 @@ and its log-probs are those of a synced copy of the model, so misrouted completi
 
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import fake_vllm
 import pytest
 from datasets import Dataset
+from fake_vllm import end_round
+from helpers import cpu_config, free_port, worker_env
 
-from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl import MemPOTrainer
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.retrieval import Passage
 
 
 WORKER = Path(__file__).parent / "scripts" / "vllm_worker.py"
-sys.path.insert(0, str(Path(__file__).parent))
-
-import fake_vllm  # noqa: E402
-from fake_vllm import end_round  # noqa: E402
 
 
 def _torchrun(mode: str, model_dir: Path, out: Path, nproc: int = 2) -> list[dict]:
-    with socket.socket() as sock:  # a free loopback port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())  # for the rendezvous
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
-        [*cmd, str(WORKER), mode, str(model_dir), str(out)], cwd=out, env=env, capture_output=True, text=True,
+        [*cmd, str(WORKER), mode, str(model_dir), str(out)], cwd=out, env=worker_env(), capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -85,20 +79,14 @@ def test_sleep_mode_keeps_vllm_awake_across_the_rounds_of_a_step(tiny_model_dir,
         monkeypatch.setenv(name, value)  # TRL's colocate init writes these; monkeypatch restores them
     fake_vllm.install(tiny_model_dir)
     model, tokenizer = load_tiny(tiny_model_dir)
-    args = MemPOConfig(
-        output_dir=str(tmp_path),
+    args = cpu_config(
+        tmp_path,
         per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=32,
         max_turns=4,
         max_steps=2,
         use_vllm=True,
         vllm_mode="colocate",
         vllm_enable_sleep_mode=True,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
         disable_tqdm=True,
     )
     dataset = Dataset.from_list([{"question": "Q3 where?", "golden_answers": ["A3"]}])  # 4 rounds per episode

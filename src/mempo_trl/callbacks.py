@@ -1,4 +1,5 @@
-"""Console output of `mempo-trl train`: a start banner and a one-line summary per logged step, on rank 0.
+"""Callbacks of `mempo-trl train`: console output on rank 0 (a start banner, a one-line summary per logged step) and
+the held-out evaluation of ``--heldout_questions`` (`HeldOutEvalCallback`).
 
 The banner states what really runs, once the model is wrapped, so that a launch that silently fell back (two
 processes training two independent copies, a DeepSpeed config that ended up as plain DDP) is visible at once::
@@ -12,6 +13,7 @@ to the `report_to` backends as TRL logs it; evaluation and final logs are printe
 """
 
 import os
+import time
 from collections.abc import Mapping
 
 from tqdm.auto import tqdm
@@ -158,6 +160,67 @@ def use_step_summary(trainer) -> None:
     if trainer.pop_callback(PrinterCallback) is not None:
         trainer.add_callback(SummaryPrinterCallback)
     trainer.add_callback(StepSummaryCallback())
+
+
+class HeldOutEvalCallback(TrainerCallback):
+    """Evaluates the trained model on held-out rows before training, every ``eval_every`` steps (0: never in
+    between) and after training, on the main process: greedy episodes of ``protocol`` (a `TurnProtocol`; the
+    trainer's is ``trainer.protocol``) by `mempo_trl.evaluation.evaluate_model`, summed up by
+    `mempo_trl.evaluation.heldout_metrics` with ``row_metric`` (default: EM and F1). ``curve`` holds ``{"step", **metrics, "eval_seconds"}`` per evaluation; ``on_result`` (if given) is called
+    with the curve after each one."""
+
+    def __init__(
+        self, tokenizer, rows, retriever, protocol=None, eval_every: int = 0, on_result=None, row_metric=None
+    ):
+        self.tokenizer, self.rows, self.retriever, self.protocol = tokenizer, list(rows), retriever, protocol
+        self.eval_every, self.on_result, self.row_metric = eval_every, on_result, row_metric
+        self.curve: list[dict] = []
+
+    def _evaluate(self, step: int, model) -> None:
+        from mempo_trl.evaluation import evaluate_model, exact_match_f1, heldout_metrics
+
+        if self.curve and self.curve[-1]["step"] == step:
+            return
+        start = time.perf_counter()
+        result = evaluate_model(model, self.tokenizer, self.rows, self.retriever, self.protocol)
+        metrics = heldout_metrics(result, self.rows, self.row_metric or exact_match_f1)
+        self.curve.append({"step": step, **metrics, "eval_seconds": time.perf_counter() - start})
+        if self.on_result is not None:
+            self.on_result(self.curve)
+
+    def before_after(self) -> str:
+        """One line: held-out EM (and format, and memory recall when measured) of the first and the last evaluation.
+
+        Example:
+            >>> callback = HeldOutEvalCallback(None, [{}, {}], None)
+            >>> callback.curve = [{"step": 0, "em": 0.1, "format_valid": 0.5, "memory_recall": 0.25},
+            ...                   {"step": 30, "em": 0.2, "format_valid": 0.75, "memory_recall": 0.5}]
+            >>> callback.before_after()
+            'held-out EM (2 questions, greedy): 0.100 before training (step 0) -> 0.200 after (step 30) | format 0.500 -> 0.750 | memory recall 0.250 -> 0.500'
+        """
+        first, last = self.curve[0], self.curve[-1]
+        parts = [
+            f"held-out EM ({len(self.rows)} questions, greedy): {first['em']:.3f} before training (step "
+            f"{first['step']}) -> {last['em']:.3f} after (step {last['step']})"
+        ]
+        parts += [
+            f"{label} {first[key]:.3f} -> {last[key]:.3f}"
+            for label, key in (("format", "format_valid"), ("memory recall", "memory_recall"))
+            if key in first and key in last
+        ]
+        return " | ".join(parts)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero:
+            self._evaluate(state.global_step, model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.eval_every and state.global_step % self.eval_every == 0 and state.is_world_process_zero:
+            self._evaluate(state.global_step, model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero:
+            self._evaluate(state.global_step, model)
 
 
 class HeldOutProgressCallback(TrainerCallback):

@@ -9,18 +9,20 @@ Token accounting is exact: a round's prompt tokens are the ids the model was giv
 it produced (cut after the action); per question, the peak context is the largest prompt + completion of any round
 and the total is the sum of prompt + completion over the rounds.
 
-`mempo-trl eval` (`mempo_trl.commands.eval`) runs it from the command line.
+`evaluate_model` plays a model directly (greedy by default), and `heldout_metrics` sums its records up with a
+pluggable per-row metric (default `exact_match_f1`): what `mempo_trl.callbacks.HeldOutEvalCallback` reports
+before and after training. `mempo-trl eval` (`mempo_trl.commands.eval`) runs `evaluate` from the command line.
 """
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mempo_trl.agent import AgentResult, MemPOAgent
-from mempo_trl.context import ContextMode
+from mempo_trl.context import ContextMode, TurnProtocol
 from mempo_trl.environments import has_own_reward
 from mempo_trl.rollout import Episode, GenerateFn
 
@@ -215,6 +217,94 @@ def evaluate(
         tracked.close()
     records = [episode_record(ep) for ep in episodes]
     return EvalResult(mode, records, summarize(records), episodes, timings.generation, timings.retrieval)
+
+
+def evaluate_model(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    retriever,
+    protocol: TurnProtocol | None = None,
+    *,
+    temperature: float = 0.0,
+) -> EvalResult:
+    """`evaluate` of ``model`` as a `MemPOAgent` over ``retriever``, playing ``protocol`` (default `TurnProtocol()`):
+    one episode per row with transformers generation (batches of 32), greedy when ``temperature == 0``; no progress
+    bar.
+
+    Example:
+        >>> result = evaluate_model(model, tokenizer, rows, retriever, TurnProtocol(max_turns=2))  # doctest: +SKIP
+        >>> result.metrics["overall"]["num_questions"] == len(rows)  # doctest: +SKIP
+        True
+    """
+    from mempo_trl.generation import HFGenerator
+
+    protocol = protocol or TurnProtocol()
+    generator = HFGenerator(
+        model, tokenizer, protocol.max_completion_length, temperature=temperature, batch_size=32, stops=protocol.stops
+    )
+    return evaluate(MemPOAgent(tokenizer, retriever, generator, protocol), rows, progress=False)
+
+
+RowMetric = Callable[[dict, dict], Mapping[str, Any]]
+"""A per-row metric of `heldout_metrics`: ``(row, record) -> {name: value}`` for a QA row and its `episode_record`;
+a value is a number (None or NaN: not counted) or a mapping of them (averaged key by key)."""
+
+HELDOUT_OVERALL = ("em", "f1", "format_valid", "turns_per_question", "total_tokens_per_question", "peak_context_tokens")  # fmt: skip
+"""The overall metrics of `summarize` that `heldout_metrics` keeps."""
+
+
+def exact_match_f1(row: dict, record: dict) -> dict[str, Any]:
+    """The default `RowMetric`: the episode's EM and F1 as `episode_record` scored them (`mempo_trl.rewards`).
+
+    Example:
+        >>> exact_match_f1({}, {"em": 1.0, "f1": 1.0, "format_valid": True})
+        {'em': 1.0, 'f1': 1.0}
+    """
+    return {"em": record["em"], "f1": record["f1"]}
+
+
+def mean_metrics(values: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Key by key mean of `RowMetric` values: numbers that are not None or NaN (NaN when none is), mappings
+    recursively.
+
+    Example:
+        >>> mean_metrics([{"em": 1.0, "kind": {"a": 1.0, "b": 0.0}}, {"em": None, "kind": {"a": 0.0, "b": 1.0}}])
+        {'em': 1.0, 'kind': {'a': 0.5, 'b': 0.5}}
+    """
+    keys = list(dict.fromkeys(key for value in values for key in value))
+    means: dict[str, Any] = {}
+    for key in keys:
+        found = [value[key] for value in values if key in value]
+        if any(isinstance(v, Mapping) for v in found):
+            means[key] = mean_metrics([v for v in found if isinstance(v, Mapping)])
+        else:
+            means[key] = _mean([None if v is None or math.isnan(v) else float(v) for v in found])
+    return means
+
+
+def heldout_metrics(result: EvalResult, rows: Sequence[dict], row_metric: RowMetric = exact_match_f1) -> dict:
+    """``result``'s overall `HELDOUT_OVERALL` metrics and the mean of ``row_metric`` over its rows (``rows``, in
+    the order they were played), and ``by_type``: ``em``, ``f1`` and the mean of ``row_metric`` per ``data_source``.
+
+    Example:
+        >>> metrics = heldout_metrics(evaluate_model(model, tokenizer, rows, retriever), rows)  # doctest: +SKIP
+        >>> sorted(metrics["by_type"]) == sorted({row["data_source"] for row in rows})  # doctest: +SKIP
+        True
+    """
+    overall = result.metrics["overall"]
+    values = [row_metric(row, record) for row, record in zip(rows, result.records, strict=True)]
+    metrics: dict[str, Any] = {key: overall[key] for key in HELDOUT_OVERALL}
+    metrics.update(mean_metrics(values))
+    metrics["by_type"] = {
+        source: {
+            "em": summary["em"],
+            "f1": summary["f1"],
+            **mean_metrics([v for v, r in zip(values, result.records) if r["data_source"] == source]),
+        }
+        for source, summary in result.metrics["by_data_source"].items()
+    }
+    return metrics
 
 
 def compare_modes(memory: EvalResult, full_history: EvalResult) -> dict[str, float]:

@@ -14,15 +14,11 @@ import sys
 from pathlib import Path
 
 from datasets import Dataset
+from helpers import EchoRetriever, cpu_config, scripted_scorers  # tests/ is on PYTHONPATH (`helpers.worker_env`)
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from helpers import EchoRetriever, scripted_scorers  # noqa: E402
-
-from mempo_trl import MemPOConfig, MemPOTrainer  # noqa: E402
-from mempo_trl.commands.recipe import release_process_groups  # noqa: E402
-from mempo_trl.kit.tiny import load_tiny  # noqa: E402
+from mempo_trl import MemPOTrainer
+from mempo_trl.commands.recipe import release_process_groups
+from mempo_trl.kit.tiny import load_tiny
 
 
 QUESTION = "Where is Gamma?"
@@ -51,19 +47,12 @@ P_FULL = 0.5
 
 def main(model_dir: str, out_path: str) -> None:
     model, tokenizer = load_tiny(model_dir)
-    args = MemPOConfig(
-        output_dir="/tmp/mempo_pooling_worker",
+    args = cpu_config(
+        "/tmp/mempo_pooling_worker",
         per_device_train_batch_size=4 // int(os.environ.get("WORLD_SIZE", "1")),
         num_generations=4,
-        max_completion_length=32,
-        max_turns=3,
         memory_threshold=None,
         memory_threshold_quantile=0.0,  # the smallest answer-token log-prob of ALL processes is filtered out
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
     )
     dataset = Dataset.from_list([{"question": QUESTION, "golden_answers": ["Oslo"]}])
     trainer = MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)

@@ -15,17 +15,14 @@ import os
 import sys
 from pathlib import Path
 
+import fake_vllm  # tests/ is on PYTHONPATH (`helpers.worker_env`)
 from datasets import Dataset
+from helpers import cpu_config
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fake_vllm  # noqa: E402
-
-from mempo_trl import MemPOConfig, MemPOTrainer  # noqa: E402
-from mempo_trl.commands.recipe import release_process_groups  # noqa: E402
-from mempo_trl.kit.tiny import load_tiny  # noqa: E402
-from mempo_trl.retrieval import Passage  # noqa: E402
+from mempo_trl import MemPOTrainer
+from mempo_trl.commands.recipe import release_process_groups
+from mempo_trl.kit.tiny import load_tiny
+from mempo_trl.retrieval import Passage
 
 
 class EchoRetriever:
@@ -38,25 +35,16 @@ def main(mode: str, model_dir: str, out_dir: str) -> None:
     fake_vllm.NAN_ROUNDS.update({(1, 2), (3, 1)})  # a NaN (None) sampling log-prob in two turns
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model, tokenizer = load_tiny(model_dir)
-    args = MemPOConfig(
-        output_dir=str(Path(out_dir) / "run"),
+    args = cpu_config(
+        Path(out_dir) / "run",
         per_device_train_batch_size=4 // world,  # 2 questions x G = 2 per step, on any world size
-        num_generations=2,
-        max_completion_length=32,
         max_turns=4,
         max_steps=2,
         learning_rate=1e-3,
         use_vllm=True,
         vllm_mode="server" if mode == "server" else "colocate",
         vllm_tensor_parallel_size=world if mode == "colocate_tp" else 1,
-        use_cpu=True,
-        bf16=False,
-        activation_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
         disable_tqdm=True,
-        seed=0,
     )
     dataset = Dataset.from_list([{"question": f"Q{k} where?", "golden_answers": [f"A{k}"]} for k in range(4)])
     trainer = MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)

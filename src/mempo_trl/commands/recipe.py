@@ -45,7 +45,14 @@ class ScriptArguments(trl.ScriptArguments):
     heldout_questions: int = field(
         default=0,
         metadata={"help": "Evaluate greedily on this many questions of `dataset_test_split` before and after "
-                  "training, and print both; single-process runs only. 0: off."},
+                  "training, and print both (`mempo_trl.callbacks.HeldOutEvalCallback`); single-process runs only. "
+                  "0: off."},
+    )  # fmt: skip
+    heldout_row_metric: str | None = field(
+        default=None,
+        metadata={"help": "Dotted import path of a factory `f(retriever)` returning the held-out per-row metric "
+                  "(`mempo_trl.evaluation.RowMetric`; the quick start's: mempo_trl.kit.learner.memory_recall_metric). "
+                  "Default: EM and F1."},
     )  # fmt: skip
 
 
@@ -56,23 +63,25 @@ def load_reward_funcs(names: list[str]) -> list:
         >>> [f.__name__ for f in load_reward_funcs(["mempo_outcome_reward", "mempo_trl.rewards.mempo_format_reward"])]
         ['mempo_outcome_reward', 'mempo_format_reward']
     """
-    import importlib
-
     from mempo_trl import rewards
 
-    funcs = []
-    for name in names:
-        if name in REWARD_FUNCS:
-            funcs.append(getattr(rewards, name))
-            continue
-        module, _, attr = name.rpartition(".")
-        try:
-            funcs.append(getattr(importlib.import_module(module), attr))
-        except (ImportError, AttributeError, ValueError):
-            raise ValueError(
-                f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)} or a dotted import path."
-            ) from None
-    return funcs
+    return [
+        getattr(rewards, name)
+        if name in REWARD_FUNCS
+        else import_object(name, f"reward function (use one of {sorted(REWARD_FUNCS)} or a dotted import path)")
+        for name in names
+    ]
+
+
+def import_object(path: str, what: str):
+    """The object a dotted import path (``my_lib.rewards.custom_reward``) names; `ValueError` naming ``what``."""
+    import importlib
+
+    module, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(f"unknown {what}: {path!r} is not an importable `module.name`.") from None
 
 
 def load_model_and_tokenizer(model_args, training_args):
@@ -134,24 +143,18 @@ def add_callbacks(trainer, script_args: ScriptArguments, training_args, retrieve
             print(f"heldout_questions={script_args.heldout_questions} is skipped on {training_args.world_size} "
                   "processes: evaluate the saved model with `mempo-trl eval` instead.")  # fmt: skip
     elif script_args.heldout_questions > 0:
-        from mempo_trl.kit.learner import HeldOutEvalCallback  # moves to mempo_trl.callbacks (issue 23, step 2)
+        from mempo_trl.callbacks import HeldOutEvalCallback
 
+        row_metric = None
+        if script_args.heldout_row_metric:
+            row_metric = import_object(script_args.heldout_row_metric, "heldout_row_metric")(retriever)
         heldout = load_dataset(script_args, script_args.dataset_test_split)
         rows = list(heldout.select(range(min(script_args.heldout_questions, len(heldout)))))
         progress = HeldOutProgressCallback(len(rows))
         trainer.add_callback(progress)
         trainer.add_callback(
             HeldOutEvalCallback(
-                tokenizer,
-                rows,
-                retriever,
-                on_result=progress.report,
-                max_turns=training_args.max_turns,
-                topk=training_args.retrieval_topk,
-                max_new_tokens=training_args.max_completion_length,
-                context_mode=training_args.context_mode,
-                instruction=training_args.instruction,
-                system_prompt=training_args.system_prompt,
+                tokenizer, rows, retriever, trainer.protocol, on_result=progress.report, row_metric=row_metric
             )
         )
 

