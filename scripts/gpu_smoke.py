@@ -19,7 +19,8 @@ Stages (each prints one JSON line ``{"stage", "ok", ...}`` and exits 0 when ``ok
 - ``qwen``: Qwen2.5's real tokenizer and 151,936-row vocabulary (`mempo_trl.kit.qwen`, hidden 256) in bf16: the
   scoring agreement above on scripted 4-round episodes, then 2 MemPO steps whose turns are those scripted turns
   (multi-token tags: rows, ``<mem>`` spans and P_full / P_mem scored on the device; every episode 4 rounds, EM 1).
-- ``quickstart``: ``mempo-trl train --config examples/configs/quickstart_cpu.yaml`` on the device (fp32, as the
+- ``quickstart``: the README quick start (``mempo-trl kit learner``, then ``mempo-trl train --config
+  examples/configs/quickstart_cpu.yaml``) in ``WORK_DIR`` on the device (fp32, as the
   recipe): its held-out EM line must rise; reports the wall time.
 - ``realsize`` (not in the default list; ``GPU_SMOKE_STAGES=realsize``): Qwen2.5-1.5B and -7B shapes (random weights,
   the real tokenizer and vocabulary, bf16, activation checkpointing), LoRA and full fine-tuning, 4 and 8 rounds
@@ -235,12 +236,15 @@ def stage_vllm_emulation(work: Path, cpu: bool) -> dict:
 
 
 def stage_zero3(work: Path, cpu: bool) -> dict:
+    from mempo_trl.kit.demo_world import demo_paths
+
     config = "cpu_zero3.yaml" if cpu else "zero3.yaml"
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
         "--num_processes", "1", str(ROOT / "examples" / "train_mempo.py"),
         "--config", str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
         "--model_name_or_path", str(work / "model"), "--output_dir", str(work / "zero3"),
+        "--dataset_name", str(demo_paths().train.parent), "--corpus", str(demo_paths().corpus),
         "--use_cpu", str(cpu).lower(), "--bf16", str(not cpu).lower(), "--max_steps", "2",
         "--per_device_train_batch_size", "4", "--heldout_questions", "0",
     ]  # fmt: skip
@@ -417,12 +421,14 @@ def _time_generate(trainer, prompts: list[list[int]], new_tokens: int, clock) ->
 
 
 def stage_quickstart(work: Path, cpu: bool) -> dict:
+    kit = [sys.executable, "-m", "mempo_trl", "kit", "learner", "--output_dir", "kit/learner"]
     cmd = [
         sys.executable, "-m", "mempo_trl", "train", "--config", str(ROOT / "examples" / "configs" / "quickstart_cpu.yaml"),
         "--output_dir", str(work / "quickstart"), "--use_cpu", str(cpu).lower(), "--disable_tqdm", "true",
     ]  # fmt: skip
     start = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    subprocess.run(kit, capture_output=True, text=True, cwd=work, check=True)  # the README's two commands, in `work`
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=work)
     seconds = time.perf_counter() - start
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "held-out EM" in line]
     em = [float(x) for x in re.findall(r"(\d\.\d+) (?:before|after)", lines[-1])] if lines else []
