@@ -205,8 +205,9 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
 def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str) -> dict:
     """The warm model per K on ``split`` in both context modes, and its `memory_signal` (does a fact in the memory
     raise P(gold)?); written to ``out/warm_check_<split>.json``."""
+    from analytics import memory_signal
+
     from mempo_trl.data import read_jsonl
-    from mempo_trl.kit.learner import memory_signal
     from mempo_trl.kit.tiny import load_tiny
     from mempo_trl.retrieval import BM25Retriever
 

@@ -56,7 +56,7 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
     ):
         assert words in procedure, words
     assert f"**dataset**: {demo_paths.train}" in procedure
-    assert "**retriever**: BM25 over the demo corpus" in procedure
+    assert f"**retriever**: BM25 over {demo_paths.corpus}" in procedure
     heldout = procedure.split("### Held-out evaluation", 1)[1].split("###", 1)[0]
     curve = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "curve")).curve
     assert "on 50 held-out questions never trained on, before (step 0) and after (step 1)" in heldout
@@ -76,13 +76,12 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
         assert f"| `{key}` | {final[key]:.4g} |" in metrics, key
 
 
-def test_pushed_card_uses_the_hub_id_and_kit_base_models_resolve():
+def test_pushed_card_uses_the_hub_id_and_local_base_models_resolve(tmp_path):
     from mempo_trl.model_card import describe_base_model, heldout_summary, usage
 
     assert 'from_pretrained("you/mempo-agent", retriever="http://h:8000")' in usage(
         "you/mempo-agent", "http://h:8000", "q?"
     )
     assert "--retriever_url http://h:8000" in usage("you/mempo-agent", "http://h:8000", "q?")
-    assert "shipped with `mempo_trl`" in describe_base_model("learner")
-    assert "`base_model/`" in describe_base_model("tiny")
+    assert describe_base_model(str(tmp_path)) == f"the local model `{tmp_path}` (not on the Hub)"
     assert heldout_summary([object()]) is None

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from mempo_trl.cli import main
+from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.loading import load_tokenizer
 
 
@@ -22,6 +23,7 @@ def test_train_two_steps_then_eval_on_a_qwen2_5_shaped_model(qwen_model_dir, tmp
         "report_to": "none", "save_strategy": "no", "max_steps": 2, "logging_steps": 1,
         "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 8, "max_turns": 2,
         "reward_funcs": ["mempo_outcome_reward", "mempo_format_reward"],
+        "dataset_name": str(demo_paths().train.parent), "corpus": str(demo_paths().corpus),
     }  # fmt: skip
     (tmp_path / "recipe.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in recipe.items()))
     assert main(["train", "--config", str(tmp_path / "recipe.yaml")]) == 0
@@ -33,6 +35,7 @@ def test_train_two_steps_then_eval_on_a_qwen2_5_shaped_model(qwen_model_dir, tmp
     assert json.loads((trained / "config.json").read_text())["vocab_size"] == 151936
 
     argv = ["eval", "--model_name_or_path", str(trained), "--output_dir", str(evaluated), "--max_eval_samples", "3"]
+    argv += ["--dataset_name", str(demo_paths().test), "--corpus", str(demo_paths().corpus)]
     assert main([*argv, "--max_turns", "2", "--max_completion_length", "8", "--disable_tqdm", "true"]) == 0
     report = json.loads((evaluated / "results.json").read_text())
     assert report["settings"]["num_questions"] == 3

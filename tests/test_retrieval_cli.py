@@ -3,9 +3,15 @@
 Run: pytest tests/test_retrieval_cli.py
 """
 
+import doctest
 import json
 
+import mempo_trl.retrieval.settings as settings
 from mempo_trl.cli import main
+
+
+def test_doctests():
+    assert doctest.testmod(settings).failed == 0
 
 
 def test_build_index_then_cache_hit(tmp_path, capsys):

@@ -21,12 +21,6 @@ from typing import Any
 
 REPOSITORY = "https://github.com/mempo-trl/mempo_trl"
 INSTALL = f'pip install "mempo_trl @ git+{REPOSITORY}"'
-KIT_BASE_MODELS = {
-    "learner": "the 1.4 M-parameter learner shipped with `mempo_trl` (`mempo_trl.kit.learner.shipped_learner()`), "
-    "SFT-warm-started on its fictional world",
-    "tiny": "the 0.3 M-parameter tiny model of `mempo_trl.kit`, built and SFT-warm-started by `mempo-trl train` "
-    "(`model_name_or_path: tiny`) into this run's `base_model/`",
-}
 HELDOUT_METRICS = ("em", "f1", "format_valid", "memory_recall")
 
 
@@ -58,8 +52,6 @@ def describe_base_model(name: str) -> str:
         >>> describe_base_model("Qwen/Qwen2.5-3B-Instruct")
         '[Qwen/Qwen2.5-3B-Instruct](https://huggingface.co/Qwen/Qwen2.5-3B-Instruct)'
     """
-    if name in KIT_BASE_MODELS:
-        return KIT_BASE_MODELS[name]
     if Path(name).exists():
         return f"the local model `{name}` (not on the Hub)"
     return f"[{name}](https://huggingface.co/{name})"

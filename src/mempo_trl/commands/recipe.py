@@ -14,7 +14,7 @@ from pathlib import Path
 
 import trl
 
-from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
+from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever, describe_retriever
 
 
 REWARD_FUNCS = {"mempo_outcome_reward", "mempo_format_reward"}
@@ -193,7 +193,7 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
         "base_model": model_args.model_name_or_path,
         "dataset": script_args.dataset_name,
         **({"environment": script_args.environment} if script_args.environment else {
-            "retriever": retriever_args.retriever_url or retriever_args.corpus,
+            "retriever": describe_retriever(retriever_args),
             "retriever_arg": retriever_args.retriever_url or retriever_args.corpus,
             "example_question": train_dataset[0]["question"],
         }),

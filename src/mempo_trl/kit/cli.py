@@ -6,7 +6,7 @@
     mempo-trl kit build-demo --output_dir demo --seed 3
     mempo-trl kit build-tiny-model --output_dir tiny
     mempo-trl kit build-qwen-model --output_dir qwen-random
-    mempo-trl kit warm-start --model_name_or_path tiny --max_steps 200
+    mempo-trl kit warm-start --model_name_or_path kit/tiny/model --max_steps 200
 
 or `python -m mempo_trl.kit ...` with the same arguments. The kit registers this command itself (`mempo_trl.cli`);
 the rest of the command layer never imports the kit.

@@ -49,6 +49,19 @@ class RetrieverArguments:
     )  # fmt: skip
 
 
+def describe_retriever(args: RetrieverArguments) -> str:
+    """One line naming the retriever ``args`` build (for logs and the model card).
+
+    Example:
+        >>> describe_retriever(RetrieverArguments(corpus="wiki.jsonl"))
+        'BM25 over wiki.jsonl'
+    """
+    if args.retriever_url:
+        return f"the retrieval server at {args.retriever_url}"
+    kind = "BM25" if args.retriever_type == "bm25" else f"dense retrieval ({args.retriever_model})"
+    return f"{kind} over {args.corpus}"
+
+
 def build_retriever(args: RetrieverArguments, ride_out_outages: bool = False, **index_kwargs) -> Retriever:
     """The retriever `args` describe; `index_kwargs` go to the in-process index's `from_corpus`.
 
@@ -59,7 +72,7 @@ def build_retriever(args: RetrieverArguments, ride_out_outages: bool = False, **
         >>> build_retriever(RetrieverArguments(retriever_url="http://127.0.0.1:8000")).base_url
         'http://127.0.0.1:8000'
         >>> build_retriever(RetrieverArguments(corpus="data/wiki-18.jsonl", retriever_type="dense",
-        ...                                    retriever_model="models/e5-base-v2"), batch_size=256).name
+        ...                                    retriever_model="models/e5-base-v2"), batch_size=256).name  # doctest: +SKIP
         'dense'
     """
     from mempo_trl.retrieval import BM25Retriever, DenseRetriever, HttpRetriever
