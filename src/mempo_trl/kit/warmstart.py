@@ -361,7 +361,7 @@ def warm_start(
     order: list[int] = []
     threads = torch.get_num_threads()
     # One thread: the tensors are small, and on a busy machine (other jobs on the same cores) the intra-op thread
-    # pool's barriers made element-wise ops ~100x and a step ~10x slower than on one thread (measured on 2 cores).
+    # pool's barriers make every step slower than one thread does (measured in the README, "Threads").
     torch.set_num_threads(1)
     try:
         for _ in range(steps):
