@@ -13,7 +13,7 @@ mixed):
 
 Each run is evaluated greedily per K on one split (`--split test` for published numbers, touched only by the
 published command; `--split validation` for choosing settings) before and after training. Resumable: a run writes
-`runs/<arm>_s<seed>/run.json` when it ends and a rerun with the same settings skips it, so a later session adds
+`runs/<split>/<arm>_s<seed>/run.json` when it ends and a rerun with the same settings skips it, so a later session adds
 seeds. `--jobs N` trains N runs side by side as processes (on one GPU with `--device cuda`). Run directories stay
 out of git (default `--out runs/long_horizon`); the published configuration (no `--set`, `--split test`, not
 `--quick`) writes its summary and figure to `bench/results/long_horizon.json` / `.png`, any other next to its runs.
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     for seed in args.seeds:
         for arm in args.arms:
-            run_dir = out / "runs" / f"{arm}_s{seed}"
+            run_dir = out / "runs" / args.split / f"{arm}_s{seed}"
             done = run_dir / "run.json"
             if done.is_file() and json.loads(done.read_text())["settings"] == settings:
                 print(f"{arm} seed {seed}: done already ({done})", flush=True)
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for job in jobs:
             run_one(job)
-    records = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/run.json"))]
+    records = [json.loads(p.read_text()) for p in sorted((out / "runs" / args.split).glob("*/run.json"))]
     records = [r for r in records if r["settings"] == settings]
     if records:
         command = "python bench/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
