@@ -56,11 +56,11 @@ REPORTED_HORIZONS = (2, 4, 8)
 """The K whose targets the summary checks (every K of the world is evaluated)."""
 
 WARM = {"steps": 3000, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3, "instruction": LEARNER_INSTRUCTION}
-"""The SFT warm start (`mempo_trl.kit.learner.WarmSettings`) on the oracle episodes of the warm rows: each fact is
+"""The SFT warm start (`mempo_trl.kit.warmstart.WarmSettings`) on the oracle episodes of the warm rows: each fact is
 left out of the oracle's memory with probability ``mem_drop``, so the warm model forgets values a long answer needs.
-The shipped learner needed ~1,000 of its 3,000 steps before it copied names from its context; continuing it on this
-world instead (400 steps, its own world's tokenizer splitting these names into 5.4 tokens) left EM at 0 at every K
-(docs/learning.md, "The long-horizon experiment")."""
+Check it with ``--warm_only`` before any RL: with a vocabulary trained on the whole corpus, the held-out names hold
+tokens the warm data never shows and this warm start cannot copy them (docs/learning.md, "The long-horizon
+experiment")."""
 
 BUDGET = {
     "max_steps": 60,
