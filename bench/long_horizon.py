@@ -3,8 +3,9 @@
 Each question asks K facts about K different entities (`mempo_trl.kit.demo_world.generate_horizon_world`), so an
 agent searches K times and answers with values it found up to K turns earlier: the memory must keep them, while
 full history keeps every passage. The splits (warm start, RL, validation, test) share no question and no
-asked-about entity. The learner (`mempo_trl.kit.learner.LEARNER_SIZE`, its tokenizer trained on this world's corpus
-so that names are one or two tokens) is SFT-warm-started with `SFTTrainer` on oracle episodes of the warm rows with
+asked-about entity. The learner (`mempo_trl.kit.learner.LEARNER_SIZE`, its vocabulary trained on this world's corpus
+without the asked-about names, so that held-out names split into pieces the warm data shows: `VOCABULARY_SIZE`) is
+SFT-warm-started with `SFTTrainer` on oracle episodes of the warm rows with
 a forgetful memory (`WARM["mem_drop"]`); every arm then trains from it with the same budget on the RL rows (all K
 mixed):
 
@@ -61,6 +62,12 @@ left out of the oracle's memory with probability ``mem_drop``, so the warm model
 Check it with ``--warm_only`` before any RL: with a vocabulary trained on the whole corpus, the held-out names hold
 tokens the warm data never shows and this warm start cannot copy them (docs/learning.md, "The long-horizon
 experiment")."""
+
+VOCABULARY_SIZE = 1024
+"""Upper bound of the learner's vocabulary, trained on the corpus without the asked-about names (`vocabulary_texts`):
+small enough that a held-out name splits into pieces the warm data shows (`name_token_coverage` 0.99 on this world's
+validation and test names, 6.2-6.6 tokens per name; the 8,192 bound gives 0.91-0.94 at 4.2-4.6 tokens, and a
+vocabulary trained with the names 0.71-0.73; docs/learning.md)."""
 
 BUDGET = {
     "max_steps": 60,
@@ -162,6 +169,27 @@ def evaluate_horizons(model, tokenizer, rows: list[dict], retriever, budget: dic
     return per_k
 
 
+def vocabulary_texts(passages: list[dict], names: list[str]) -> list[str]:
+    """The texts the learner's tokenizer is trained on: the corpus with every asked-about entity's name cut out, so
+    that no name becomes one token and a held-out name splits into pieces that the warm rows' names also use
+    (`name_token_coverage` measures it).
+
+    Example:
+        >>> vocabulary_texts([{"contents": "Feivul Halkar was a painter."}], ["Feivul Halkar"])
+        ['  was a painter.']
+    """
+    pattern = re.compile("|".join(re.escape(name) for name in sorted(names, key=len, reverse=True)))
+    return [pattern.sub(" ", passage["contents"]) for passage in passages]
+
+
+def name_token_coverage(tokenizer, names: list[str], texts: list[str]) -> float:
+    """Share of the tokens of ``names`` (each after a space, as in a question) that also occur in ``texts``
+    tokenized: a token that never occurs in the warm start's data keeps its random embedding and cannot be copied."""
+    seen = {token for text in texts for token in tokenizer(text, add_special_tokens=False)["input_ids"]}
+    tokens = [token for name in names for token in tokenizer(" " + name, add_special_tokens=False)["input_ids"]]
+    return sum(token in seen for token in tokens) / max(1, len(tokens))
+
+
 def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path]:
     """Write the world's files (reused when the settings match) and build the warm-started learner into
     ``out/warm_model`` (cached: same size, settings and data)."""
@@ -185,13 +213,15 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
         marker.write_text(json.dumps({"world": world, "pools": generated.pools}, indent=1))
     warm_dir = out / "warm_model"
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths.values())).hexdigest()
-    key = {"size": LEARNER_SIZE, "warm": warm, "data_sha256": digest}
+    size = {**LEARNER_SIZE, "vocab_size": VOCABULARY_SIZE}
+    key = {"size": size, "warm": warm, "data_sha256": digest, "vocabulary": "corpus without asked-about names"}
     warm_marker = warm_dir / WARM_START_FILE
     if not (warm_marker.is_file() and json.loads(warm_marker.read_text()).get("horizon") == key):
         from mempo_trl.data import read_jsonl
 
         corpus = read_jsonl(paths["corpus"])
-        build_tiny_model(warm_dir, seed=0, corpus_texts=[p["contents"] for p in corpus], **LEARNER_SIZE)
+        names = [name for pool in json.loads(marker.read_text())["pools"].values() for name in pool]
+        build_tiny_model(warm_dir, seed=0, corpus_texts=vocabulary_texts(corpus, names), **size)
         retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
         max_turns = max(world["horizons"]) + 2
         stats = sft_warm_start(warm_dir, read_jsonl(paths["warm"]), retriever, WarmSettings(**warm), max_turns,
@@ -218,6 +248,13 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
         mode: evaluate_horizons(model, tokenizer, rows, retriever, budget, mode) for mode in ("memory", "full_history")
     }
     check["memory_signal"] = memory_signal(model, tokenizer, rows, retriever, instruction=budget["instruction"])
+    pools = json.loads((out / "world" / "world.json").read_text())["pools"]
+    warm_texts = [row["question"] for row in read_jsonl(paths["warm"])]
+    warm_texts += [
+        p["contents"] for p in read_jsonl(paths["corpus"]) if any(n in p["contents"] for n in pools["warm"])
+    ]
+    check["name_token_coverage"] = name_token_coverage(tokenizer, pools[split], warm_texts)
+    print(f"{split} names: {check['name_token_coverage']:.2f} of their tokens occur in the warm data", flush=True)
     (out / f"warm_check_{split}.json").write_text(json.dumps(check, indent=1))
     for k in sorted(check["memory"], key=int):
         mem, full = check["memory"][k], check["full_history"][k]

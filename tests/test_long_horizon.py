@@ -99,7 +99,9 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
     check = json.loads((out / "warm_check_validation.json").read_text())
     assert sorted(check["memory"]) == sorted(check["full_history"]) == ["1", "4"]
     assert check["full_history"]["4"]["memory_recall"] is None and "fact_value" in check["memory_signal"]
-    assert "K=4: EM memory" in capsys.readouterr().out
+    assert 0.0 < check["name_token_coverage"] <= 1.0
+    out_text = capsys.readouterr().out
+    assert "K=4: EM memory" in out_text and "validation names: " in out_text
 
 
 def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
@@ -107,3 +109,13 @@ def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
     assert module.main(["--quick", "--out", str(tmp_path / "x"), "--set", "no_such_field=1"]) == 2
     assert "error: --set no_such_field=1" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_name_token_coverage_counts_the_name_tokens_the_warm_texts_show(tiny_model_dir):
+    from mempo_trl.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    names = ["Hamlet Paris"]
+    ids = tokenizer(" Hamlet Paris", add_special_tokens=False)["input_ids"]
+    assert long_horizon.name_token_coverage(tokenizer, names, ["about Hamlet Paris here"]) == 1.0
+    assert long_horizon.name_token_coverage(tokenizer, names, ["nothing"]) < 1.0 and len(ids) >= 1
