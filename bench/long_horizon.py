@@ -225,7 +225,7 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
         retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
         max_turns = max(world["horizons"]) + 2
         stats = sft_warm_start(warm_dir, read_jsonl(paths["warm"]), retriever, WarmSettings(**warm), max_turns,
-                               use_cpu=device == "cpu")  # fmt: skip
+                               use_cpu=device == "cpu", checkpoint_every=250)  # resumable: a rerun continues it  # fmt: skip
         print(f"warm start: {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
               f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
         warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))

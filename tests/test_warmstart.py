@@ -193,3 +193,34 @@ def test_mem_drop_leaves_facts_out_of_the_memory_but_not_the_answer(one_row_per_
     )
     with pytest.raises(ValueError, match="mem_drop"):
         oracle_episode_turns(row, retriever, mem_drop=1.5)
+
+
+def test_a_stopped_sft_warm_start_resumes_from_its_newest_checkpoint(tiny_model_dir, tmp_path, demo_paths, retriever):
+    """`sft_warm_start(checkpoint_every=N)` keeps a checkpoint under `<model_dir>/sft`; a rerun (here: asked for more
+    steps, as after a stop) continues from it instead of starting over."""
+    import shutil
+
+    from trl import SFTTrainer
+
+    from mempo_trl.kit.warmstart import WarmSettings, sft_warm_start
+
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    rows = read_jsonl(demo_paths.train)[:8]
+    resumed_from = []
+    train = SFTTrainer.train
+
+    def recording_train(self, *args, resume_from_checkpoint=None, **kwargs):
+        resumed_from.append(resume_from_checkpoint)
+        return train(self, *args, resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    SFTTrainer.train = recording_train
+    try:
+        settings = WarmSettings(steps=2, batch_size=2, lr=1e-3, seed=0, mem_drop=0.0)
+        sft_warm_start(model_dir, rows, retriever, settings, checkpoint_every=2)
+        assert (model_dir / "sft" / "checkpoint-2" / "optimizer.pt").is_file()
+        stats = sft_warm_start(model_dir, rows, retriever, WarmSettings(**{**settings.__dict__, "steps": 3}),
+                               checkpoint_every=2)  # fmt: skip
+    finally:
+        SFTTrainer.train = train
+    assert resumed_from == [None, str(model_dir / "sft" / "checkpoint-2")]
+    assert stats["steps"] == 3 and json.loads((model_dir / "warm_start.json").read_text())["stats"]["steps"] == 3

@@ -223,6 +223,7 @@ def sft_warm_start(
     settings: WarmSettings,
     max_turns: int = 8,
     use_cpu: bool = True,
+    checkpoint_every: int = 0,
 ) -> dict:
     """Warm-start the model in ``model_dir`` with TRL's `SFTTrainer` on the oracle turns of ``rows``; save it back.
 
@@ -231,13 +232,16 @@ def sft_warm_start(
     cannot play (a comparison whose passage the retriever misses, or a row needing more than ``max_turns`` turns)
     are skipped. Returns the stats (``steps``, ``rows``, ``skipped_rows``, ``examples``, ``initial_loss`` and
     ``final_loss``: the first and last logged loss, ``seconds``), also written to ``WARM_START_FILE`` with the
-    settings. ``use_cpu=False`` trains on the accelerator when there is one.
+    settings. ``use_cpu=False`` trains on the accelerator when there is one. ``checkpoint_every`` N > 0 saves a
+    checkpoint every N steps under ``model_dir/sft`` (the newest one kept) and resumes from the newest complete one
+    there, so a long warm start that is stopped continues where it was (`mempo_trl.checkpoints`).
     """
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
+    from mempo_trl.checkpoints import newest_complete_checkpoint
     from mempo_trl.loading import load_tokenizer
 
     start = time.perf_counter()
@@ -270,14 +274,17 @@ def sft_warm_start(
         use_cpu=use_cpu,
         bf16=False,
         logging_steps=max(1, settings.steps // 60),
-        save_strategy="no",
+        save_strategy="steps" if checkpoint_every else "no",
+        save_steps=checkpoint_every or 500,
+        save_total_limit=1,
         report_to="none",
         max_length=None,
         dataset_num_proc=None,
         disable_tqdm=True,  # random batches: length-grouped ones learned to copy from the context more slowly
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-    result = trainer.train()
+    resume = newest_complete_checkpoint(model_dir / "sft") if checkpoint_every else None
+    result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     trainer.model.save_pretrained(model_dir)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     stats = {
