@@ -15,7 +15,7 @@ mixed):
 Each run is evaluated greedily per K on one split (`--split test` for published numbers, touched only by the
 published command; `--split validation` for choosing settings) before and after training. Resumable: a run writes
 `runs/<split>/<arm>_s<seed>/run.json` when it ends and a rerun with the same settings skips it, so a later session adds
-seeds. `--jobs N` trains N runs side by side as processes (on one GPU with `--device cuda`). Run directories stay
+seeds; a run stopped midway resumes from its newest checkpoint (every `CHECKPOINT_EVERY` steps). `--jobs N` trains N runs side by side as processes (on one GPU with `--device cuda`). Run directories stay
 out of git (default `--out runs/long_horizon`); the published configuration (no `--set`, `--split test`, not
 `--quick`) writes its summary and figure to `bench/results/long_horizon.json` / `.png`, any other next to its runs.
 
@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import platform
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -68,6 +69,9 @@ VOCABULARY_SIZE = 1024
 small enough that a held-out name splits into pieces the warm data shows (`name_token_coverage` 0.99 on this world's
 validation and test names, 6.2-6.6 tokens per name; the 8,192 bound gives 0.91-0.94 at 4.2-4.6 tokens, and a
 vocabulary trained with the names 0.71-0.73; docs/learning.md)."""
+
+CHECKPOINT_EVERY = 10
+"""RL steps between the checkpoints of a run (the newest kept): a stopped run resumes from the newest one."""
 
 BUDGET = {
     "max_steps": 60,
@@ -270,6 +274,7 @@ def run_one(job: dict) -> dict:
     import torch
 
     from mempo_trl import MemPOConfig, MemPOTrainer
+    from mempo_trl.checkpoints import newest_complete_checkpoint
     from mempo_trl.data import load_qa, read_jsonl
     from mempo_trl.kit.tiny import load_tiny
     from mempo_trl.retrieval import BM25Retriever
@@ -293,18 +298,27 @@ def run_one(job: dict) -> dict:
     model.train()
     config = MemPOConfig(
         output_dir=str(run_dir), **budget, seed=seed, use_cpu=not cuda, bf16=cuda, activation_checkpointing=False,
-        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        report_to="none", save_strategy="steps", save_steps=CHECKPOINT_EVERY, save_total_limit=1, logging_steps=1,
+        disable_tqdm=True,
     )  # fmt: skip
     trainer = MemPOTrainer(
         model, retriever, args=config, train_dataset=load_qa(job["paths"]["rl"]), processing_class=tokenizer
     )
+    # A stopped run resumes from its newest checkpoint, unless that was made with other settings.
+    started = run_dir / "settings.json"
+    if started.is_file() and json.loads(started.read_text()) != settings:
+        for stale in run_dir.glob("checkpoint-*"):
+            shutil.rmtree(stale)
+    started.write_text(json.dumps(settings))
+    resume = newest_complete_checkpoint(run_dir)
     start = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     seconds = time.perf_counter() - start
     after = evaluate_horizons(trainer.model, tokenizer, rows, retriever, budget, context_mode)
     log = [e for e in trainer.state.log_history if "episode/em" in e]
     record = {
-        "arm": arm, "seed": seed, "settings": settings, "seconds": seconds, "before": before, "after": after,
+        "arm": arm, "seed": seed, "settings": settings, "seconds": seconds, "resumed_from": resume and resume.name,
+        "before": before, "after": after,
         "train_em": [e["episode/em"] for e in log], "train_reward": [e.get("reward") for e in log],
     }  # fmt: skip
     (run_dir / "run.json").write_text(json.dumps(record, indent=1))

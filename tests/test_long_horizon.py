@@ -95,6 +95,11 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
     capsys.readouterr()
     assert module.main(["--quick", "--out", str(out)]) == 0
     assert capsys.readouterr().out.count("done already") == 3
+    # A run stopped after its last checkpoint (no run.json) resumes from it instead of starting over.
+    mempo_dir = out / "runs" / "test" / "mempo_s0"
+    (mempo_dir / "run.json").unlink()
+    assert module.main(["--quick", "--out", str(out), "--arms", "mempo"]) == 0
+    assert json.loads((mempo_dir / "run.json").read_text())["resumed_from"] == "checkpoint-1"
     assert module.main(["--quick", "--out", str(out), "--warm_only", "--split", "validation"]) == 0
     check = json.loads((out / "warm_check_validation.json").read_text())
     assert sorted(check["memory"]) == sorted(check["full_history"]) == ["1", "4"]
