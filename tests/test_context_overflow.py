@@ -1,14 +1,25 @@
-"""Contexts longer than the generation backend takes (`context_overflow`): the episode ends, or the
-`<information>` blocks are cut; never a crash. Unit tests on the rollout, then the trainer on TRL's vLLM colocate
-path with a fake engine that rejects long prompts as vLLM does."""
+"""Contexts longer than the generation backend takes or the context budget allows (`context_overflow`,
+`max_context_tokens`): the episode ends, or the `<information>` blocks are cut; never a crash. Unit tests on the
+rollout, then the trainer on TRL's vLLM colocate path with a fake engine that rejects long prompts as vLLM does, and
+the budget through a scripted trainer step and agent episodes."""
+
+import json
 
 import fake_vllm
 import pytest
 from datasets import Dataset
 from helpers import cpu_config
 
-from mempo_trl import MemPOTrainer
-from mempo_trl.context import TurnProtocol, initial_messages, render_prompt
+from mempo_trl import MemPOAgent, MemPOTrainer
+from mempo_trl.context import (
+    DEFAULT_INSTRUCTION,
+    DEFAULT_SYSTEM_PROMPT,
+    PROTOCOL_FILE,
+    TurnProtocol,
+    initial_messages,
+    render_prompt,
+)
+from mempo_trl.evaluation import evaluate
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.retrieval import Passage
 from mempo_trl.rollout import RolloutEngine
@@ -44,8 +55,8 @@ def play(tokenizer, limit, mode, context_mode="memory"):
             outs.append(tokenizer(turn(k, t, "answer" if t == 3 else "search"), add_special_tokens=False)["input_ids"])
         return outs, None
 
-    protocol = TurnProtocol(max_turns=3, context_mode=context_mode)
-    engine = RolloutEngine(tokenizer, protocol, Retriever(), max_prompt_length=limit, context_overflow=mode)
+    protocol = TurnProtocol(max_turns=3, context_mode=context_mode, context_overflow=mode)
+    engine = RolloutEngine(tokenizer, protocol, Retriever(), max_prompt_length=limit)
     rows = [{"question": f"Q{k}?", "golden_answers": ["x"]} for k in range(2)]
     episodes, _ = engine.run(rows, generate)
     return episodes, prompts_seen
@@ -123,3 +134,130 @@ def test_trainer_on_vllm_never_sends_a_prompt_over_the_limit(tiny_model_dir, tmp
         assert logged["episode/context_overflow"] == 0.0
         assert logged["episode/turns"] == 3.5  # Q2 answers in round 3, Q3 in round 4 (fake_vllm.end_round)
         assert engine.counters.generate_calls == 4 and logged["episode/em"] == 1.0
+
+
+# The context budget (`max_context_tokens`): a scripted policy searches twice, then answers.
+BUDGET_TURNS = [
+    "<mem>one</mem><think>t</think><search>alpha</search>",
+    "<mem>two</mem><think>t</think><search>beta</search>",
+    "<mem>three</mem><think>t</think><answer>Paris</answer>",
+]
+
+
+class EchoRetriever:
+    def search(self, queries, topk):
+        return [[Passage(id=q, title=f"T {q}", text=f"about {q}")] for q in queries]
+
+
+def scripted_turn(tokenizer, prompt_ids):
+    """The next scripted turn: round 3 once turn 2 is in the context, round 2 once turn 1 is, else round 1."""
+    text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    t = 2 if BUDGET_TURNS[1] in text else 1 if BUDGET_TURNS[0] in text else 0
+    return tokenizer(BUDGET_TURNS[t], add_special_tokens=False)["input_ids"]
+
+
+def budget_and_full_round3(tokenizer) -> tuple[int, int]:
+    """By hand, in ChatML: the budget is the longest memory-mode context (round 2: question + turn 1 + result 1,
+    round 3: question + turn 2 + result 2); full history's round 3 holds both turns and results, so it is longer."""
+    base = (
+        f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n"
+        f"<|im_start|>user\n{DEFAULT_INSTRUCTION.format(question='Where?')}<|im_end|>\n"
+    )
+
+    def block(turn, query):
+        return (
+            f"<|im_start|>assistant\n{turn}<|im_end|>\n<|im_start|>user\n<tool_response>\n"
+            f"<information>Doc 1(Title: T {query}) about {query}</information>\n</tool_response><|im_end|>\n"
+        )
+
+    one, two, gen = block(BUDGET_TURNS[0], "alpha"), block(BUDGET_TURNS[1], "beta"), "<|im_start|>assistant\n"
+    length = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in
+              (base + one + gen, base + two + gen, base + one + two + gen)]  # fmt: skip
+    return max(length[:2]), length[2]
+
+
+@pytest.mark.parametrize("context_mode", ["memory", "full_history"])
+def test_budget_ends_a_full_history_episode_in_a_trainer_step(tiny_model_dir, tmp_path, monkeypatch, context_mode):
+    model, tokenizer = load_tiny(tiny_model_dir)
+    budget, full_round3 = budget_and_full_round3(tokenizer)
+    assert full_round3 > budget  # and the backend's limit (4096 - 32) is far above both
+    args = cpu_config(tmp_path, context_mode=context_mode, max_context_tokens=budget)
+    dataset = Dataset.from_list([{"question": "Where?", "golden_answers": ["Paris"]}] * 4)
+    trainer = MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
+    assert trainer.protocol.max_context_tokens == budget
+    sent = []
+
+    def scripted_generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        sent.extend(prompt_ids)
+        return [scripted_turn(tokenizer, ids) for ids in prompt_ids], None
+
+    monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(list(dataset))
+    metrics = trainer._metrics["train"]
+    assert max(len(ids) for ids in sent) <= budget
+    if context_mode == "memory":  # the budget never binds: 3 rounds, right answer
+        assert out["completion_ids"].shape[0] == 4 * 3
+        assert metrics["episode/context_overflow"][-1] == 0.0 and metrics["episode/em"][-1] == 1.0
+    else:  # round 3 would exceed it: the episode ends after round 2, no answer (outcome 0), counted
+        assert out["completion_ids"].shape[0] == 4 * 2
+        assert metrics["episode/context_overflow"][-1] == 1.0 and metrics["episode/em"][-1] == 0.0
+        assert metrics["episode/turns"][-1] == 2.0
+
+
+def test_budget_binds_agent_episodes_and_evaluation_reports_it(tiny_model_dir):
+    tokenizer = load_tiny(tiny_model_dir)[1]
+    budget, full_round3 = budget_and_full_round3(tokenizer)
+
+    def generate(prompts):
+        return [scripted_turn(tokenizer, ids) for ids in prompts], None
+
+    protocol = TurnProtocol(max_turns=3, max_context_tokens=budget)
+    agent = MemPOAgent(tokenizer, EchoRetriever(), generate, protocol)
+    rows = [{"question": "Where?", "golden_answers": ["Paris"]}]
+    memory, full = (evaluate(agent, rows, context_mode=mode, progress=False) for mode in ("memory", "full_history"))
+    assert memory.metrics["overall"]["context_overflow"] == 0.0 and memory.metrics["overall"]["em"] == 1.0
+    assert max(r["prompt_tokens"] for r in memory.records[0]["rounds"]) == budget  # a context of the budget fits
+    assert full.records[0]["context_overflow"] is True and full.records[0]["num_turns"] == 2
+    assert full.metrics["overall"]["context_overflow"] == 1.0 and full.metrics["overall"]["em"] == 0.0
+    # The backend's own limit, when larger, does not lift the budget (the smaller one binds).
+    engine = RolloutEngine(tokenizer, protocol.override(context_mode="full_history")[0], EchoRetriever(),
+                           max_prompt_length=4096)  # fmt: skip
+    episodes, _ = engine.run(rows, generate)
+    assert episodes[0].context_overflow and len(episodes[0].rounds) == 2
+    # truncate_information, the protocol's other rule: 3 tokens over, round 1's result is cut and the episode answers.
+    for overflow, answer in (("end_episode", None), ("truncate_information", "Paris")):
+        cut = TurnProtocol(max_turns=3, max_context_tokens=full_round3 - 3, context_mode="full_history",
+                           context_overflow=overflow)  # fmt: skip
+        (episode,), _ = RolloutEngine(tokenizer, cut, EchoRetriever()).run(rows, generate)
+        assert (episode.context_overflow, episode.answer) == (answer is None, answer)
+    assert episode.rounds[0].information.endswith(" ...</information>")
+
+
+def test_first_context_over_the_budget_is_an_error_naming_it(tokenizer):
+    engine = RolloutEngine(tokenizer, TurnProtocol(max_context_tokens=10), Retriever(), max_prompt_length=4000)
+    with pytest.raises(ValueError, match="max_context_tokens=10: raise it"):
+        engine.run([{"question": "Q0?"}], lambda prompts: ([[0]] * len(prompts), None))
+
+
+def test_budget_is_validated_carried_saved_and_optional(tmp_path):
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="max_context_tokens must be"):
+            TurnProtocol(max_context_tokens=bad)
+    with pytest.raises(ValueError, match="max_context_tokens must be a positive integer"):
+        cpu_config(tmp_path, max_context_tokens=0)
+    with pytest.raises(ValueError, match="max_context_tokens must be an integer"):
+        cpu_config(tmp_path, max_context_tokens=2.5)
+    assert cpu_config(tmp_path).max_context_tokens is None
+    config = cpu_config(tmp_path, max_context_tokens=700, context_overflow="truncate_information")
+    protocol = TurnProtocol.from_config(config)
+    assert (protocol.max_context_tokens, protocol.context_overflow) == (700, "truncate_information")
+    protocol.save(tmp_path)
+    assert TurnProtocol.from_pretrained(tmp_path) == protocol
+    old = {k: v for k, v in json.loads((tmp_path / PROTOCOL_FILE).read_text()).items()
+           if k not in ("max_context_tokens", "context_overflow")}  # fmt: skip
+    (tmp_path / PROTOCOL_FILE).write_text(json.dumps(old))  # a file saved before the budget existed
+    loaded = TurnProtocol.from_pretrained(tmp_path)
+    assert (loaded.max_context_tokens, loaded.context_overflow) == (None, "end_episode")
+    assert loaded.context_limit(3584) == 3584 and protocol.context_limit(3584) == 700
+    assert protocol.context_limit(None) == 700 and TurnProtocol().context_limit(None) is None

@@ -1,9 +1,9 @@
 """A trained MemPO agent, ready to answer questions or play an environment: `MemPOAgent`.
 
-Training writes its `TurnProtocol` (system prompt, instruction, max turns, top-k, context mode, turn budget, action
-tags) next to the weights as ``mempo_agent.json`` (and pushes it to the Hub with them). `MemPOAgent.from_pretrained`
-reads it, so that the agent runs with exactly the protocol it was trained on; an argument given explicitly overrides
-a saved value and says so in one log line.
+Training writes its `TurnProtocol` (system prompt, instruction, max turns, top-k, context mode, turn budget, context
+budget, action tags) next to the weights as ``mempo_agent.json`` (and pushes it to the Hub with them).
+`MemPOAgent.from_pretrained` reads it, so that the agent runs with exactly the protocol it was trained on; an argument
+given explicitly overrides a saved value and says so in one log line.
 
 Example:
     >>> from mempo_trl import MemPOAgent

@@ -41,6 +41,13 @@ class MemPOConfig(GRPOConfig):
             (no answer, so outcome 0), counted in the `episode/context_overflow` metric. `"truncate_information"`:
             the tail of the `<information>` blocks in the context is cut first (oldest first in `full_history` mode),
             and the episode ends only if that is not enough. A first-round context that does not fit is an error.
+            The same applies to `max_context_tokens` when it is the smaller limit.
+        max_context_tokens (`int` or `None`, *optional*, defaults to `None`):
+            A context budget: the longest context (prompt tokens) a round may have, whatever the backend takes; the
+            smaller of the two binds, and a round whose context would be longer is handled by `context_overflow`.
+            Being a rule of the turn protocol, it is saved with the model (`mempo_agent.json`) and evaluation plays by
+            it. It binds `full_history` contexts, which grow every round, long before `memory` ones. `None`: no
+            budget.
 
         > Parameters that control the memory advantage
 
@@ -96,6 +103,12 @@ class MemPOConfig(GRPOConfig):
         metadata={
             "help": "A context longer than the generation backend takes: `end_episode` or `truncate_information`.",
             "choices": ["end_episode", "truncate_information"],
+        },
+    )
+    max_context_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest context (prompt tokens) a round may have; longer: `context_overflow`. None: no budget."
         },
     )
     memory_coef: float = field(default=1.0, metadata={"help": "Weight of the memory advantage on `<mem>` tokens."})
@@ -164,6 +177,10 @@ class MemPOConfig(GRPOConfig):
         if self.context_overflow not in ("end_episode", "truncate_information"):
             problems.append(
                 f"context_overflow must be 'end_episode' or 'truncate_information', got {self.context_overflow!r}."
+            )
+        if self.max_context_tokens is not None and self.max_context_tokens < 1:
+            problems.append(
+                f"max_context_tokens must be a positive integer (or null: no budget), got {self.max_context_tokens}."
             )
         problems += instruction_problems(self.instruction)
         if self.loss_type not in TOKEN_LEVEL_LOSSES:

@@ -14,7 +14,8 @@ The same builder renders the two scoring contexts of the memory reward: ``full_t
 full-history context of round t and ``mem_traj_t`` is ``system + user(question)`` followed by round t's ``<mem>``
 block at the start of the assistant turn.
 
-`TurnProtocol` holds the settings of that game (prompts, turn budget, context mode, action tags) as one object: the
+`TurnProtocol` holds the settings of that game (prompts, turn budget, context mode, context budget, action tags) as
+one object: the
 trainer builds it from `MemPOConfig`, saves it next to the weights (``mempo_agent.json``), and the rollout, the
 agent, the evaluation and the callbacks all play by it.
 """
@@ -30,6 +31,7 @@ from mempo_trl.environments import ENVIRONMENT_INSTRUCTION, TOOL_STOPS
 
 ContextMode = Literal["memory", "full_history"]
 CONTEXT_MODES = ("memory", "full_history")
+CONTEXT_OVERFLOWS = ("end_episode", "truncate_information")
 
 ACTION_STOPS = ("</search>", "</answer>")
 """The strings that end a search-task turn (an environment's are `mempo_trl.environments.TOOL_STOPS`)."""
@@ -122,10 +124,13 @@ def stop_token_ids(
 
 @dataclass(frozen=True)
 class TurnProtocol:
-    """How a MemPO episode is played: the prompts, the turn budget, the context rebuild and the action tags.
+    """How a MemPO episode is played: the prompts, the turn budget, the context rebuild, the context budget and the
+    action tags.
 
     The fields of the same names in `MemPOConfig` build it (`from_config`); ``action`` is ``"search"`` for the search
-    task and ``"tool_call"`` for a TRL-style environment (`for_environment`). Training saves it next to the weights
+    task and ``"tool_call"`` for a TRL-style environment (`for_environment`). ``max_context_tokens`` (None: no budget)
+    is the longest context a round may have; with the generation backend's own limit, the smaller one binds
+    (`context_limit`), and ``context_overflow`` says what happens to a longer context (`RolloutEngine`). Training saves it next to the weights
     (`save`) and `MemPOAgent.from_pretrained` reads it back, so that an agent plays exactly the protocol it was
     trained on.
 
@@ -143,6 +148,8 @@ class TurnProtocol:
     retrieval_topk: int = 3
     context_mode: ContextMode = "memory"
     max_completion_length: int = 512
+    max_context_tokens: int | None = None
+    context_overflow: Literal["end_episode", "truncate_information"] = "end_episode"
     action: Literal["search", "tool_call"] = "search"
 
     def __post_init__(self):
@@ -152,8 +159,26 @@ class TurnProtocol:
             raise ValueError("instruction must contain the `{question}` placeholder")
         if self.max_turns < 1 or self.retrieval_topk < 1 or self.max_completion_length < 1:
             raise ValueError("max_turns, retrieval_topk and max_completion_length must be >= 1")
+        budget = self.max_context_tokens
+        if budget is not None and (type(budget) is not int or budget < 1):  # a bool is not a budget
+            raise ValueError(
+                f"max_context_tokens must be a positive integer (or None: no budget), got {self.max_context_tokens!r}"
+            )
+        if self.context_overflow not in CONTEXT_OVERFLOWS:
+            raise ValueError(f"context_overflow must be one of {CONTEXT_OVERFLOWS}, got {self.context_overflow!r}")
         if self.action not in ("search", "tool_call"):
             raise ValueError(f"action must be 'search' or 'tool_call', got {self.action!r}")
+
+    def context_limit(self, backend_limit: int | None) -> int | None:
+        """The longest context (tokens) a round may have: ``backend_limit`` (what the generation backend takes; None:
+        unknown) or ``max_context_tokens``, whichever is smaller; None when neither is set.
+
+        Example:
+            >>> TurnProtocol(max_context_tokens=900).context_limit(3584), TurnProtocol().context_limit(3584)
+            (900, 3584)
+        """
+        limits = [limit for limit in (backend_limit, self.max_context_tokens) if limit is not None]
+        return min(limits, default=None)
 
     @property
     def stops(self) -> tuple[str, ...]:

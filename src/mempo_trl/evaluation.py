@@ -87,6 +87,7 @@ def episode_record(episode: Episode) -> dict:
         **reward,
         "format_valid": episode.format_valid,
         "turns_valid": all(r.turn.valid for r in episode.rounds),
+        "context_overflow": episode.context_overflow,
         "num_turns": result.num_turns,
         "num_searches": result.num_searches,
         "peak_context_tokens": result.peak_context_tokens,
@@ -113,6 +114,7 @@ def _summary(records: Sequence[dict]) -> dict[str, Any]:
         "sub_em": _mean([r["sub_em"] for r in records]),
         "format_valid": _mean([float(r["format_valid"]) for r in records]),
         "turns_valid": _mean([float(r["turns_valid"]) for r in records]),
+        "context_overflow": _mean([float(r["context_overflow"]) for r in records]),
         "turns_per_question": _mean([r["num_turns"] for r in records]),
         "searches_per_question": _mean([r["num_searches"] for r in records]),
         "prompt_tokens_per_round": [_mean(tokens) for tokens in per_round],
@@ -133,6 +135,7 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
     prompt length of round k+1 over the questions that reached it (``questions_per_round[k]`` of them).
     ``format_valid`` counts episodes whose every round is a valid turn and that end on an answer;
     ``turns_valid`` only asks the former (an episode cut by ``max_turns`` can be turn-valid).
+    ``context_overflow`` is the share of episodes ended because a context exceeded the limit (`RolloutEngine`).
     Searches are those the retriever answered (a search in the last allowed round is not run).
 
     Example:

@@ -184,18 +184,20 @@ class RolloutEngine:
     Args:
         tokenizer: the policy's tokenizer (with a chat template).
         protocol: the `TurnProtocol` (prompts, ``max_turns``, ``retrieval_topk``, ``context_mode``: ``"memory"``
-            (MemPO) or ``"full_history"`` (Search-R1 baseline, TRL's append-only context)); with an environment, its
-            `TurnProtocol.for_environment`.
+            (MemPO) or ``"full_history"`` (Search-R1 baseline, TRL's append-only context), the context budget
+            ``max_context_tokens`` and ``context_overflow``); with an environment, its `TurnProtocol.for_environment`.
         retriever: any object with ``search(queries: list[str], topk: int) -> list[list[Passage]]`` (search task).
         environment_factory: instead of a retriever, a TRL-style environment class or factory
             (`mempo_trl.environments`): one instance per concurrent episode, built once and reset for each row.
         eos_token_ids: the ids that end a turn (`TurnProtocol.stop_token_ids`); a turn that ends otherwise is
             truncated.
-        max_prompt_length: the longest context (tokens) the generation backend takes; ``None``: no limit.
-        context_overflow: what happens to a longer context: ``"end_episode"`` ends the episode before the round
-            (``Episode.context_overflow``); ``"truncate_information"`` first cuts the tail of the ``<information>``
-            blocks in the context (oldest first; the shortened text is what the record keeps) and ends the episode
-            only when that is not enough. A round-1 context (no information yet) that does not fit is an error.
+        max_prompt_length: the longest context (tokens) the generation backend takes; ``None``: no limit. With the
+            protocol's ``max_context_tokens``, the smaller one binds (`TurnProtocol.context_limit`).
+
+    The protocol's ``context_overflow`` says what happens to a longer context: ``"end_episode"`` ends the episode
+    before the round (``Episode.context_overflow``); ``"truncate_information"`` first cuts the tail of the
+    ``<information>`` blocks in the context (oldest first; the shortened text is what the record keeps) and ends the
+    episode only when that is not enough. A round-1 context (no information yet) that does not fit is an error.
     """
 
     def __init__(
@@ -205,7 +207,6 @@ class RolloutEngine:
         retriever=None,
         eos_token_ids: Sequence[int] = (),
         max_prompt_length: int | None = None,
-        context_overflow: str = "end_episode",
         environment_factory: EnvironmentFactory | None = None,
     ):
         if (retriever is None) == (environment_factory is None):
@@ -215,7 +216,6 @@ class RolloutEngine:
         self.retriever = retriever
         self.eos_token_ids = list(eos_token_ids)
         self.max_prompt_length = max_prompt_length
-        self.context_overflow = context_overflow
         self.environment_factory = environment_factory
         self.environment_pool = [] if environment_factory is None else [check_environment(environment_factory)]
         self.actions = SEARCH_ACTIONS if environment_factory is None else TOOL_ACTIONS
@@ -243,21 +243,27 @@ class RolloutEngine:
         return self.protocol.round_messages(episode.base_messages, episode.history())
 
     def fit_prompt(self, episode: Episode) -> list[int] | None:
-        """Token ids of the episode's next context, within ``max_prompt_length``; None when the episode ends on it.
+        """Token ids of the episode's next context, within ``max_prompt_length`` and the protocol's
+        ``max_context_tokens``; None when the episode ends on it.
 
         See ``context_overflow`` in the class docstring.
         """
         ids = render_prompt(self.tokenizer, self.context_messages(episode), episode.tools)
-        limit = self.max_prompt_length
+        limit = self.protocol.context_limit(self.max_prompt_length)
         if limit is None or len(ids) <= limit:
             return ids
         if not episode.rounds:
+            if limit == self.protocol.max_context_tokens:
+                which = f"max_context_tokens={limit}: raise it"
+            else:
+                which = (
+                    f"{limit} the generation backend takes (vllm_max_model_length or max_position_embeddings, minus "
+                    "max_completion_length): raise the limit or lower max_completion_length"
+                )
             raise ValueError(
-                f"The first context of question {episode.question[:80]!r} is {len(ids)} tokens, more than the "
-                f"{limit} the generation backend takes (vllm_max_model_length or max_position_embeddings, minus "
-                "max_completion_length): raise the limit or lower max_completion_length."
+                f"The first context of question {episode.question[:80]!r} is {len(ids)} tokens, more than {which}."
             )
-        if self.context_overflow == "truncate_information":
+        if self.protocol.context_overflow == "truncate_information":
             searched = [r for r in episode.rounds if r.information is not None]
             for record in searched if self.protocol.context_mode == "full_history" else searched[-1:]:
                 body = self.tokenizer(record.information[len("<information>") : -len("</information>")],

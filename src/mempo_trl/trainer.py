@@ -199,7 +199,6 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             retriever,
             eos_token_ids=self.eos_token_ids,
             max_prompt_length=self._max_prompt_length(),
-            context_overflow=args.context_overflow,
             environment_factory=environment_factory,
         )
         self._warned_no_target = False
