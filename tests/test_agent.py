@@ -25,6 +25,7 @@ CUSTOM = dict(
     retrieval_topk=2,
     context_mode="full_history",
     max_completion_length=6,
+    max_context_tokens=2000,  # a context budget the trainer saves and the agent plays by (it never binds here)
 )
 
 
@@ -56,7 +57,7 @@ def test_doctests():
 
 def test_trainer_saves_the_protocol_next_to_the_weights(trained_dir):
     saved = json.loads((trained_dir / PROTOCOL_FILE).read_text())
-    assert saved == {**CUSTOM, "action": "search"}
+    assert saved == {**CUSTOM, "context_overflow": "end_episode", "action": "search"}
     assert (trained_dir / "config.json").is_file()
     assert TurnProtocol.from_pretrained(trained_dir) == TurnProtocol(**CUSTOM)
 
@@ -107,7 +108,10 @@ def test_eval_reads_the_saved_protocol(trained_dir, tmp_path, caplog):
     argv += ["--dataset_name", str(demo_paths().test), "--corpus", str(demo_paths().corpus)]
     assert main([*argv, "--disable_tqdm", "true"]) == 0
     report = json.loads((out / "results.json").read_text())
-    assert report["settings"]["protocol"] == {**CUSTOM, "action": "search"} and report["settings"]["protocol_saved"]
+    assert (
+        report["settings"]["protocol"] == {**CUSTOM, "context_overflow": "end_episode", "action": "search"}
+        and report["settings"]["protocol_saved"]
+    )
     assert report["settings"]["context_modes"] == ["full_history"]
     records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert all(r["num_turns"] == 1 and r["rounds"][0]["completion_tokens"] <= 6 for r in records)
