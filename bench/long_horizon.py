@@ -17,7 +17,7 @@ published command; `--split validation` for choosing settings) before and after 
 `runs/<split>/<arm>_s<seed>/run.json` when it ends and a rerun with the same settings skips it, so a later session adds
 seeds; a run stopped midway resumes from its newest checkpoint (every `CHECKPOINT_EVERY` steps). `--jobs N` trains N runs side by side as processes (on one GPU with `--device cuda`). Run directories stay
 out of git (default `--out runs/long_horizon`); the published configuration (no `--set`, `--split test`, not
-`--quick`) writes its summary and figure to `bench/results/long_horizon.json` / `.png`, any other next to its runs.
+`--quick`, no `--passage_words`) writes its summary and figure to `bench/results/long_horizon.json` / `.png`, any other next to its runs.
 
     python bench/long_horizon.py --seeds 0 1 2 3 4 --jobs 2          # the published experiment (resumable)
     python bench/long_horizon.py --split validation --set learning_rate=3e-4   # choosing a setting
@@ -26,6 +26,23 @@ out of git (default `--out runs/long_horizon`); the published configuration (no 
 
 ``--warm_only`` builds the world and the warm start, evaluates the warm model per K in both context modes and
 measures what a remembered fact is worth to it (`memory_signal`), and writes ``<out>/warm_check_<split>.json``.
+
+Two options (issue 22), off by default (the default settings, and so the cached warm start and the finished runs,
+are unchanged):
+
+- a context budget, ``--set max_context_tokens=N`` (`MemPOConfig.max_context_tokens`): no round's context may be
+  longer than N tokens; a longer one ends the episode (outcome 0; ``context_overflow`` per K and arm) or, with
+  ``--set context_overflow=truncate_information``, cuts the results first. It is part of the shared budget, so every
+  arm trains and is evaluated under it (`turn_protocol`); it binds full history at large K long before memory.
+  It shares the world and the warm start of ``--out``; its runs go to ``runs/<split>_max_context_tokens_N/``, its
+  summary and warm check to ``*_max_context_tokens_N.json`` (`budget_suffix`), so those without a budget stay;
+- wiki-length passages, ``--passage_words N``: every passage padded to ~N words with filler sentences about its title
+  (`bench_context_tokens.wiki_length_corpus`); with ``retrieval_topk`` 3, ``--passage_words 100`` gives
+  wiki-length results (~100 words, top-3). It changes the world, so the world, the warm start (built anew), the runs and the
+  summary go to ``<out>/passage_words_N/``, apart from the default ones, and ``settings["world"]`` holds it.
+
+    python bench/long_horizon.py --split validation --set max_context_tokens=1024
+    python bench/long_horizon.py --split validation --passage_words 100   # -> runs/long_horizon/passage_words_100/
 """
 
 import argparse
@@ -138,17 +155,10 @@ def evaluate_horizons(model, tokenizer, rows: list[dict], retriever, budget: dic
     from analytics import FAILURE_KINDS, failure_kind
 
     from mempo_trl.agent import MemPOAgent
-    from mempo_trl.context import TurnProtocol
     from mempo_trl.evaluation import evaluate
     from mempo_trl.generation import HFGenerator
 
-    protocol = TurnProtocol(
-        instruction=budget["instruction"],
-        max_turns=budget["max_turns"],
-        retrieval_topk=budget["retrieval_topk"],
-        context_mode=context_mode,
-        max_completion_length=budget["max_completion_length"],
-    )
+    protocol = turn_protocol(budget, context_mode)
     generator = HFGenerator(model, tokenizer, budget["max_completion_length"], temperature=0.0, batch_size=32)
     result = evaluate(MemPOAgent(tokenizer, retriever, generator, protocol), rows, progress=False)
     memory = context_mode == "memory"
@@ -170,7 +180,21 @@ def evaluate_horizons(model, tokenizer, rows: list[dict], retriever, budget: dic
             "memory_recall": statistics.fmean(recalls) if recalls else None,
             "failures": {kind: kinds.count(kind) / len(kinds) for kind in FAILURE_KINDS},
         }
+        if protocol.max_context_tokens is not None:  # only with a context budget: the default output is unchanged
+            per_k[source.removeprefix("horizon_")]["context_overflow"] = m["context_overflow"]
     return per_k
+
+
+def turn_protocol(budget: dict, context_mode: str):
+    """The `TurnProtocol` that training builds from ``budget`` (its protocol fields: prompts, turns, top-k, turn
+    length, ``max_context_tokens`` and ``context_overflow`` when set) in ``context_mode``: evaluation plays by the same
+    rule as training. A bad value raises `ValueError` naming the field."""
+    from dataclasses import fields
+
+    from mempo_trl.context import TurnProtocol
+
+    known = {f.name for f in fields(TurnProtocol)} - {"action"}
+    return TurnProtocol(**{**{k: v for k, v in budget.items() if k in known}, "context_mode": context_mode})
 
 
 def vocabulary_texts(passages: list[dict], names: list[str]) -> list[str]:
@@ -195,7 +219,8 @@ def name_token_coverage(tokenizer, names: list[str], texts: list[str]) -> float:
 
 
 def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path]:
-    """Write the world's files (reused when the settings match) and build the warm-started learner into
+    """Write the world's files (reused when the settings match; with ``world["passage_words"]``, every passage padded
+    to that many words by `bench_context_tokens.wiki_length_corpus`) and build the warm-started learner into
     ``out/warm_model`` (cached: same size, settings and data)."""
     import hashlib
 
@@ -209,9 +234,15 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     paths = {name: world_dir / f"{name}.jsonl" for name in ("corpus", *HORIZON_SPLITS)}
     marker = world_dir / "world.json"
     if not (marker.is_file() and json.loads(marker.read_text())["world"] == world):
-        generated = generate_horizon_world(**{**world, "horizons": tuple(world["horizons"])})
+        arguments = {k: v for k, v in world.items() if k != "passage_words"}
+        generated = generate_horizon_world(**{**arguments, "horizons": tuple(world["horizons"])})
+        passages = generated.passages
+        if "passage_words" in world:
+            from bench_context_tokens import wiki_length_corpus
+
+            passages = wiki_length_corpus(passages, world["passage_words"], seed=world["seed"])
         world_dir.mkdir(parents=True, exist_ok=True)
-        _write_jsonl(paths["corpus"], generated.passages)
+        _write_jsonl(paths["corpus"], passages)
         for name in HORIZON_SPLITS:
             _write_jsonl(paths[name], generated.splits[name])
         marker.write_text(json.dumps({"world": world, "pools": generated.pools}, indent=1))
@@ -236,9 +267,21 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     return paths, warm_dir
 
 
+def budget_suffix(budget: dict) -> str:
+    """``"_max_context_tokens_N"`` with a context budget, else ``""``: runs, summary and warm check of a budget get
+    their own names, while the world and the warm start are shared with the runs without one.
+
+    Example:
+        >>> budget_suffix(BUDGET), budget_suffix({**BUDGET, "max_context_tokens": 1024})
+        ('', '_max_context_tokens_1024')
+    """
+    tokens = budget.get("max_context_tokens")
+    return "" if tokens is None else f"_max_context_tokens_{tokens}"
+
+
 def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str) -> dict:
     """The warm model per K on ``split`` in both context modes, and its `memory_signal` (does a fact in the memory
-    raise P(gold)?); written to ``out/warm_check_<split>.json``."""
+    raise P(gold)?); written to ``out/warm_check_<split>.json`` (`budget_suffix` before ``.json``)."""
     from analytics import memory_signal
 
     from mempo_trl.data import read_jsonl
@@ -259,7 +302,7 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
     ]
     check["name_token_coverage"] = name_token_coverage(tokenizer, pools[split], warm_texts)
     print(f"{split} names: {check['name_token_coverage']:.2f} of their tokens occur in the warm data", flush=True)
-    (out / f"warm_check_{split}.json").write_text(json.dumps(check, indent=1))
+    (out / f"warm_check_{split}{budget_suffix(budget)}.json").write_text(json.dumps(check, indent=1))
     for k in sorted(check["memory"], key=int):
         mem, full = check["memory"][k], check["full_history"][k]
         signal = check["memory_signal"]["by_type"].get(f"horizon_{k}", {})
@@ -336,7 +379,7 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
 
 def summarize(records: list[dict], command: str) -> dict:
     """Per K and arm: seeds, warm and final EM/F1 (mean/std over seeds), tokens, peak context, memory recall,
-    failure kinds; ``targets`` checks the issue's targets at every reported K >= 4."""
+    failure kinds (and, with a context budget, the share of episodes it ended); ``targets`` checks the issue's targets at every reported K >= 4."""
     horizons: dict[str, dict] = {}
     for k in records[0]["after"] if records else []:
         horizons[k] = {}
@@ -362,6 +405,8 @@ def summarize(records: list[dict], command: str) -> dict:
                 "failures": {kind: statistics.fmean(f["failures"][kind] for f in finals) for kind in kinds},
                 "train_minutes_per_run": statistics.fmean(r["seconds"] for r in runs) / 60,
             }  # fmt: skip
+            if "context_overflow" in finals[0]:  # runs with a context budget (`evaluate_horizons`)
+                horizons[k][arm]["context_overflow"] = _mean_std([f["context_overflow"] for f in finals])[0]
     return {
         "horizons": horizons,
         "targets": targets(horizons),
@@ -428,6 +473,21 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def experiment_settings(quick: bool, split: str, overrides: dict, passage_words: int | None = None) -> dict:
+    """What keys the world, the warm start and every run: `WORLD`, `WARM` and `BUDGET` with ``overrides`` (`QUICK`'s
+    with ``quick``), and the split. ``passage_words`` enters the world only when given, so that the default settings
+    (and the cached warm start and runs they key) stay as they are."""
+    world, warm, budget = dict(WORLD), dict(WARM), {**BUDGET, **overrides}
+    if quick:
+        world = QUICK["world"]
+        warm.update(QUICK["warm"])
+        budget.update(QUICK["budget"])
+        budget["max_turns"] = max(world["horizons"]) + 2
+    if passage_words is not None:
+        world = {**world, "passage_words": passage_words}
+    return {"world": world, "warm": warm, "budget": budget, "split": split}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/long_horizon", help="world, warm model and runs (resumable)")
@@ -440,25 +500,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm_only", action="store_true", help="build and check the warm start, no RL")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override BUDGET entries (MemPOConfig fields, JSON values)")  # fmt: skip
+    parser.add_argument("--passage_words", type=int, default=None, metavar="N",
+                        help="pad every passage to ~N words (wiki-length); world, warm start and runs go to "
+                             "<out>/passage_words_N")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         overrides = parse_overrides(args.overrides)
         if args.jobs < 1:
             raise ValueError(f"--jobs {args.jobs}: expected >= 1")
+        if args.passage_words is not None and args.passage_words < 1:
+            raise ValueError(f"--passage_words {args.passage_words}: expected >= 1 (words per passage)")
+        settings = experiment_settings(args.quick, args.split, overrides, args.passage_words)
+        turn_protocol(settings["budget"], "memory")  # a bad max_context_tokens fails here, before the warm start
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from mempo_trl.outputs import OutputError, check_writable
 
-    world, warm, budget = dict(WORLD), dict(WARM), {**BUDGET, **overrides}
+    world, warm, budget = settings["world"], settings["warm"], settings["budget"]
     if args.quick:
-        world, args.seeds = QUICK["world"], args.seeds[:1]
-        warm.update(QUICK["warm"])
-        budget.update(QUICK["budget"])
-        budget["max_turns"] = max(world["horizons"]) + 2
-    published = not (args.quick or overrides) and args.split == "test"
-    out = Path(args.out)
-    results = Path("bench/results/long_horizon.json") if published else out / "long_horizon.json"
+        args.seeds = args.seeds[:1]
+    published = not (args.quick or overrides or args.passage_words) and args.split == "test"
+    out = Path(args.out) if args.passage_words is None else Path(args.out) / f"passage_words_{args.passage_words}"
+    variant = budget_suffix(budget)
+    results = Path("bench/results/long_horizon.json") if published else out / f"long_horizon{variant}.json"
+    runs = out / "runs" / f"{args.split}{variant}"
     try:  # every output is checked before the (long) warm start and runs
         for directory in {out, results.parent}:
             check_writable(directory)
@@ -474,11 +540,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm_only:
         warm_check(out, paths, warm_dir, budget, args.split)
         return 0
-    settings = {"world": world, "warm": warm, "budget": budget, "split": args.split}
     jobs = []
     for seed in args.seeds:
         for arm in args.arms:
-            run_dir = out / "runs" / args.split / f"{arm}_s{seed}"
+            run_dir = runs / f"{arm}_s{seed}"
             done = run_dir / "run.json"
             if done.is_file() and json.loads(done.read_text())["settings"] == settings:
                 print(f"{arm} seed {seed}: done already ({done})", flush=True)
@@ -494,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for job in jobs:
             run_one(job)
-    records = [json.loads(p.read_text()) for p in sorted((out / "runs" / args.split).glob("*/run.json"))]
+    records = [json.loads(p.read_text()) for p in sorted(runs.glob("*/run.json"))]
     records = [r for r in records if r["settings"] == settings]
     if records:
         command = "python bench/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -6,8 +6,12 @@ from pathlib import Path
 
 import long_horizon
 import pytest
+from helpers import one_error_line
 
+from mempo_trl.context import TurnProtocol
+from mempo_trl.data import read_jsonl
 from mempo_trl.kit.demo_world import HORIZON_SPLITS, generate_horizon_world
+from mempo_trl.kit.learner import LEARNER_INSTRUCTION
 from mempo_trl.rewards import outcome_score
 
 
@@ -89,6 +93,7 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
     for cells in summary["horizons"].values():
         assert sorted(cells) == ["full_history", "mempo", "outcome_only"]
         assert cells["full_history"]["memory_recall"] is None  # no memory to measure
+        assert "context_overflow" not in cells["mempo"]  # reported only with a context budget
         assert all(cell["seeds"] == [0] for cell in cells.values())
     assert summary["command"].startswith("python bench/long_horizon.py --quick")
     assert (out / "long_horizon.png").is_file()
@@ -124,3 +129,68 @@ def test_name_token_coverage_counts_the_name_tokens_the_warm_texts_show(tiny_mod
     ids = tokenizer(" Hamlet Paris", add_special_tokens=False)["input_ids"]
     assert long_horizon.name_token_coverage(tokenizer, names, ["about Hamlet Paris here"]) == 1.0
     assert long_horizon.name_token_coverage(tokenizer, names, ["nothing"]) < 1.0 and len(ids) >= 1
+
+
+def test_default_settings_are_unchanged_and_the_options_only_add_keys():
+    """The default settings key the cached warm start (a 100-minute build) and the finished runs (``run.json``): with
+    neither option they are today's, key for key and in order (``run.json`` writes them as they are)."""
+    today = {
+        "world": {"seed": 2, "num_entities": 240, "rows_per_horizon": {"warm": 300, "rl": 120, "validation": 30,
+                  "test": 50}, "horizons": [1, 2, 4, 6, 8]},
+        "warm": {"steps": 3000, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3,
+                 "instruction": LEARNER_INSTRUCTION},
+        "budget": {"max_steps": 60, "per_device_train_batch_size": 16, "num_generations": 4, "learning_rate": 3e-4,
+                   "max_completion_length": 192, "max_turns": 10, "retrieval_topk": 3, "temperature": 0.7,
+                   "beta": 0.0, "loss_type": "dapo", "instruction": LEARNER_INSTRUCTION},
+        "split": "test",
+    }  # fmt: skip
+    settings = long_horizon.experiment_settings(False, "test", {})
+    assert json.dumps(settings) == json.dumps(today)
+    assert long_horizon.budget_suffix(settings["budget"]) == ""  # the runs, summary and warm check keep their names
+    # Evaluation plays the protocol it played before the options existed.
+    assert long_horizon.turn_protocol(settings["budget"], "full_history") == TurnProtocol(
+        instruction=LEARNER_INSTRUCTION, max_turns=10, retrieval_topk=3, context_mode="full_history",
+        max_completion_length=192,
+    )  # fmt: skip
+    both = long_horizon.experiment_settings(False, "validation", {"max_context_tokens": 1024}, passage_words=100)
+    assert both["world"] == {**today["world"], "passage_words": 100}
+    assert both["budget"] == {**today["budget"], "max_context_tokens": 1024} and both["warm"] == today["warm"]
+    assert long_horizon.turn_protocol(both["budget"], "memory").max_context_tokens == 1024  # every arm, same budget
+    quick = long_horizon.experiment_settings(True, "test", {}, passage_words=100)
+    assert "passage_words" not in long_horizon.QUICK["world"] and "passage_words" not in long_horizon.WORLD
+    assert quick["world"] == {**long_horizon.QUICK["world"], "passage_words": 100}
+
+
+@pytest.mark.slow
+def test_quick_mode_with_wiki_length_passages_and_a_context_budget(tmp_path):
+    out = tmp_path / "lh"
+    argv = ["--quick", "--out", str(out), "--passage_words", "100", "--set", "max_context_tokens=600"]
+    assert long_horizon.main(argv) == 0
+    variant = out / "passage_words_100"
+    assert sorted(p.name for p in out.iterdir()) == ["passage_words_100"]  # nothing of the default world is touched
+    world = json.loads((variant / "world" / "world.json").read_text())["world"]
+    assert world == {**long_horizon.QUICK["world"], "passage_words": 100}
+    corpus = read_jsonl(variant / "world" / "corpus.jsonl")
+    assert min(len(p["contents"].split("\n", 1)[1].split()) for p in corpus) >= 100
+    run = json.loads((variant / "runs" / "test_max_context_tokens_600" / "mempo_s0" / "run.json").read_text())
+    assert run["settings"] == long_horizon.experiment_settings(True, "test", {"max_context_tokens": 600}, 100)
+    summary = json.loads((variant / "long_horizon_max_context_tokens_600.json").read_text())
+    assert sorted(summary["horizons"]) == ["1", "4"]
+    for cells in summary["horizons"].values():
+        assert sorted(cells) == ["full_history", "mempo", "outcome_only"]
+        assert all(0.0 <= cell["context_overflow"] <= 1.0 for cell in cells.values())
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--passage_words", "0"], "error: --passage_words 0: expected >= 1"),
+        (["--set", "max_context_tokens=0"], "error: max_context_tokens must be a positive integer"),
+        (["--set", "max_context_tokens=2.5"], "error: max_context_tokens must be a positive integer"),
+        (["--set", "context_overflow=drop"], "error: context_overflow must be one of"),
+    ],
+)
+def test_bad_option_values_fail_before_any_work(tmp_path, capsys, option, message):
+    assert long_horizon.main(["--quick", "--out", str(tmp_path / "x"), *option]) == 2
+    assert one_error_line(capsys).startswith(message)
+    assert not (tmp_path / "x").exists()
