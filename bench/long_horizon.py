@@ -74,12 +74,17 @@ WORLD = {
 REPORTED_HORIZONS = (2, 4, 8)
 """The K whose targets the summary checks (every K of the world is evaluated)."""
 
-WARM = {"steps": 3000, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3, "instruction": LEARNER_INSTRUCTION}
+WARM = {
+    "steps": 3000, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3, "instruction": LEARNER_INSTRUCTION,
+    "fresh_names": 2,
+}  # fmt: skip
 """The SFT warm start (`mempo_trl.kit.warmstart.WarmSettings`) on the oracle episodes of the warm rows: each fact is
 left out of the oracle's memory with probability ``mem_drop``, so the warm model forgets values a long answer needs.
-Check it with ``--warm_only`` before any RL: with a vocabulary trained on the whole corpus, the held-out names hold
-tokens the warm data never shows and this warm start cannot copy them (docs/learning.md, "The long-horizon
-experiment")."""
+``fresh_names``: each warm row is used that many times, every made-up word of its episode (question, searches,
+passages) renamed to a fresh one each time (`fresh_name_rows`), so no name repeats and the model can only learn to
+copy names, not to recall them: with the warm pool's 77 names as they are, a warm start answered warm rows (K = 1, EM
+0.80) by searching for a warm name it had memorised whatever the question asked, and held-out ones not at all (EM
+0.00; docs/learning.md). Check it with ``--warm_only`` before any RL."""
 
 VOCABULARY_SIZE = 1024
 """Upper bound of the learner's vocabulary, trained on the corpus without the asked-about names (`vocabulary_texts`):
@@ -254,17 +259,100 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     if not (warm_marker.is_file() and json.loads(warm_marker.read_text()).get("horizon") == key):
         from mempo_trl.data import read_jsonl
 
+        # A stopped warm start resumes from its newest checkpoint, unless that was made for another key.
+        started = warm_dir / "horizon_key.json"
+        if not (started.is_file() and json.loads(started.read_text()) == key):
+            shutil.rmtree(warm_dir / "sft", ignore_errors=True)
         corpus = read_jsonl(paths["corpus"])
         names = [name for pool in json.loads(marker.read_text())["pools"].values() for name in pool]
         build_tiny_model(warm_dir, seed=0, corpus_texts=vocabulary_texts(corpus, names), **size)
+        started.write_text(json.dumps(key))
         retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
         max_turns = max(world["horizons"]) + 2
-        stats = sft_warm_start(warm_dir, read_jsonl(paths["warm"]), retriever, WarmSettings(**warm), max_turns,
+        settings = {k: v for k, v in warm.items() if k != "fresh_names"}
+        rows = read_jsonl(paths["warm"])
+        if warm.get("fresh_names"):
+            words = world_words(world)
+            rows, retriever = fresh_name_rows(rows, retriever, words, warm["fresh_names"], warm["seed"], topk=3)
+        stats = sft_warm_start(warm_dir, rows, retriever, WarmSettings(**settings), max_turns,
                                use_cpu=device == "cpu", checkpoint_every=250)  # resumable: a rerun continues it  # fmt: skip
         print(f"warm start: {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
               f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
         warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))
     return paths, warm_dir
+
+
+def world_words(world: dict) -> list[str]:
+    """The made-up words the names of the world (`WORLD`-shaped settings) are built from."""
+    from mempo_trl.kit.demo_world import generate_horizon_world
+
+    arguments = {k: v for k, v in world.items() if k != "passage_words"}
+    return generate_horizon_world(**{**arguments, "horizons": tuple(world["horizons"])}).words
+
+
+class FrozenRetriever:
+    """A retriever that answers the queries of a table (query -> passages) and nothing else."""
+
+    def __init__(self, table: dict):
+        self.table = table
+
+    def search(self, queries: list[str], topk: int) -> list[list]:
+        return [self.table[query][:topk] for query in queries]
+
+
+def _renamer(pattern: re.Pattern, fresh):
+    """A function that replaces each match of ``pattern`` by the word ``fresh()`` drew for it (one per match text)."""
+    names: dict[str, str] = {}
+
+    def rename(text: str) -> str:
+        return pattern.sub(lambda m: names.get(m[0]) or names.setdefault(m[0], fresh()), text)
+
+    return rename
+
+
+def fresh_name_rows(rows: list[dict], retriever, words: list[str], copies: int, seed: int, topk: int):
+    """``copies`` renamed copies of ``rows`` and a `FrozenRetriever` that answers their searches.
+
+    In each copy of a row, every one of the world's made-up ``words`` in the row's question, searches and their
+    ``topk`` passages (from ``retriever``) is replaced, as a whole word, by a fresh made-up word drawn for that copy
+    (`mempo_trl.kit.demo_world.made_up_word`, never a word of the world nor of another copy), the same word for the
+    same word throughout the episode; the values asked about (years, numbers, occupations) stay. Returns ``(rows,
+    retriever)``: the oracle episodes of the renamed rows read like the originals with other names.
+
+    Example:
+        >>> from mempo_trl.retrieval import Passage
+        >>> row = {"id": "r", "question": "1. When was Kisek born?", "hop_queries": ["When was Kisek born?"],
+        ...        "sub_questions": ["When was Kisek born?"], "sub_answers": [["1801"]]}
+        >>> class One:
+        ...     def search(self, queries, topk):
+        ...         return [[Passage(id="0", title="Kisek", text="Kisek was born in 1801 in Hosnotrol.")]]
+        >>> rows, frozen = fresh_name_rows([row], One(), ["Hosnotrol", "Kisek"], copies=1, seed=0, topk=3)
+        >>> name = rows[0]["hop_queries"][0].split()[2]
+        >>> name not in ("Kisek", "Hosnotrol"), rows[0]["question"] == f"1. When was {name} born?"
+        (True, True)
+        >>> passage = frozen.search(rows[0]["hop_queries"], 3)[0][0]
+        >>> passage.title == name and passage.text.startswith(f"{name} was born in 1801 in ")
+        True
+    """
+    import random
+
+    from mempo_trl.kit.demo_world import made_up_word
+    from mempo_trl.retrieval import Passage
+
+    rng, used = random.Random(seed), set(words)
+    pattern = re.compile(r"\b(?:" + "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)) + r")\b")
+    renamed, table = [], {}
+    for copy in range(copies):
+        for row in rows:
+            results = retriever.search(list(row["hop_queries"]), topk)
+            rename = _renamer(pattern, lambda: made_up_word(rng, used))
+            new = {**row, "id": f"{row['id']}_fresh{copy}", "question": rename(row["question"])}
+            for field in ("hop_queries", "sub_questions"):
+                new[field] = [rename(text) for text in row[field]]
+            for query, passages in zip(new["hop_queries"], results):
+                table[query] = [Passage(id=p.id, title=rename(p.title), text=rename(p.text)) for p in passages]
+            renamed.append(new)
+    return renamed, FrozenRetriever(table)
 
 
 def budget_suffix(budget: dict) -> str:

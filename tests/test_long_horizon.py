@@ -2,6 +2,7 @@
 
 import doctest
 import json
+import re
 from pathlib import Path
 
 import long_horizon
@@ -138,7 +139,7 @@ def test_default_settings_are_unchanged_and_the_options_only_add_keys():
         "world": {"seed": 2, "num_entities": 240, "rows_per_horizon": {"warm": 300, "rl": 120, "validation": 30,
                   "test": 50}, "horizons": [1, 2, 4, 6, 8]},
         "warm": {"steps": 3000, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3,
-                 "instruction": LEARNER_INSTRUCTION},
+                 "instruction": LEARNER_INSTRUCTION, "fresh_names": 2},
         "budget": {"max_steps": 60, "per_device_train_batch_size": 16, "num_generations": 4, "learning_rate": 3e-4,
                    "max_completion_length": 192, "max_turns": 10, "retrieval_topk": 3, "temperature": 0.7,
                    "beta": 0.0, "loss_type": "dapo", "instruction": LEARNER_INSTRUCTION},
@@ -194,3 +195,37 @@ def test_bad_option_values_fail_before_any_work(tmp_path, capsys, option, messag
     assert long_horizon.main(["--quick", "--out", str(tmp_path / "x"), *option]) == 2
     assert one_error_line(capsys).startswith(message)
     assert not (tmp_path / "x").exists()
+
+
+def test_fresh_name_rows_rename_every_made_up_word_and_keep_the_episode_playable(world, tmp_path):
+    """Each copy of a warm row names its entities with words no other copy and no world entity uses, consistently in
+    the question, the searches and the passages, so the oracle episode (what the warm start trains on) is the same
+    game: each search finds its entity and the memory holds the asked values."""
+    from mempo_trl.kit.warmstart import hop_facts, oracle_episode_turns
+    from mempo_trl.retrieval import BM25Retriever
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in world.passages))
+    retriever = BM25Retriever.from_corpus(str(corpus), cache_dir=str(tmp_path / "bm25"))
+    rows = [r for r in world.splits["warm"] if r["data_source"] in ("horizon_1", "horizon_4")][:6]
+    renamed, frozen = long_horizon.fresh_name_rows(rows, retriever, world.words, copies=2, seed=0, topk=3)
+    assert len(renamed) == 12 and len({r["id"] for r in renamed}) == 12
+    word = re.compile(r"[A-Z][a-z]+")
+
+    def words(row, searched):
+        texts = [row["question"], *row["hop_queries"]] + [p.title + " " + p.text for ps in searched for p in ps]
+        return {w for text in texts for w in word.findall(text)}
+
+    owner: dict[str, str] = {}
+    for new, old in zip(renamed, rows * 2):
+        results = frozen.search(new["hop_queries"], 3)
+        assert not words(new, results) & set(world.words)  # no name of the world is left
+        fresh = words(new, results) - words(old, retriever.search(old["hop_queries"], 3))
+        assert fresh and all(owner.setdefault(w, new["id"]) == new["id"] for w in fresh)  # no copy shares one
+        assert new["sub_answers"] == old["sub_answers"]
+        for query, passages in zip(new["hop_queries"], results):
+            subject = query.rstrip("?").split(" of ")[-1].split(" was ")[-1].split(" did ")[-1]
+            assert any(subject.split()[0] in p.title for p in passages), (query, passages)
+        facts = hop_facts(new, results)
+        assert [f.split(": ")[-1].rstrip(".") for f in facts] == [a[0] for a in old["sub_answers"]]
+        assert oracle_episode_turns(new, frozen, max_turns=10)[-1][0].endswith(old["golden_answers"][0] + " </answer>")

@@ -127,6 +127,25 @@ _COMPARISONS = {
 }
 
 
+def made_up_word(rng: random.Random, used: set[str], min_syllables: int = 2, max_syllables: int = 3) -> str:
+    """A capitalised word of ``min_syllables``-``max_syllables`` syllables, at least 4 letters, not in ``used``
+    (added to it): the words every name of a demo world is made of.
+
+    Example:
+        >>> used = {"Kisek"}
+        >>> word = made_up_word(random.Random(0), used)
+        >>> word[0].isupper() and word in used and len(used) == 2
+        True
+    """
+    while True:
+        count = rng.randint(min_syllables, max_syllables)
+        word = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(count))
+        word = word.capitalize()
+        if len(word) >= 4 and word not in used:
+            used.add(word)
+            return word
+
+
 class _Namer:
     """Draws unique made-up words from syllables."""
 
@@ -135,15 +154,7 @@ class _Namer:
         self.used: set[str] = set()
 
     def word(self, min_syllables: int = 2, max_syllables: int = 3) -> str:
-        while True:
-            count = self.rng.randint(min_syllables, max_syllables)
-            parts = [
-                self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) + self.rng.choice(_CODAS) for _ in range(count)
-            ]
-            word = "".join(parts).capitalize()
-            if len(word) >= 4 and word not in self.used:
-                self.used.add(word)
-                return word
+        return made_up_word(self.rng, self.used, min_syllables, max_syllables)
 
 
 def _article(noun: str) -> str:
@@ -558,13 +569,14 @@ _HORIZON_POOL_SHARES = {"warm": 0.35, "rl": 0.35, "validation": 0.1, "test": 0.2
 
 @dataclass
 class HorizonWorld:
-    """A world for long-horizon questions: the corpus `passages`, the rows of every split (`HORIZON_SPLITS`) and
-    the names of the entities each split asks about (`pools`)."""
+    """A world for long-horizon questions: the corpus `passages`, the rows of every split (`HORIZON_SPLITS`), the
+    names of the entities each split asks about (`pools`) and the made-up `words` every name is built from."""
 
     seed: int
     passages: list[dict]
     splits: dict[str, list[dict]]
     pools: dict[str, list[str]]
+    words: list[str] = field(default_factory=list)
 
 
 def _horizon_row(builder: "_Builder", keys: list[tuple[int, str]]) -> dict:
@@ -644,4 +656,4 @@ def generate_horizon_world(
         row["id"] = row["id"].replace("demo_", "horizon_")
         splits[split_of[row["question"]]].append(row)
     names = {name: sorted(builder.entities[i].name for i in pool) for name, pool in pools.items()}
-    return HorizonWorld(seed, world.passages, splits, names)
+    return HorizonWorld(seed, world.passages, splits, names, sorted(builder.namer.used))
