@@ -224,12 +224,12 @@ def sft_warm_start(
     use_cpu: bool = True,
     checkpoint_every: int = 0,
 ) -> dict:
-    """Warm-start the model in ``model_dir`` with TRL's `SFTTrainer` (`CompletionSFTTrainer`) on the oracle turns of ``rows``; save it back.
+    """Warm-start the model in ``model_dir`` on the oracle turns of ``rows`` with TRL's `SFTTrainer`; save it back.
 
     One prompt/completion example per round (`sft_examples`: the context rebuilt exactly as training rebuilds it,
-    the loss on the completion only), a cosine schedule after a warm-up of 1/30 of the steps. Rows the oracle
-    cannot play (a comparison whose passage the retriever misses, or a row needing more than ``max_turns`` turns)
-    are skipped. Returns the stats (``steps``, ``rows``, ``skipped_rows``, ``examples``, ``initial_loss`` and
+    the loss on the completion only, `CompletionSFTTrainer`), no activation checkpointing, a cosine schedule after a
+    warm-up of 1/30 of the steps. Rows the oracle cannot play (a comparison whose passage the retriever misses, or a
+    row needing more than ``max_turns`` turns) are skipped. Returns the stats (``steps``, ``rows``, ``skipped_rows``, ``examples``, ``initial_loss`` and
     ``final_loss``: the first and last logged loss, ``seconds``), also written to ``WARM_START_FILE`` with the
     settings. ``use_cpu=False`` trains on the accelerator when there is one. ``checkpoint_every`` N > 0 saves a
     checkpoint every N steps under ``model_dir/sft`` (the newest one kept) and resumes from the newest complete one
@@ -270,6 +270,7 @@ def sft_warm_start(
         warmup_steps=max(1, settings.steps // 30),
         weight_decay=0.0,
         max_grad_norm=1.0,
+        activation_checkpointing=False,  # TRL turns it on: recomputing the forward made the tiny model 1.25x slower
         seed=settings.seed,
         use_cpu=use_cpu,
         bf16=False,
