@@ -27,7 +27,7 @@ from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.data import load_qa
 from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.kit.tiny import build_tiny_model, load_tiny
-from mempo_trl.kit.warmstart import warm_start
+from mempo_trl.kit.warmstart import demo_data, sft_warm_start, tiny_warm_settings
 from mempo_trl.retrieval import BM25Retriever
 
 
@@ -43,7 +43,7 @@ def main(out_dir: str) -> int:
     assert torch.cuda.is_available(), "this check needs a CUDA GPU"
     model_dir = Path(out_dir) / "tiny"
     build_tiny_model(model_dir, seed=0, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
-    warm_start(model_dir, seed=0)
+    sft_warm_start(model_dir, *demo_data(), tiny_warm_settings(seed=0))
     model, tokenizer = load_tiny(model_dir)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     args = MemPOConfig(

@@ -17,7 +17,8 @@ from mempo_trl.kit.warmstart import (
     hop_facts,
     oracle_episode_turns,
     sft_examples,
-    warm_start,
+    sft_warm_start,
+    tiny_warm_settings,
 )
 from mempo_trl.protocol import parse_turn, render_information
 from mempo_trl.rewards import exact_match
@@ -104,26 +105,93 @@ def test_sft_examples_equal_the_rollout_contexts(
         assert episodes[0].format_valid and exact_match(episodes[0].answer, row["golden_answers"]) == 1.0
 
 
+_DEFAULTS = {"mem_drop": 0.0, "max_warm_rows": None, "instruction": DEFAULT_INSTRUCTION}
+
+
 def _tiny_state(path):
     from mempo_trl.kit.tiny import load_tiny
 
     return load_tiny(path)[0].state_dict()
 
 
-def test_warm_start_is_deterministic(tmp_path, demo_paths, retriever):
+def test_sft_warm_start_is_deterministic(tmp_path, demo_paths, retriever):
     from mempo_trl.kit.tiny import build_tiny_model
 
     rows = read_jsonl(demo_paths.train)[:8]
     runs = {}
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         path = build_tiny_model(tmp_path / name, seed=0)
-        runs[name] = (warm_start(path, rows, retriever, steps=4, batch_size=4, seed=seed), _tiny_state(path))
+        settings = tiny_warm_settings(steps=4, batch_size=4, seed=seed)
+        runs[name] = (sft_warm_start(path, rows, retriever, settings), _tiny_state(path))
     (stats_a, state_a), (stats_b, state_b), (stats_c, _) = runs["a"], runs["b"], runs["c"]
     assert stats_a["final_loss"] == stats_b["final_loss"] != stats_c["final_loss"]
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
     record = json.loads((tmp_path / "a" / WARM_START_FILE).read_text())
-    assert record["settings"] == {"seed": 0, "steps": 4, "lr": 5e-3, "batch_size": 4}
+    assert record["settings"] == {**_DEFAULTS, "seed": 0, "steps": 4, "lr": 5e-3, "batch_size": 4}
     assert stats_a["examples"] == sum(len(row["hop_queries"]) + 1 for row in rows)
+
+
+def _batch(tokenizer, examples):
+    """A right-padded batch of ``(prompt, completion)`` pairs as SFTTrainer's collator makes it."""
+    from mempo_trl.padding import pad_ids
+
+    input_ids, attention_mask = pad_ids([p + c for p, c in examples], tokenizer.pad_token_id, side="right")
+    labels, _ = pad_ids([[-100] * len(p) + c for p, c in examples], -100, side="right")
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def test_completion_sft_loss_is_the_cross_entropy_of_the_completions(tiny_model_dir, tmp_path, demo_paths, retriever):
+    """`CompletionSFTTrainer.compute_loss` equals a hand-computed cross-entropy over the completion tokens and
+    TRL's own fused LM-head loss (`add_fused_lm_head`, what `SFTTrainer` computes) on the same batch."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig
+    from trl.trainer.utils import add_fused_lm_head
+
+    from mempo_trl.kit.sft import CompletionSFTTrainer
+    from mempo_trl.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    examples = sft_examples(read_jsonl(demo_paths.train)[:2], retriever, tokenizer)[:3]
+    batch = _batch(tokenizer, examples)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_length=None, bf16=False)
+    dataset = Dataset.from_dict({"input_ids": [p + c for p, c in examples]})
+    trainer = CompletionSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    model.train()
+    loss = trainer.compute_loss(model, dict(batch))
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    by_hand = [
+        -logits[i, len(p) + j - 1].log_softmax(-1)[token]
+        for i, (p, c) in enumerate(examples)
+        for j, token in enumerate(c)
+    ]
+    assert loss.item() == pytest.approx(torch.stack(by_hand).mean().item(), abs=1e-5)
+    num_items = sum(len(c) for _, c in examples) + 5
+    summed = trainer.compute_loss(model, dict(batch), num_items_in_batch=num_items)
+    assert summed.item() == pytest.approx(torch.stack(by_hand).sum().item() / num_items, abs=1e-5)
+
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # what SFTTrainer computes
+    fused = model(**batch, fused_lm_head=True, use_cache=False)
+    assert loss.item() == pytest.approx((-fused.log_probs.sum() / fused.label_mask.sum()).item(), abs=1e-5)
+    metrics = trainer._metrics["train"]
+    assert metrics["entropy"][0] == pytest.approx((fused.entropy.sum() / fused.label_mask.sum()).item(), abs=1e-4)
+    assert metrics["mean_token_accuracy"][0] == pytest.approx((fused.is_top1.sum() / fused.label_mask.sum()).item())
+    assert metrics["num_tokens"] == [2 * int(batch["attention_mask"].sum())]
+
+
+def test_completion_sft_trainer_refuses_what_it_does_not_compute(tiny_model_dir, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig
+
+    from mempo_trl.kit.sft import CompletionSFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", loss_type="dft", max_length=None)
+    with pytest.raises(ValueError, match='does not support loss_type="dft"'):
+        CompletionSFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": [[1, 2]]}))
 
 
 def test_warm_start_cli(tiny_model_dir, tmp_path, capsys):
@@ -148,7 +216,8 @@ def test_warm_start_cli(tiny_model_dir, tmp_path, capsys):
         )
         == 0
     )
-    assert json.loads(capsys.readouterr().out)["steps"] == 2
+    out = capsys.readouterr().out  # SFTTrainer's log lines, then the stats
+    assert json.loads(out[out.rindex("{\n") :])["steps"] == 2
     after = _tiny_state(model)
     assert any(not torch.equal(before[k], after[k]) for k in before)
 

@@ -3,8 +3,8 @@
 - `mempo_trl.kit.tiny`: a tiny Qwen2-shaped model with its own BPE tokenizer and Qwen2.5's chat template;
 - `mempo_trl.kit.qwen`: Qwen2.5's real tokenizer built offline, and a random Qwen2.5-shaped model with it;
 - `mempo_trl.kit.demo_world`: a seeded synthetic world (corpus + 1-hop, 2-hop, comparison, multi-objective QA);
-- `mempo_trl.kit.warmstart`: oracle episodes of the demo world and the SFT warm starts on them (TRL's `SFTTrainer`;
-  a plain loop for the tiny model);
+- `mempo_trl.kit.warmstart`: oracle episodes of the demo world and the SFT warm start on them (TRL's `SFTTrainer`,
+  through `mempo_trl.kit.sft.CompletionSFTTrainer`, whose loss projects only the completion positions);
 - `mempo_trl.kit.learner`: a bigger world with disjoint warm / RL / held-out questions, a model that can learn it on
   CPU (memory imperfect on purpose) and the quick start's held-out metric (memory recall); `learner_model/` is such a
   learner, shipped for the quick start (`mempo-trl kit learner`).

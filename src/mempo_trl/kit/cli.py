@@ -84,11 +84,13 @@ class BuildQwenModelArguments:
 
 @dataclass
 class WarmStartArguments:
-    """SFT a saved model in place on the oracle turns of the demo train rows (`mempo_trl.kit.warmstart`)."""
+    """SFT a saved model in place on the oracle turns of the demo train rows (`mempo_trl.kit.warmstart.sft_warm_start`)."""
 
     model_name_or_path: str = field(metadata={"help": "Model directory (with tokenizer.json); overwritten."})
     max_steps: int = field(default=WARM_STEPS, metadata={"help": "Optimizer steps."})
-    learning_rate: float = field(default=WARM_LR, metadata={"help": "Peak learning rate (linear warm-up and decay)."})
+    learning_rate: float = field(
+        default=WARM_LR, metadata={"help": "Peak learning rate (warm-up, then cosine decay)."}
+    )
     per_device_train_batch_size: int = field(default=WARM_BATCH_SIZE, metadata={"help": "Examples per step."})
     seed: int = field(default=0, metadata={"help": "Seed of the batch order."})
 
@@ -175,18 +177,13 @@ def build_qwen_model(argv: list[str]) -> int:
 
 
 def warm_start(argv: list[str]) -> int:
-    from mempo_trl.kit.warmstart import warm_start
+    from mempo_trl.kit.warmstart import demo_data, sft_warm_start, tiny_warm_settings
 
     (args,) = parse("mempo-trl kit warm-start", [WarmStartArguments], argv)
     check_model_path(args.model_name_or_path)
     check_writable(args.model_name_or_path, what="model directory")  # trained in place
-    stats = warm_start(
-        args.model_name_or_path,
-        steps=args.max_steps,
-        lr=args.learning_rate,
-        batch_size=args.per_device_train_batch_size,
-        seed=args.seed,
-    )
+    settings = tiny_warm_settings(args.max_steps, args.learning_rate, args.per_device_train_batch_size, args.seed)
+    stats = sft_warm_start(args.model_name_or_path, *demo_data(), settings)
     print(json.dumps(stats, indent=2))
     return 0
 

@@ -8,11 +8,11 @@ module teaches the format first:
   found so far;
 - `sft_examples` turns the oracle episodes into one ``(prompt, completion)`` pair per round, the prompt rebuilt
   with `mempo_trl.context` exactly as training and evaluation rebuild it;
-- `sft_warm_start` fine-tunes a saved model on them with TRL's `SFTTrainer` (`WarmSettings`) and saves it back:
-  the learner's warm start (`mempo_trl.kit.learner`);
-- `warm_start` does the same for the tiny model with a plain, deterministic torch loop that computes the logits of
-  the completion tokens only (TRL's fused LM-head loss scores every position on a CPU, prompts included, which
-  made the tiny model's warm start several times slower: ``bench/README.md``);
+- `sft_warm_start` fine-tunes a saved model on them with TRL's `SFTTrainer` (`WarmSettings`) and saves it back,
+  through `mempo_trl.kit.sft.CompletionSFTTrainer`, whose loss projects only the completion positions through the
+  LM head (TRL's fused LM-head loss scores every position on a CPU, prompts included, which made the tiny model's
+  warm start several times slower: ``bench/README.md``): the learner's warm start (`mempo_trl.kit.learner`) and
+  the tiny model's;
 - `build_warm_tiny_model` builds the tiny model and warm-starts it, reusing a previous result with the same
   settings (what `model_name_or_path: tiny` of `mempo-trl train` uses).
 
@@ -35,7 +35,7 @@ from mempo_trl.protocol import render_gold_answer, render_information
 
 
 WARM_START_FILE = "warm_start.json"
-"""Written next to the weights by `warm_start`: the settings and the stats of the run."""
+"""Written next to the weights by `sft_warm_start`: the settings and the stats of the run."""
 
 NOTHING_YET = "Nothing yet."
 SEARCH_THOUGHT = "I must search."
@@ -44,9 +44,8 @@ ANSWER_THOUGHT = "I know the answer."
 WARM_STEPS = 600
 WARM_LR = 5e-3
 WARM_BATCH_SIZE = 16
-"""The tiny model's warm start (`warm_start`, `build_warm_tiny_model`): enough steps for its loss to pass the drop
-where it starts copying names from its context."""
-_MICRO_BATCH = 4
+"""The tiny model's warm start (`tiny_warm_settings`, `build_warm_tiny_model`): enough steps for its loss to pass
+the drop where it starts copying names from its context."""
 
 _WORD_RE = re.compile(r"[\w,'-]+|[^\w\s]")
 # The value a comparison hop reads from its passage, keyed by a word of the hop query (demo-world templates).
@@ -225,12 +224,12 @@ def sft_warm_start(
     use_cpu: bool = True,
     checkpoint_every: int = 0,
 ) -> dict:
-    """Warm-start the model in ``model_dir`` with TRL's `SFTTrainer` on the oracle turns of ``rows``; save it back.
+    """Warm-start the model in ``model_dir`` on the oracle turns of ``rows`` with TRL's `SFTTrainer`; save it back.
 
     One prompt/completion example per round (`sft_examples`: the context rebuilt exactly as training rebuilds it,
-    the loss on the completion only), a cosine schedule after a warm-up of 1/30 of the steps. Rows the oracle
-    cannot play (a comparison whose passage the retriever misses, or a row needing more than ``max_turns`` turns)
-    are skipped. Returns the stats (``steps``, ``rows``, ``skipped_rows``, ``examples``, ``initial_loss`` and
+    the loss on the completion only, `CompletionSFTTrainer`), no activation checkpointing, a cosine schedule after a
+    warm-up of 1/30 of the steps. Rows the oracle cannot play (a comparison whose passage the retriever misses, or a
+    row needing more than ``max_turns`` turns) are skipped. Returns the stats (``steps``, ``rows``, ``skipped_rows``, ``examples``, ``initial_loss`` and
     ``final_loss``: the first and last logged loss, ``seconds``), also written to ``WARM_START_FILE`` with the
     settings. ``use_cpu=False`` trains on the accelerator when there is one. ``checkpoint_every`` N > 0 saves a
     checkpoint every N steps under ``model_dir/sft`` (the newest one kept) and resumes from the newest complete one
@@ -239,9 +238,10 @@ def sft_warm_start(
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
 
     from mempo_trl.checkpoints import newest_complete_checkpoint
+    from mempo_trl.kit.sft import CompletionSFTTrainer
     from mempo_trl.loading import load_tokenizer
 
     start = time.perf_counter()
@@ -270,6 +270,7 @@ def sft_warm_start(
         warmup_steps=max(1, settings.steps // 30),
         weight_decay=0.0,
         max_grad_norm=1.0,
+        activation_checkpointing=False,  # TRL turns it on: recomputing the forward made the tiny model 1.25x slower
         seed=settings.seed,
         use_cpu=use_cpu,
         bf16=False,
@@ -282,7 +283,7 @@ def sft_warm_start(
         dataset_num_proc=None,
         disable_tqdm=True,  # random batches: length-grouped ones learned to copy from the context more slowly
     )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer = CompletionSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     resume = newest_complete_checkpoint(model_dir / "sft") if checkpoint_every else None
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     trainer.model.save_pretrained(model_dir)
@@ -300,134 +301,36 @@ def sft_warm_start(
     return stats
 
 
-def _collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int):
-    """Left-padded ``prompt + completion`` batch; labels only on the completion; positions as `generate` makes them."""
-    from mempo_trl.padding import pad_ids
-
-    input_ids, attention_mask = pad_ids([p + c for p, c in examples], pad_id)
-    labels, _ = pad_ids([[-100] * len(p) + c for p, c in examples], -100)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return input_ids, attention_mask, position_ids, labels
-
-
-def _default_data(rows, retriever):
+def demo_data(rows: Sequence[dict] | None = None, retriever=None) -> tuple[list[dict], Any]:
+    """``rows`` and ``retriever``, by default the demo train rows and BM25 over the demo corpus."""
     from mempo_trl.data import read_jsonl
     from mempo_trl.kit.demo_world import demo_paths
     from mempo_trl.retrieval import BM25Retriever
 
     paths = demo_paths()
-    rows = read_jsonl(paths.train) if rows is None else rows
+    rows = read_jsonl(paths.train) if rows is None else list(rows)
     retriever = BM25Retriever.from_corpus(str(paths.corpus)) if retriever is None else retriever
     return rows, retriever
 
 
-def warm_start(
-    model_dir: str | Path,
-    rows: Sequence[dict] | None = None,
-    retriever=None,
-    steps: int = WARM_STEPS,
-    lr: float = WARM_LR,
-    batch_size: int = WARM_BATCH_SIZE,
-    seed: int = 0,
-) -> dict:
-    """Fine-tune the model saved in ``model_dir`` on the oracle turns of ``rows`` and save it back there.
-
-    Defaults: the demo train rows and BM25 over the demo corpus. AdamW with a linear warm-up (5% of the steps)
-    and a linear decay, cross-entropy on the completion tokens only; batches are drawn from seeded shuffles,
-    so the same seed gives the same weights. Returns the stats, also written to ``WARM_START_FILE`` with the
-    settings: ``steps``, ``examples``, ``initial_loss`` (first batch), ``final_loss`` (mean of the last 10% of
-    the steps) and ``seconds``.
-
-    Example:
-        >>> stats = warm_start(build_tiny_model("tiny"))  # doctest: +SKIP
-        >>> stats["final_loss"] < stats["initial_loss"]  # doctest: +SKIP
-        True
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from mempo_trl.loading import load_tokenizer
-
-    if steps < 1 or batch_size < 1:
-        raise ValueError(f"steps and batch_size must be >= 1, got {steps} and {batch_size}")
-    start = time.perf_counter()
-    model_dir = Path(model_dir)
-    rows, retriever = _default_data(rows, retriever)
-    tokenizer = load_tokenizer(model_dir)
-    examples = sft_examples(rows, retriever, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) * (1.0 - step / steps)
-    )
-    generator = torch.Generator().manual_seed(seed)
-    losses: list[float] = []
-    order: list[int] = []
-    threads = torch.get_num_threads()
-    # One thread: the tensors are small, and on a busy machine (other jobs on the same cores) the intra-op thread
-    # pool's barriers make every step slower than one thread does (measured in the README, "Threads").
-    torch.set_num_threads(1)
-    try:
-        for _ in range(steps):
-            if len(order) < batch_size:
-                order += torch.randperm(len(examples), generator=generator).tolist()
-            batch = sorted((examples[i] for i in order[:batch_size]), key=lambda ex: len(ex[0]) + len(ex[1]))
-            order = order[batch_size:]
-            # The same gradient as one padded batch (mean over its completion tokens), from micro-batches of
-            # similar lengths: less padding, and the attention cost grows with the square of the padded length.
-            num_tokens = sum(len(completion) for _, completion in batch)
-            step_loss = 0.0
-            for first in range(0, len(batch), _MICRO_BATCH):
-                micro = batch[first : first + _MICRO_BATCH]
-                input_ids, attention_mask, position_ids, labels = _collate(micro, pad_id)
-                # Logits only where a completion token is predicted: the completions end every row.
-                keep = max(len(completion) for _, completion in micro) + 1
-                logits = model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=False,
-                    logits_to_keep=keep,
-                ).logits[:, :-1]
-                loss = torch.nn.functional.cross_entropy(
-                    logits.flatten(0, 1).float(), labels[:, 1 - keep :].flatten(), reduction="sum"
-                )
-                (loss / num_tokens).backward()
-                step_loss += loss.item() / num_tokens
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(step_loss)
-    finally:
-        torch.set_num_threads(threads)
-    model.save_pretrained(model_dir)
-    tail = losses[-max(1, steps // 10) :]
-    stats = {
-        "steps": steps,
-        "examples": len(examples),
-        "initial_loss": losses[0],
-        "final_loss": sum(tail) / len(tail),
-        "seconds": time.perf_counter() - start,
-    }
-    settings = {"seed": seed, "steps": steps, "lr": lr, "batch_size": batch_size}
-    (model_dir / WARM_START_FILE).write_text(json.dumps({"settings": settings, "stats": stats}, indent=2))
-    return stats
+def tiny_warm_settings(
+    steps: int = WARM_STEPS, lr: float = WARM_LR, batch_size: int = WARM_BATCH_SIZE, seed: int = 0
+) -> WarmSettings:
+    """The tiny model's warm start settings (`WARM_STEPS`, `WARM_LR`, `WARM_BATCH_SIZE` by default)."""
+    return WarmSettings(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
 
 
-def _tiny_settings(seed: int) -> dict:
+def _tiny_key(seed: int) -> dict:
     """What a warm tiny model depends on: the seed, the SFT settings and the demo data (tokenizer and examples)."""
     from mempo_trl.kit.demo_world import demo_paths
 
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in demo_paths())).hexdigest()
-    return {"seed": seed, "steps": WARM_STEPS, "lr": WARM_LR, "batch_size": WARM_BATCH_SIZE, "data_sha256": digest}
+    return {**asdict(tiny_warm_settings(seed=seed)), "trainer": "CompletionSFTTrainer", "data_sha256": digest}
 
 
 def build_warm_tiny_model(output_dir: str | Path, seed: int = 0) -> Path:
-    """Build the tiny model into ``output_dir`` and warm-start it with the defaults; reuse a previous result.
+    """Build the tiny model into ``output_dir`` and warm-start it (`sft_warm_start` with `tiny_warm_settings` on
+    the demo train rows and BM25 over the demo corpus, on the CPU); reuse a previous result.
 
     A directory whose ``WARM_START_FILE`` records the same settings (seed, SFT settings, demo data) is returned
     as it is; anything else is rebuilt.
@@ -440,12 +343,12 @@ def build_warm_tiny_model(output_dir: str | Path, seed: int = 0) -> Path:
     from mempo_trl.kit.tiny import build_tiny_model
 
     out = Path(output_dir)
-    settings = _tiny_settings(seed)
+    key = _tiny_key(seed)
     marker = out / WARM_START_FILE
-    if marker.is_file() and json.loads(marker.read_text()).get("tiny") == settings:
+    if marker.is_file() and json.loads(marker.read_text()).get("tiny") == key:
         return out
     build_tiny_model(out, seed=seed)
-    warm_start(out, seed=seed)
+    sft_warm_start(out, *demo_data(), tiny_warm_settings(seed=seed))
     record = json.loads(marker.read_text())
-    marker.write_text(json.dumps({**record, "tiny": settings}, indent=2))
+    marker.write_text(json.dumps({**record, "tiny": key}, indent=2))
     return out
