@@ -223,6 +223,27 @@ def name_token_coverage(tokenizer, names: list[str], texts: list[str]) -> float:
     return sum(token in seen for token in tokens) / max(1, len(tokens))
 
 
+def name_copy_nll(model, tokenizer, rows: list[dict], retriever, instruction: str) -> dict:
+    """Does the model copy a name from the question? Teacher-forced NLL (nats) of the asked entity's name in the first
+    search of each row's oracle episode: ``first`` (the name's first token: which entity) and ``later`` (the rest,
+    given the first); a model that copies scores near 0, one that guesses a made-up word ~3-4."""
+    import torch
+
+    from mempo_trl.kit.warmstart import _subject, sft_examples
+
+    first, later = [], []
+    for row in rows:
+        prompt, completion = sft_examples([row], retriever, tokenizer, instruction=instruction, max_turns=99)[0]
+        name = tokenizer(" " + _subject(row["hop_queries"][0]), add_special_tokens=False)["input_ids"]
+        start = next(i for i in range(len(completion)) if completion[i : i + len(name)] == name)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion], device=model.device)).logits[0, len(prompt) - 1 : -1]
+        nll = -logits.float().log_softmax(-1).gather(1, torch.tensor(completion, device=model.device)[:, None])[:, 0]
+        first.append(nll[start].item())
+        later += nll[start + 1 : start + len(name)].tolist()
+    return {"first": statistics.fmean(first), "later": statistics.fmean(later), "rows": len(rows)}
+
+
 def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path]:
     """Write the world's files (reused when the settings match; with ``world["passage_words"]``, every passage padded
     to that many words by `bench_context_tokens.wiki_length_corpus`) and build the warm-started learner into
@@ -269,13 +290,13 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
         started.write_text(json.dumps(key))
         retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
         max_turns = max(world["horizons"]) + 2
-        settings = {k: v for k, v in warm.items() if k != "fresh_names"}
+        settings = {k: v for k, v in warm.items() if k not in ("fresh_names", "prompt_loss")}
         rows = read_jsonl(paths["warm"])
         if warm.get("fresh_names"):
             words = world_words(world)
             rows, retriever = fresh_name_rows(rows, retriever, words, warm["fresh_names"], warm["seed"], topk=3)
-        stats = sft_warm_start(warm_dir, rows, retriever, WarmSettings(**settings), max_turns,
-                               use_cpu=device == "cpu", checkpoint_every=250)  # resumable: a rerun continues it  # fmt: skip
+        stats = sft_warm_start(warm_dir, rows, retriever, WarmSettings(**settings), max_turns, use_cpu=device == "cpu",
+                               checkpoint_every=250, prompt_loss=warm.get("prompt_loss", False))  # resumable  # fmt: skip
         print(f"warm start: {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
               f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
         warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))
@@ -389,7 +410,9 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
         p["contents"] for p in read_jsonl(paths["corpus"]) if any(n in p["contents"] for n in pools["warm"])
     ]
     check["name_token_coverage"] = name_token_coverage(tokenizer, pools[split], warm_texts)
-    print(f"{split} names: {check['name_token_coverage']:.2f} of their tokens occur in the warm data", flush=True)
+    check["name_copy_nll"] = copy = name_copy_nll(model, tokenizer, rows, retriever, budget["instruction"])
+    print(f"{split} names: {check['name_token_coverage']:.2f} of their tokens occur in the warm data; copying one "
+          f"from the question costs {copy['first']:.2f} nats (first token), {copy['later']:.2f} (later)", flush=True)  # fmt: skip
     (out / f"warm_check_{split}{budget_suffix(budget)}.json").write_text(json.dumps(check, indent=1))
     for k in sorted(check["memory"], key=int):
         mem, full = check["memory"][k], check["full_history"][k]

@@ -111,8 +111,9 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
     assert sorted(check["memory"]) == sorted(check["full_history"]) == ["1", "4"]
     assert check["full_history"]["4"]["memory_recall"] is None and "fact_value" in check["memory_signal"]
     assert 0.0 < check["name_token_coverage"] <= 1.0
+    assert check["name_copy_nll"]["rows"] == 4 and check["name_copy_nll"]["first"] > 0.0
     out_text = capsys.readouterr().out
-    assert "K=4: EM memory" in out_text and "validation names: " in out_text
+    assert "K=4: EM memory" in out_text and "validation names: " in out_text and "nats (first token)" in out_text
 
 
 def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
@@ -229,3 +230,55 @@ def test_fresh_name_rows_rename_every_made_up_word_and_keep_the_episode_playable
         facts = hop_facts(new, results)
         assert [f.split(": ")[-1].rstrip(".") for f in facts] == [a[0] for a in old["sub_answers"]]
         assert oracle_episode_turns(new, frozen, max_turns=10)[-1][0].endswith(old["golden_answers"][0] + " </answer>")
+
+
+def test_name_copy_nll_scores_the_asked_name_in_the_first_search(world, tmp_path, tiny_model_dir):
+    """A model with uniform next-token odds pays ln(V) per name token; one that puts all mass on the oracle's next
+    token pays 0: the function reads the asked name's tokens, first and later apart."""
+    import math
+
+    import torch
+
+    from mempo_trl.kit.tiny import load_tiny
+    from mempo_trl.retrieval import BM25Retriever
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in world.passages))
+    retriever = BM25Retriever.from_corpus(str(corpus), cache_dir=str(tmp_path / "bm25"))
+    _, tokenizer = load_tiny(tiny_model_dir)
+    rows = world.splits["validation"][:3]
+
+    name_tokens = {
+        t
+        for row in rows
+        for t in tokenizer(
+            " "
+            + row["hop_queries"][0]
+            .split(" of ")[-1]
+            .split(" was ")[-1]
+            .split(" did ")[-1]
+            .split(" is the ")[-1]
+            .rstrip("?"),
+            add_special_tokens=False,
+        )["input_ids"]
+    }
+
+    class Model:
+        device = torch.device("cpu")
+
+        def __init__(self, blind_to: set):
+            self.blind_to = blind_to
+
+        def __call__(self, input_ids):  # all mass on the token that follows, except before a token it is blind to
+            logits = torch.zeros(*input_ids.shape, len(tokenizer))
+            logits[0, :-1].scatter_(1, input_ids[0, 1:, None], 1e4)
+            blind = torch.tensor([t in self.blind_to for t in input_ids[0, 1:].tolist()])
+            logits[0, :-1][blind] = 0.0
+            return type("Out", (), {"logits": logits})
+
+    oracle = long_horizon.name_copy_nll(Model(set()), tokenizer, rows, retriever, LEARNER_INSTRUCTION)
+    assert oracle["first"] == pytest.approx(0.0, abs=1e-6) and oracle["later"] == pytest.approx(0.0, abs=1e-6)
+    assert oracle["rows"] == 3
+    blind = long_horizon.name_copy_nll(Model(name_tokens), tokenizer, rows, retriever, LEARNER_INSTRUCTION)
+    assert blind["first"] == pytest.approx(math.log(len(tokenizer)))  # every name token, and only those
+    assert blind["later"] == pytest.approx(math.log(len(tokenizer)))

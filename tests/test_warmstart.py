@@ -131,6 +131,30 @@ def test_sft_warm_start_is_deterministic(tmp_path, demo_paths, retriever):
     assert stats_a["examples"] == sum(len(row["hop_queries"]) + 1 for row in rows)
 
 
+def test_prompt_loss_trains_on_the_whole_context(warm_model_dir, tmp_path, demo_paths, retriever):
+    """``prompt_loss`` puts the loss on every token: the first logged loss is the model's mean next-token NLL over
+    prompts and completions, computed here by hand (on the warm tiny model, which predicts its completions far better
+    than the prompts, so the two losses differ by a lot)."""
+    import shutil
+
+    from mempo_trl.kit.tiny import load_tiny
+
+    rows = read_jsonl(demo_paths.train)[:4]
+    settings = tiny_warm_settings(steps=1, batch_size=64, seed=0)
+    losses = {}
+    for prompt_loss in (False, True):
+        path = shutil.copytree(warm_model_dir, tmp_path / str(prompt_loss))
+        model, tokenizer = load_tiny(path)
+        data = warmstart.sft_dataset(warmstart.sft_examples(rows, retriever, tokenizer), prompt_loss)
+        counts = [sum(x != -100 for x in labels[1:]) for labels in data["labels"]]  # next-token targets
+        with torch.no_grad():
+            nll = [model(torch.tensor([ids]), labels=torch.tensor([labels])).loss.item() * n
+                   for ids, labels, n in zip(data["input_ids"], data["labels"], counts)]  # fmt: skip
+        losses[prompt_loss] = sft_warm_start(path, rows, retriever, settings, prompt_loss=prompt_loss)["initial_loss"]
+        assert losses[prompt_loss] == pytest.approx(sum(nll) / sum(counts), rel=1e-3)
+    assert losses[True] > 2 * losses[False]
+
+
 def _batch(tokenizer, examples):
     """A right-padded batch of ``(prompt, completion)`` pairs as SFTTrainer's collator makes it."""
     from mempo_trl.padding import pad_ids

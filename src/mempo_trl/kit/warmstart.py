@@ -200,6 +200,22 @@ def sft_examples(
     return examples
 
 
+def sft_dataset(examples: Sequence[tuple[list[int], list[int]]], prompt_loss: bool = False) -> dict:
+    """``input_ids`` (prompt + completion) and ``labels`` of `sft_examples`' pairs: the completion's tokens, the
+    prompt's masked with -100, or with ``prompt_loss`` every token (language-model loss on the whole context, whose
+    passages repeat the names the completion copies).
+
+    Example:
+        >>> sft_dataset([([1, 2], [3])])
+        {'input_ids': [[1, 2, 3]], 'labels': [[-100, -100, 3]]}
+        >>> sft_dataset([([1, 2], [3])], prompt_loss=True)["labels"]
+        [[1, 2, 3]]
+    """
+    input_ids = [list(p) + list(c) for p, c in examples]
+    labels = input_ids if prompt_loss else [[-100] * len(p) + list(c) for p, c in examples]
+    return {"input_ids": input_ids, "labels": [list(x) for x in labels]}
+
+
 @dataclass
 class WarmSettings:
     """An SFT warm start (`sft_warm_start`): `SFTTrainer` steps, batch size, learning rate, seed, ``mem_drop`` (see
@@ -223,17 +239,19 @@ def sft_warm_start(
     max_turns: int = 8,
     use_cpu: bool = True,
     checkpoint_every: int = 0,
+    prompt_loss: bool = False,
 ) -> dict:
     """Warm-start the model in ``model_dir`` on the oracle turns of ``rows`` with TRL's `SFTTrainer`; save it back.
 
     One prompt/completion example per round (`sft_examples`: the context rebuilt exactly as training rebuilds it,
-    the loss on the completion only, `CompletionSFTTrainer`), no activation checkpointing, a cosine schedule after a
-    warm-up of 1/30 of the steps. Rows the oracle cannot play (a comparison whose passage the retriever misses, or a
-    row needing more than ``max_turns`` turns) are skipped. Returns the stats (``steps``, ``rows``, ``skipped_rows``, ``examples``, ``initial_loss`` and
-    ``final_loss``: the first and last logged loss, ``seconds``), also written to ``WARM_START_FILE`` with the
-    settings. ``use_cpu=False`` trains on the accelerator when there is one. ``checkpoint_every`` N > 0 saves a
-    checkpoint every N steps under ``model_dir/sft`` (the newest one kept) and resumes from the newest complete one
-    there, so a long warm start that is stopped continues where it was (`mempo_trl.checkpoints`).
+    the loss on the completion only, `CompletionSFTTrainer`; with ``prompt_loss`` on every token: `sft_dataset`), no
+    activation checkpointing, a cosine schedule after a warm-up of 1/30 of the steps. Rows the oracle cannot play (a
+    comparison whose passage the retriever misses, or a row needing more than ``max_turns`` turns) are skipped.
+    Returns the stats (``steps``, ``rows``, ``skipped_rows``, ``examples``, ``initial_loss`` and ``final_loss``: the
+    first and last logged loss, ``seconds``), also written to ``WARM_START_FILE`` with the settings.
+    ``use_cpu=False`` trains on the accelerator when there is one. ``checkpoint_every`` N > 0 saves a checkpoint
+    every N steps under ``model_dir/sft`` (the newest one kept) and resumes from the newest complete one there, so a
+    long warm start that is stopped continues where it was (`mempo_trl.checkpoints`).
     """
     import torch
     from datasets import Dataset
@@ -257,9 +275,7 @@ def sft_warm_start(
             )  # fmt: skip
         except ValueError:
             skipped += 1
-    dataset = Dataset.from_dict(
-        {"input_ids": [p + c for p, c in examples], "labels": [[-100] * len(p) + c for p, c in examples]}
-    )
+    dataset = Dataset.from_dict(sft_dataset(examples, prompt_loss))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     args = SFTConfig(
         output_dir=str(model_dir / "sft"),
