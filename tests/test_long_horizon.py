@@ -140,7 +140,7 @@ def test_default_settings_are_unchanged_and_the_options_only_add_keys():
         "world": {"seed": 2, "num_entities": 240, "rows_per_horizon": {"warm": 300, "rl": 120, "validation": 30,
                   "test": 50}, "horizons": [1, 2, 4, 6, 8]},
         "warm": {"steps": 3000, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3,
-                 "instruction": LEARNER_INSTRUCTION, "fresh_names": 2},
+                 "instruction": LEARNER_INSTRUCTION, "fresh_names": 2, "prompt_loss": True},
         "budget": {"max_steps": 60, "per_device_train_batch_size": 16, "num_generations": 4, "learning_rate": 3e-4,
                    "max_completion_length": 192, "max_turns": 10, "retrieval_topk": 3, "temperature": 0.7,
                    "beta": 0.0, "loss_type": "dapo", "instruction": LEARNER_INSTRUCTION},
