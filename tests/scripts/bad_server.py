@@ -34,6 +34,16 @@ def serve_one(conn: socket.socket, mode: str) -> None:
             if not data:
                 return
             request += data
+        # Read the whole body before answering: closing a socket with unread bytes makes the kernel reset the
+        # connection, and the client would then see a dropped connection instead of this mode's answer.
+        head, _, body = request.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+        while len(body) < length:
+            data = conn.recv(4096)
+            if not data:
+                return
+            body += data
         try:
             if mode == "trickle":
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 600\r\n\r\n")
