@@ -5,9 +5,9 @@ agent searches K times and answers with values it found up to K turns earlier: t
 full history keeps every passage. The splits (warm start, RL, validation, test) share no question and no
 asked-about entity. The learner (`mempo_trl.kit.learner.LEARNER_SIZE`, its vocabulary trained on this world's corpus
 without the asked-about names, so that held-out names split into pieces the warm data shows: `VOCABULARY_SIZE`) is
-SFT-warm-started with `SFTTrainer` on oracle episodes of the warm rows with
-a forgetful memory (`WARM["mem_drop"]`); every arm then trains from it with the same budget on the RL rows (all K
-mixed):
+SFT-warm-started with `SFTTrainer` on oracle episodes of the warm rows with a forgetful memory (`WARM["mem_drop"]`;
+fresh names and the loss on every token: `WARM`); every arm then trains from it with the same budget on the RL rows
+(all K mixed):
 
 - `mempo`: memory context + memory advantage; `outcome_only`: memory context, `memory_coef: 0`;
 - `full_history`: full-history GRPO (`context_mode: full_history`, evaluated in that mode).
@@ -15,9 +15,10 @@ mixed):
 Each run is evaluated greedily per K on one split (`--split test` for published numbers, touched only by the
 published command; `--split validation` for choosing settings) before and after training. Resumable: a run writes
 `runs/<split>/<arm>_s<seed>/run.json` when it ends and a rerun with the same settings skips it, so a later session adds
-seeds; a run stopped midway resumes from its newest checkpoint (every `CHECKPOINT_EVERY` steps). `--jobs N` trains N runs side by side as processes (on one GPU with `--device cuda`). Run directories stay
-out of git (default `--out runs/long_horizon`); the published configuration (no `--set`, `--split test`, not
-`--quick`, no `--passage_words`) writes its summary and figure to `bench/results/long_horizon.json` / `.png`, any other next to its runs.
+seeds; a run stopped midway resumes from its newest checkpoint (every `CHECKPOINT_EVERY` steps). `--jobs N` trains N
+runs side by side as processes (on one GPU with `--device cuda`). Run directories stay out of git (default `--out
+runs/long_horizon`); the published configuration (no `--set`, `--split test`, not `--quick`, no `--passage_words`)
+writes its summary and figure to `bench/results/long_horizon.json` / `.png`, any other next to its runs.
 
     python bench/long_horizon.py --seeds 0 1 2 3 4 --jobs 2          # the published experiment (resumable)
     python bench/long_horizon.py --split validation --set learning_rate=3e-4   # choosing a setting
@@ -38,8 +39,8 @@ are unchanged):
   summary and warm check to ``*_max_context_tokens_N.json`` (`budget_suffix`), so those without a budget stay;
 - wiki-length passages, ``--passage_words N``: every passage padded to ~N words with filler sentences about its title
   (`bench_context_tokens.wiki_length_corpus`); with ``retrieval_topk`` 3, ``--passage_words 100`` gives
-  wiki-length results (~100 words, top-3). It changes the world, so the world, the warm start (built anew), the runs and the
-  summary go to ``<out>/passage_words_N/``, apart from the default ones, and ``settings["world"]`` holds it.
+  wiki-length results (~100 words, top-3). It changes the world, so the world, the warm start (built anew), the runs
+  and the summary go to ``<out>/passage_words_N/``, apart from the default ones, and ``settings["world"]`` holds it.
 
     python bench/long_horizon.py --split validation --set max_context_tokens=1024
     python bench/long_horizon.py --split validation --passage_words 100   # -> runs/long_horizon/passage_words_100/
@@ -253,7 +254,7 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     ``out/warm_model`` (cached: same size, settings and data)."""
     import hashlib
 
-    from mempo_trl.kit.demo_world import HORIZON_SPLITS, _write_jsonl, generate_horizon_world
+    from mempo_trl.kit.demo_world import HORIZON_SPLITS, _write_jsonl
     from mempo_trl.kit.learner import LEARNER_SIZE
     from mempo_trl.kit.tiny import build_tiny_model
     from mempo_trl.kit.warmstart import WARM_START_FILE, WarmSettings, sft_warm_start
@@ -263,8 +264,7 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     paths = {name: world_dir / f"{name}.jsonl" for name in ("corpus", *HORIZON_SPLITS)}
     marker = world_dir / "world.json"
     if not (marker.is_file() and json.loads(marker.read_text())["world"] == world):
-        arguments = {k: v for k, v in world.items() if k != "passage_words"}
-        generated = generate_horizon_world(**{**arguments, "horizons": tuple(world["horizons"])})
+        generated = generate_world(world)
         passages = generated.passages
         if "passage_words" in world:
             from bench_context_tokens import wiki_length_corpus
@@ -296,7 +296,7 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
         settings = {k: v for k, v in warm.items() if k not in ("fresh_names", "prompt_loss")}
         rows = read_jsonl(paths["warm"])
         if warm.get("fresh_names"):
-            words = world_words(world)
+            words = generate_world(world).words
             rows, retriever = fresh_name_rows(rows, retriever, words, warm["fresh_names"], warm["seed"], topk=3)
         stats = sft_warm_start(warm_dir, rows, retriever, WarmSettings(**settings), max_turns, use_cpu=device == "cpu",
                                checkpoint_every=250, prompt_loss=warm.get("prompt_loss", False))  # resumable  # fmt: skip
@@ -306,12 +306,13 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     return paths, warm_dir
 
 
-def world_words(world: dict) -> list[str]:
-    """The made-up words the names of the world (`WORLD`-shaped settings) are built from."""
+def generate_world(world: dict):
+    """The `HorizonWorld` of ``world`` (`WORLD`-shaped settings; ``passage_words`` is applied to its corpus by
+    `prepare`, not here): seeded, so the same settings give the same world."""
     from mempo_trl.kit.demo_world import generate_horizon_world
 
     arguments = {k: v for k, v in world.items() if k != "passage_words"}
-    return generate_horizon_world(**{**arguments, "horizons": tuple(world["horizons"])}).words
+    return generate_horizon_world(**{**arguments, "horizons": tuple(world["horizons"])})
 
 
 class FrozenRetriever:
@@ -493,7 +494,8 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
 
 def summarize(records: list[dict], command: str) -> dict:
     """Per K and arm: seeds, warm and final EM/F1 (mean/std over seeds), tokens, peak context, memory recall,
-    failure kinds (and, with a context budget, the share of episodes it ended); ``targets`` checks the issue's targets at every reported K >= 4."""
+    failure kinds (and, with a context budget, the share of episodes it ended); ``targets`` checks the issue's
+    targets at every reported K >= 4."""
     horizons: dict[str, dict] = {}
     for k in records[0]["after"] if records else []:
         horizons[k] = {}

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
-from mempo_trl.context import CONTEXT_MODES, DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
+from mempo_trl.context import CONTEXT_MODES, CONTEXT_OVERFLOWS, DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
 
 
 TOKEN_LEVEL_LOSSES = ("dapo", "bnpo", "cispo", "vespo")
@@ -102,7 +102,7 @@ class MemPOConfig(GRPOConfig):
         default="end_episode",
         metadata={
             "help": "A context longer than the generation backend takes: `end_episode` or `truncate_information`.",
-            "choices": ["end_episode", "truncate_information"],
+            "choices": list(CONTEXT_OVERFLOWS),
         },
     )
     max_context_tokens: int | None = field(
@@ -174,7 +174,7 @@ class MemPOConfig(GRPOConfig):
             problems.append(f"retrieval_topk must be >= 1, got {self.retrieval_topk}.")
         if self.context_mode not in CONTEXT_MODES:
             problems.append(f"context_mode must be one of {CONTEXT_MODES}, got {self.context_mode!r}.")
-        if self.context_overflow not in ("end_episode", "truncate_information"):
+        if self.context_overflow not in CONTEXT_OVERFLOWS:
             problems.append(
                 f"context_overflow must be 'end_episode' or 'truncate_information', got {self.context_overflow!r}."
             )

@@ -15,9 +15,8 @@ full-history context of round t and ``mem_traj_t`` is ``system + user(question)`
 block at the start of the assistant turn.
 
 `TurnProtocol` holds the settings of that game (prompts, turn budget, context mode, context budget, action tags) as
-one object: the
-trainer builds it from `MemPOConfig`, saves it next to the weights (``mempo_agent.json``), and the rollout, the
-agent, the evaluation and the callbacks all play by it.
+one object: the trainer builds it from `MemPOConfig`, saves it next to the weights (``mempo_agent.json``), and the
+rollout, the agent, the evaluation and the callbacks all play by it.
 """
 
 import json
@@ -130,9 +129,9 @@ class TurnProtocol:
     The fields of the same names in `MemPOConfig` build it (`from_config`); ``action`` is ``"search"`` for the search
     task and ``"tool_call"`` for a TRL-style environment (`for_environment`). ``max_context_tokens`` (None: no budget)
     is the longest context a round may have; with the generation backend's own limit, the smaller one binds
-    (`context_limit`), and ``context_overflow`` says what happens to a longer context (`RolloutEngine`). Training saves it next to the weights
-    (`save`) and `MemPOAgent.from_pretrained` reads it back, so that an agent plays exactly the protocol it was
-    trained on.
+    (`context_limit`), and ``context_overflow`` says what happens to a longer context (`RolloutEngine`). Training
+    saves it next to the weights (`save`) and `MemPOAgent.from_pretrained` reads it back, so that an agent plays
+    exactly the protocol it was trained on.
 
     Example:
         >>> protocol, messages = TurnProtocol(max_turns=4).override(max_turns=6, retrieval_topk=None)

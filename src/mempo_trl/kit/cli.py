@@ -84,7 +84,7 @@ class BuildQwenModelArguments:
 
 @dataclass
 class WarmStartArguments:
-    """SFT a saved model in place on the oracle turns of the demo train rows (`mempo_trl.kit.warmstart.sft_warm_start`)."""
+    """SFT a saved model in place on the oracle turns of the demo train rows (`kit.warmstart.sft_warm_start`)."""
 
     model_name_or_path: str = field(metadata={"help": "Model directory (with tokenizer.json); overwritten."})
     max_steps: int = field(default=WARM_STEPS, metadata={"help": "Optimizer steps."})

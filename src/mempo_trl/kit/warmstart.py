@@ -14,7 +14,7 @@ module teaches the format first:
   warm start several times slower: ``bench/README.md``): the learner's warm start (`mempo_trl.kit.learner`) and
   the tiny model's;
 - `build_warm_tiny_model` builds the tiny model and warm-starts it, reusing a previous result with the same
-  settings (what `model_name_or_path: tiny` of `mempo-trl train` uses).
+  settings (what `mempo-trl kit tiny` and the tests' warm model use).
 
 The ``<mem>`` holds only the facts (``Subject: value.``), not the question again: the question stays in every
 context (and in the memory reward's ``mem_traj``), and a 48-token turn has no room for it.
