@@ -77,7 +77,7 @@ REPORTED_HORIZONS = (2, 4, 8)
 
 WARM = {
     "steps": 3000, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3, "instruction": LEARNER_INSTRUCTION,
-    "fresh_names": 2, "prompt_loss": True,
+    "fresh_names": 2, "fresh_values": True, "prompt_loss": True,
 }  # fmt: skip
 """The SFT warm start (`mempo_trl.kit.warmstart.WarmSettings`) on the oracle episodes of the warm rows: each fact is
 left out of the oracle's memory with probability ``mem_drop``, so the warm model forgets values a long answer needs.
@@ -227,25 +227,53 @@ def name_token_coverage(tokenizer, names: list[str], texts: list[str]) -> float:
     return sum(token in seen for token in tokens) / max(1, len(tokens))
 
 
+def _completion_nll(model, prompt: list[int], completion: list[int]) -> list[float]:
+    """Teacher-forced NLL (nats) of each token of ``completion`` after ``prompt``."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion], device=model.device)).logits[0, len(prompt) - 1 : -1]
+    return (-logits.float().log_softmax(-1).gather(1, torch.tensor(completion, device=model.device)[:, None]))[
+        :, 0
+    ].tolist()
+
+
+def _find(tokens: list[int], part: list[int]) -> int:
+    return next(i for i in range(len(tokens)) if tokens[i : i + len(part)] == part)
+
+
 def name_copy_nll(model, tokenizer, rows: list[dict], retriever, instruction: str) -> dict:
     """Does the model copy a name from the question? Teacher-forced NLL (nats) of the asked entity's name in the first
     search of each row's oracle episode: ``first`` (the name's first token: which entity) and ``later`` (the rest,
     given the first); a model that copies scores near 0, one that guesses a made-up word ~3-4."""
-    import torch
-
     from mempo_trl.kit.warmstart import _subject, sft_examples
 
     first, later = [], []
     for row in rows:
         prompt, completion = sft_examples([row], retriever, tokenizer, instruction=instruction, max_turns=99)[0]
         name = tokenizer(" " + _subject(row["hop_queries"][0]), add_special_tokens=False)["input_ids"]
-        start = next(i for i in range(len(completion)) if completion[i : i + len(name)] == name)
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + completion], device=model.device)).logits[0, len(prompt) - 1 : -1]
-        nll = -logits.float().log_softmax(-1).gather(1, torch.tensor(completion, device=model.device)[:, None])[:, 0]
-        first.append(nll[start].item())
-        later += nll[start + 1 : start + len(name)].tolist()
+        start = _find(completion, name)
+        nll = _completion_nll(model, prompt, completion)
+        first.append(nll[start])
+        later += nll[start + 1 : start + len(name)]
     return {"first": statistics.fmean(first), "later": statistics.fmean(later), "rows": len(rows)}
+
+
+def value_copy_nll(model, tokenizer, rows: list[dict], retriever, instruction: str) -> dict:
+    """Does the model copy a value from a passage into its memory? Teacher-forced NLL (nats per token) of the first
+    asked value in the memory of each row's oracle episode after its first search, whose result (in the context)
+    holds it: ``value``, near 0 for a model that copies, ~2.3 per guessed digit; the space before the value is not
+    counted."""
+    from mempo_trl.kit.warmstart import sft_examples
+
+    nlls = []
+    for row in rows:
+        prompt, completion = sft_examples([row], retriever, tokenizer, instruction=instruction, max_turns=99)[1]
+        value = tokenizer(" " + str(row["sub_answers"][0][0]), add_special_tokens=False)["input_ids"]
+        start = _find(completion, value)
+        skip = tokenizer.decode(value[:1]) == " "
+        nlls += _completion_nll(model, prompt, completion)[start + skip : start + len(value)]
+    return {"value": statistics.fmean(nlls), "rows": len(rows)}
 
 
 def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path]:
@@ -293,11 +321,12 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
         started.write_text(json.dumps(key))
         retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
         max_turns = max(world["horizons"]) + 2
-        settings = {k: v for k, v in warm.items() if k not in ("fresh_names", "prompt_loss")}
+        settings = {k: v for k, v in warm.items() if k not in ("fresh_names", "fresh_values", "prompt_loss")}
         rows = read_jsonl(paths["warm"])
         if warm.get("fresh_names"):
             words = generate_world(world).words
-            rows, retriever = fresh_name_rows(rows, retriever, words, warm["fresh_names"], warm["seed"], topk=3)
+            rows, retriever = fresh_name_rows(rows, retriever, words, warm["fresh_names"], warm["seed"], topk=3,
+                                              fresh_values=warm.get("fresh_values", False))  # fmt: skip
         stats = sft_warm_start(warm_dir, rows, retriever, WarmSettings(**settings), max_turns, use_cpu=device == "cpu",
                                checkpoint_every=250, prompt_loss=warm.get("prompt_loss", False))  # resumable  # fmt: skip
         print(f"warm start: {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
@@ -335,14 +364,81 @@ def _renamer(pattern: re.Pattern, fresh):
     return rename
 
 
-def fresh_name_rows(rows: list[dict], retriever, words: list[str], copies: int, seed: int, topk: int):
+_NUMBER = re.compile(r"(\d[\d,]*)(.*)")
+
+
+def fresh_value(rng, answers: list[str]) -> tuple[list[str], dict[str, str]]:
+    """A value drawn afresh for the answer forms ``answers`` (a `HORIZON_ATTRIBUTES` value: a number, written with or
+    without thousands separators and a unit, or an occupation), and how each form of it reads in a passage.
+
+    A number keeps its first digit and its length (a year stays a year of its century) and changes; an occupation
+    becomes another of `mempo_trl.kit.demo_world`'s occupations. Returns ``(new answers, {old text: new text})`` (for
+    `_revaluer`); any other value stays as it is.
+
+    Example:
+        >>> import random
+        >>> answers, forms = fresh_value(random.Random(0), ["1,252 kilometres", "1252 kilometres", "1252 km", "1252"])
+        >>> answers[0][0] == "1" and len(answers[0]) == len("1,252 kilometres") and answers[0] != "1,252 kilometres"
+        True
+        >>> [a.replace(answers[3], "N") for a in answers[1:]], sorted(forms) == ["1,252", "1252"]
+        (['N kilometres', 'N km', 'N'], True)
+        >>> fresh_value(random.Random(0), ["painter"])[0] != ["painter"]
+        True
+    """
+    from mempo_trl.kit.demo_world import _OCCUPATIONS
+
+    match = _NUMBER.fullmatch(answers[0])
+    if match:
+        old = int(match[1].replace(",", ""))
+        digits = str(old)
+        new = old
+        while new == old:
+            new = int(digits[0] + "".join(str(rng.randrange(10)) for _ in digits[1:]))
+        forms = {f"{old:,}": f"{new:,}", str(old): str(new)}
+        return [_revaluer(forms)(answer) for answer in answers], forms
+    if answers[0] in _OCCUPATIONS:
+        new_word = rng.choice([o for o in _OCCUPATIONS if o != answers[0]])
+        return [new_word], {answers[0]: new_word}
+    return list(answers), {}
+
+
+def _revaluer(forms: dict[str, str]):
+    """A function that rewrites, in one pass, every whole occurrence of each key of ``forms`` to its value: a number
+    not inside a longer one, a word with its article made to agree ("a painter" -> "an engineer")."""
+    from mempo_trl.kit.demo_world import _article
+
+    def alternatives(keys):
+        return "|".join(re.escape(key) for key in sorted(keys, key=len, reverse=True))
+
+    numbers = [key for key in forms if key[0].isdigit()]
+    words = [key for key in forms if not key[0].isdigit()]
+    branches = [r"(?<![\d,])(?P<number>" + alternatives(numbers) + r")(?!,?\d)"] if numbers else []
+    branches += [r"\b(?P<article>an? )?(?P<word>" + alternatives(words) + r")\b"] if words else []
+    if not branches:
+        return lambda text: text
+    pattern = re.compile("|".join(branches))
+
+    def replace(match: re.Match) -> str:
+        found = match.groupdict()
+        if found.get("number"):
+            return forms[found["number"]]
+        new = forms[found["word"]]
+        return _article(new) if found["article"] else new
+
+    return lambda text: pattern.sub(replace, text)
+
+
+def fresh_name_rows(
+    rows: list[dict], retriever, words: list[str], copies: int, seed: int, topk: int, fresh_values: bool = False
+):
     """``copies`` renamed copies of ``rows`` and a `FrozenRetriever` that answers their searches.
 
     In each copy of a row, every one of the world's made-up ``words`` in the row's question, searches and their
     ``topk`` passages (from ``retriever``) is replaced, as a whole word, by a fresh made-up word drawn for that copy
     (`mempo_trl.kit.demo_world.made_up_word`, never a word of the world nor of another copy), the same word for the
-    same word throughout the episode; the values asked about (years, numbers, occupations) stay. Returns ``(rows,
-    retriever)``: the oracle episodes of the renamed rows read like the originals with other names.
+    same word throughout the episode. With ``fresh_values`` each value the row asks about is redrawn too
+    (`fresh_value`), in its answers and, in every form, in its passages; else the values stay. Returns ``(rows,
+    retriever)``: the oracle episodes of the renamed rows read like the originals with other names (and values).
 
     Example:
         >>> from mempo_trl.retrieval import Passage
@@ -358,6 +454,11 @@ def fresh_name_rows(rows: list[dict], retriever, words: list[str], copies: int, 
         >>> passage = frozen.search(rows[0]["hop_queries"], 3)[0][0]
         >>> passage.title == name and passage.text.startswith(f"{name} was born in 1801 in ")
         True
+        >>> rows, frozen = fresh_name_rows([row], One(), ["Hosnotrol", "Kisek"], 1, seed=0, topk=3, fresh_values=True)
+        >>> year = rows[0]["sub_answers"][0][0]
+        >>> year != "1801", rows[0]["golden_answers"] == [year], f"born in {year} in" in frozen.table[
+        ...     rows[0]["hop_queries"][0]][0].text
+        (True, True, True)
     """
     import random
 
@@ -374,8 +475,17 @@ def fresh_name_rows(rows: list[dict], retriever, words: list[str], copies: int, 
             new = {**row, "id": f"{row['id']}_fresh{copy}", "question": rename(row["question"])}
             for field in ("hop_queries", "sub_questions"):
                 new[field] = [rename(text) for text in row[field]]
+            revalue = lambda text: text  # noqa: E731
+            if fresh_values:
+                drawn: dict[str, tuple] = {}  # a value asked twice in a row is redrawn once
+                redrawn = [drawn.get(a[0]) or drawn.setdefault(a[0], fresh_value(rng, a)) for a in row["sub_answers"]]
+                revalue = _revaluer({old: new for _, forms in redrawn for old, new in forms.items()})
+                new["sub_answers"] = [answers for answers, _ in redrawn]
+                new["golden_answers"] = ["; ".join(answers[0] for answers in new["sub_answers"])]
             for query, passages in zip(new["hop_queries"], results):
-                table[query] = [Passage(id=p.id, title=rename(p.title), text=rename(p.text)) for p in passages]
+                table[query] = [
+                    Passage(id=p.id, title=rename(p.title), text=revalue(rename(p.text))) for p in passages
+                ]
             renamed.append(new)
     return renamed, FrozenRetriever(table)
 
@@ -415,8 +525,10 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
     ]
     check["name_token_coverage"] = name_token_coverage(tokenizer, pools[split], warm_texts)
     check["name_copy_nll"] = copy = name_copy_nll(model, tokenizer, rows, retriever, budget["instruction"])
+    check["value_copy_nll"] = value = value_copy_nll(model, tokenizer, rows, retriever, budget["instruction"])
     print(f"{split} names: {check['name_token_coverage']:.2f} of their tokens occur in the warm data; copying one "
-          f"from the question costs {copy['first']:.2f} nats (first token), {copy['later']:.2f} (later)", flush=True)  # fmt: skip
+          f"from the question costs {copy['first']:.2f} nats (first token), {copy['later']:.2f} (later); copying a "
+          f"value from a passage into the memory {value['value']:.2f} per token", flush=True)  # fmt: skip
     (out / f"warm_check_{split}{budget_suffix(budget)}.json").write_text(json.dumps(check, indent=1))
     for k in sorted(check["memory"], key=int):
         mem, full = check["memory"][k], check["full_history"][k]

@@ -112,6 +112,7 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
     assert check["full_history"]["4"]["memory_recall"] is None and "fact_value" in check["memory_signal"]
     assert 0.0 < check["name_token_coverage"] <= 1.0
     assert check["name_copy_nll"]["rows"] == 4 and check["name_copy_nll"]["first"] > 0.0
+    assert check["value_copy_nll"]["rows"] == 4 and check["value_copy_nll"]["value"] > 0.0
     out_text = capsys.readouterr().out
     assert "K=4: EM memory" in out_text and "validation names: " in out_text and "nats (first token)" in out_text
 
@@ -140,7 +141,7 @@ def test_default_settings_are_unchanged_and_the_options_only_add_keys():
         "world": {"seed": 2, "num_entities": 240, "rows_per_horizon": {"warm": 300, "rl": 120, "validation": 30,
                   "test": 50}, "horizons": [1, 2, 4, 6, 8]},
         "warm": {"steps": 3000, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3,
-                 "instruction": LEARNER_INSTRUCTION, "fresh_names": 2, "prompt_loss": True},
+                 "instruction": LEARNER_INSTRUCTION, "fresh_names": 2, "fresh_values": True, "prompt_loss": True},
         "budget": {"max_steps": 60, "per_device_train_batch_size": 16, "num_generations": 4, "learning_rate": 3e-4,
                    "max_completion_length": 192, "max_turns": 10, "retrieval_topk": 3, "temperature": 0.7,
                    "beta": 0.0, "loss_type": "dapo", "instruction": LEARNER_INSTRUCTION},
@@ -232,7 +233,37 @@ def test_fresh_name_rows_rename_every_made_up_word_and_keep_the_episode_playable
         assert oracle_episode_turns(new, frozen, max_turns=10)[-1][0].endswith(old["golden_answers"][0] + " </answer>")
 
 
-def test_name_copy_nll_scores_the_asked_name_in_the_first_search(world, tmp_path, tiny_model_dir):
+def test_fresh_values_redraw_each_asked_value_in_the_answers_and_every_passage(world, tmp_path):
+    """With ``fresh_values`` a copy asks the same questions of other names whose values are new: each asked value is
+    redrawn (the same value asked twice in a row, once), written in its new form wherever the episode's passages had
+    the old one, and the oracle's memory and answer hold the new values, so the warm start can only copy them."""
+    from mempo_trl.kit.warmstart import hop_facts, oracle_episode_turns
+    from mempo_trl.retrieval import BM25Retriever
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in world.passages))
+    retriever = BM25Retriever.from_corpus(str(corpus), cache_dir=str(tmp_path / "bm25"))
+    rows = [r for r in world.splits["warm"] if r["data_source"] in ("horizon_4", "horizon_6")]
+    renamed, frozen = long_horizon.fresh_name_rows(rows, retriever, world.words, 2, seed=0, topk=3, fresh_values=True)
+    kinds = set()
+    for new, old in zip(renamed, rows * 2):
+        results = frozen.search(new["hop_queries"], 3)
+        texts = " ".join(p.text for passages in results for p in passages)
+        assert new["golden_answers"] == ["; ".join(answers[0] for answers in new["sub_answers"])]
+        for fresh, before, passages in zip(new["sub_answers"], old["sub_answers"], results):
+            assert fresh[0] != before[0] and len(fresh) == len(before)
+            assert any(long_horizon._within(fresh[0], p.text) for p in passages)
+            if before[0] not in {answers[0] for answers in new["sub_answers"]}:  # occupations are few
+                assert not long_horizon._within(before[0], texts)
+            kinds.add(before[0][0].isdigit())
+        assert [f.split(": ")[-1].rstrip(".") for f in hop_facts(new, results)] == [a[0] for a in new["sub_answers"]]
+        assert oracle_episode_turns(new, frozen, max_turns=10)[-1][0].endswith(new["golden_answers"][0] + " </answer>")
+    assert kinds == {True, False}  # numbers and occupations
+
+
+def test_copy_nll_scores_the_asked_name_in_the_first_search_and_the_value_in_the_memory(
+    world, tmp_path, tiny_model_dir
+):
     """A model with uniform next-token odds pays ln(V) per name token; one that puts all mass on the oracle's next
     token pays 0: the function reads the asked name's tokens, first and later apart."""
     import math
@@ -282,3 +313,13 @@ def test_name_copy_nll_scores_the_asked_name_in_the_first_search(world, tmp_path
     blind = long_horizon.name_copy_nll(Model(name_tokens), tokenizer, rows, retriever, LEARNER_INSTRUCTION)
     assert blind["first"] == pytest.approx(math.log(len(tokenizer)))  # every name token, and only those
     assert blind["later"] == pytest.approx(math.log(len(tokenizer)))
+
+    # value_copy_nll reads the first asked value in the memory written after the first search, and only it
+    value_tokens = set()
+    for row in rows:
+        ids = tokenizer(" " + row["sub_answers"][0][0], add_special_tokens=False)["input_ids"]
+        value_tokens |= set(ids[tokenizer.decode(ids[:1]) == " " :])
+    assert long_horizon.value_copy_nll(Model(set()), tokenizer, rows, retriever, LEARNER_INSTRUCTION) == {
+        "value": pytest.approx(0.0, abs=1e-6), "rows": 3}  # fmt: skip
+    blind = long_horizon.value_copy_nll(Model(value_tokens), tokenizer, rows, retriever, LEARNER_INSTRUCTION)
+    assert blind["value"] == pytest.approx(math.log(len(tokenizer)))
