@@ -83,12 +83,15 @@ WARM = {
 left out of the oracle's memory with probability ``mem_drop``, so the warm model forgets values a long answer needs.
 ``fresh_names``: each warm row is used that many times, every made-up word of its episode (question, searches,
 passages) renamed to a fresh one each time (`fresh_name_rows`), so no name repeats and the model can only learn to
-copy names, not to recall them: with the warm pool's 77 names as they are, a warm start answered warm rows (K = 1, EM
-0.80) by searching for a warm name it had memorised whatever the question asked, and held-out ones not at all (EM
-0.00; docs/learning.md). ``prompt_loss``: the loss on every token of the context, not only the completion's
-(`mempo_trl.kit.warmstart.sft_dataset`): the passages repeat each name, and a model trained to predict them learns to
-copy (`name_copy_nll` on validation names: 2.86 / 2.86 nats after 3,000 completion-only steps, 0.40 / 0.14 after
-1,500 with it). Check it with ``--warm_only`` before any RL."""
+copy names, not to recall them: with the warm pool's 77 names as they are, a warm start answered warm rows (K = 1,
+EM 0.80) by searching for a warm name it had memorised whatever the question asked, and held-out ones not at all (EM
+0.00; docs/learning.md). ``fresh_values``: each copy also redraws every value its row asks (`fresh_value`), in its
+answers and passages, so no asked value can be recalled either (with the values kept, the fresh-name copies wrote
+warm values with confidence: `value_copy_nll` 4.05 nats per token). ``prompt_loss``: the loss on every token of the
+context, not only the completion's (`mempo_trl.kit.warmstart.sft_dataset`): the passages repeat each name, and a
+model trained to predict them learns to copy (`name_copy_nll` on validation names: 2.86 / 2.86 nats after 3,000
+completion-only steps, 0.40 / 0.14 after 1,500 with it). Check it with ``--warm_only`` before any RL: with all of
+these the learner copies names but not values (`value_copy_nll` ~1.74; docs/learning.md)."""
 
 VOCABULARY_SIZE = 1024
 """Upper bound of the learner's vocabulary, trained on the corpus without the asked-about names (`vocabulary_texts`):
