@@ -478,7 +478,7 @@ def fresh_name_rows(
             new = {**row, "id": f"{row['id']}_fresh{copy}", "question": rename(row["question"])}
             for field in ("hop_queries", "sub_questions"):
                 new[field] = [rename(text) for text in row[field]]
-            revalue = lambda text: text  # noqa: E731
+            revalue = _revaluer({})  # no values redrawn: the identity
             if fresh_values:
                 drawn: dict[str, tuple] = {}  # a value asked twice in a row is redrawn once
                 redrawn = [drawn.get(a[0]) or drawn.setdefault(a[0], fresh_value(rng, a)) for a in row["sub_answers"]]
