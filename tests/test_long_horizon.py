@@ -323,3 +323,34 @@ def test_copy_nll_scores_the_asked_name_in_the_first_search_and_the_value_in_the
         "value": pytest.approx(0.0, abs=1e-6), "rows": 3}  # fmt: skip
     blind = long_horizon.value_copy_nll(Model(value_tokens), tokenizer, rows, retriever, LEARNER_INSTRUCTION)
     assert blind["value"] == pytest.approx(math.log(len(tokenizer)))
+
+
+def test_copy_nll_finds_the_name_and_the_value_under_the_real_qwen2_5_tokenizer(world, tmp_path):
+    """Qwen2.5 writes the space before a number as its own token and each digit as one: the asked name and value are
+    still found in the oracle's search and memory, and a uniform model pays ln(V) on each (the lone space is not
+    counted)."""
+    import math
+
+    import torch
+
+    from mempo_trl.kit.qwen import build_qwen2_5_tokenizer
+    from mempo_trl.retrieval import BM25Retriever
+
+    tokenizer = build_qwen2_5_tokenizer()
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in world.passages))
+    retriever = BM25Retriever.from_corpus(str(corpus), cache_dir=str(tmp_path / "bm25"))
+    rows = world.splits["validation"][:4]
+    assert any(row["sub_answers"][0][0][0].isdigit() for row in rows)
+
+    class Uniform:
+        device = torch.device("cpu")
+
+        def __call__(self, input_ids):
+            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, len(tokenizer))})
+
+    uniform = math.log(len(tokenizer))
+    value = long_horizon.value_copy_nll(Uniform(), tokenizer, rows, retriever, LEARNER_INSTRUCTION)
+    name = long_horizon.name_copy_nll(Uniform(), tokenizer, rows, retriever, LEARNER_INSTRUCTION)
+    assert value == {"value": pytest.approx(uniform), "rows": 4}
+    assert name["first"] == pytest.approx(uniform) and name["later"] == pytest.approx(uniform)
