@@ -5,9 +5,9 @@ agent searches K times and answers with values it found up to K turns earlier: t
 full history keeps every passage. The splits (warm start, RL, validation, test) share no question and no
 asked-about entity. The learner (`mempo_trl.kit.learner.LEARNER_SIZE`, its vocabulary trained on this world's corpus
 without the asked-about names, so that held-out names split into pieces the warm data shows: `VOCABULARY_SIZE`) is
-SFT-warm-started with `SFTTrainer` on oracle episodes of the warm rows with a forgetful memory (`WARM["mem_drop"]`;
-fresh names and the loss on every token: `WARM`); every arm then trains from it with the same budget on the RL rows
-(all K mixed):
+pretrained on a copy task (`mempo_trl.kit.induction`), then SFT-warm-started with `SFTTrainer` on oracle episodes
+of the warm rows with a forgetful memory (`WARM["mem_drop"]`; fresh names and values, the loss on every token:
+`WARM`); every arm then trains from it with the same budget on the RL rows (all K mixed):
 
 - `mempo`: memory context + memory advantage; `outcome_only`: memory context, `memory_coef: 0`;
 - `full_history`: full-history GRPO (`context_mode: full_history`, evaluated in that mode).
@@ -77,7 +77,7 @@ REPORTED_HORIZONS = (2, 4, 8)
 
 WARM = {
     "steps": 3000, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3, "instruction": LEARNER_INSTRUCTION,
-    "fresh_names": 2, "fresh_values": True, "prompt_loss": True,
+    "fresh_names": 2, "fresh_values": True, "prompt_loss": True, "induction_steps": 3000,
 }  # fmt: skip
 """The SFT warm start (`mempo_trl.kit.warmstart.WarmSettings`) on the oracle episodes of the warm rows: each fact is
 left out of the oracle's memory with probability ``mem_drop``, so the warm model forgets values a long answer needs.
@@ -91,7 +91,10 @@ warm values with confidence: `value_copy_nll` 4.05 nats per token). ``prompt_los
 context, not only the completion's (`mempo_trl.kit.warmstart.sft_dataset`): the passages repeat each name, and a
 model trained to predict them learns to copy (`name_copy_nll` on validation names: 2.86 / 2.86 nats after 3,000
 completion-only steps, 0.40 / 0.14 after 1,500 with it). Check it with ``--warm_only`` before any RL: with all of
-these the learner copies names but not values (`value_copy_nll` ~1.74; docs/learning.md)."""
+these the learner copies names but not values (`value_copy_nll` ~1.74; docs/learning.md). ``induction_steps``: the
+model built from scratch first learns to copy (`mempo_trl.kit.induction.induction_pretrain`, a copy task of random
+tokens), the skill a pretrained language model brings: without it the lookup a memory needs (the value that follows
+*this* name, after a ``:`` every fact shares) is not learned from the episodes (`bench/induction.py`)."""
 
 VOCABULARY_SIZE = 1024
 """Upper bound of the learner's vocabulary, trained on the corpus without the asked-about names (`vocabulary_texts`):
@@ -120,7 +123,7 @@ BUDGET = {
 QUICK = {
     "world": {"seed": 2, "num_entities": 60, "rows_per_horizon": {"warm": 6, "rl": 4, "validation": 2, "test": 2},
               "horizons": [1, 4]},
-    "warm": {"steps": 2, "batch_size": 4},
+    "warm": {"steps": 2, "batch_size": 4, "induction_steps": 2},
     "budget": {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 48},
 }  # fmt: skip
 
@@ -263,20 +266,29 @@ def name_copy_nll(model, tokenizer, rows: list[dict], retriever, instruction: st
 
 
 def value_copy_nll(model, tokenizer, rows: list[dict], retriever, instruction: str) -> dict:
-    """Does the model copy a value from a passage into its memory? Teacher-forced NLL (nats per token) of the first
-    asked value in the memory of each row's oracle episode after its first search, whose result (in the context)
-    holds it: ``value``, near 0 for a model that copies, ~2.3 per guessed digit; the space before the value is not
-    counted."""
+    """Does the model copy a value into its memory? Teacher-forced NLL (nats per token) of the first asked value of
+    each row's oracle episode: ``value`` in the memory written after the first search, whose result (in the
+    context) holds it; ``from_memory`` (rows with K >= 2, ``rows_from_memory`` of them) in the memory written after
+    the second search, whose previous memory (in the context) holds it verbatim: the lookup by name alone. Near 0
+    for a model that copies, ~2.3 per guessed digit; the space before the value is not counted."""
     from mempo_trl.kit.warmstart import sft_examples
 
-    nlls = []
+    nlls: dict[str, list[float]] = {"value": [], "from_memory": []}
+    count = 0
     for row in rows:
-        prompt, completion = sft_examples([row], retriever, tokenizer, instruction=instruction, max_turns=99)[1]
+        examples = sft_examples([row], retriever, tokenizer, instruction=instruction, max_turns=99)
         value = tokenizer(" " + str(row["sub_answers"][0][0]), add_special_tokens=False)["input_ids"]
-        start = _find(completion, value)
         skip = tokenizer.decode(value[:1]) == " "
-        nlls += _completion_nll(model, prompt, completion)[start + skip : start + len(value)]
-    return {"value": statistics.fmean(nlls), "rows": len(rows)}
+        for key, (prompt, completion) in zip(nlls, examples[1 : 2 + (len(row["hop_queries"]) >= 2)]):
+            start = _find(completion, value)
+            nlls[key] += _completion_nll(model, prompt, completion)[start + skip : start + len(value)]
+            count += key == "from_memory"
+    return {
+        "value": statistics.fmean(nlls["value"]),
+        "from_memory": statistics.fmean(nlls["from_memory"]) if nlls["from_memory"] else None,
+        "rows": len(rows),
+        "rows_from_memory": count,
+    }
 
 
 def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path]:
@@ -285,7 +297,9 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     ``out/warm_model`` (cached: same size, settings and data)."""
     import hashlib
 
+    from mempo_trl.checkpoints import newest_complete_checkpoint
     from mempo_trl.kit.demo_world import HORIZON_SPLITS, _write_jsonl
+    from mempo_trl.kit.induction import induction_pretrain
     from mempo_trl.kit.learner import LEARNER_SIZE
     from mempo_trl.kit.tiny import build_tiny_model
     from mempo_trl.kit.warmstart import WARM_START_FILE, WarmSettings, sft_warm_start
@@ -324,7 +338,12 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
         started.write_text(json.dumps(key))
         retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
         max_turns = max(world["horizons"]) + 2
-        settings = {k: v for k, v in warm.items() if k not in ("fresh_names", "fresh_values", "prompt_loss")}
+        if warm.get("induction_steps") and newest_complete_checkpoint(warm_dir / "sft") is None:
+            induced = induction_pretrain(warm_dir, warm["induction_steps"], seed=warm["seed"], use_cpu=device == "cpu")
+            print(f"induction pretraining: {induced['steps']} steps, copy loss {induced['initial_loss']:.3f} -> "
+                  f"{induced['final_loss']:.3f} ({induced['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
+        extra = ("fresh_names", "fresh_values", "prompt_loss", "induction_steps")
+        settings = {k: v for k, v in warm.items() if k not in extra}
         rows = read_jsonl(paths["warm"])
         if warm.get("fresh_names"):
             words = generate_world(world).words
@@ -531,7 +550,8 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
     check["value_copy_nll"] = value = value_copy_nll(model, tokenizer, rows, retriever, budget["instruction"])
     print(f"{split} names: {check['name_token_coverage']:.2f} of their tokens occur in the warm data; copying one "
           f"from the question costs {copy['first']:.2f} nats (first token), {copy['later']:.2f} (later); copying a "
-          f"value from a passage into the memory {value['value']:.2f} per token", flush=True)  # fmt: skip
+          f"value from a passage into the memory {value['value']:.2f} per token, from its previous memory "
+          f"{value['from_memory'] if value['from_memory'] is None else round(value['from_memory'], 2)}", flush=True)  # fmt: skip
     (out / f"warm_check_{split}{budget_suffix(budget)}.json").write_text(json.dumps(check, indent=1))
     for k in sorted(check["memory"], key=int):
         mem, full = check["memory"][k], check["full_history"][k]

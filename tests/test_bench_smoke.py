@@ -170,3 +170,17 @@ def test_environments_training_bench_end_to_end(tmp_path):
         == summary["warm"]["safe"]
     )
     assert weights.stat().st_mtime_ns == written
+
+
+def test_induction_bench_runs_both_arms_and_leaves_the_committed_result_alone(tmp_path, capsys):
+    """`bench/induction.py --quick`: both arms trained and evaluated, the summary where ``--out`` says with its
+    command and machine; without ``--out``, ``--quick`` refuses to overwrite the committed result."""
+    bench = _load("induction")
+    assert bench.main(["--quick"]) == 2
+    assert "error: --quick would overwrite bench/results/induction.json" in capsys.readouterr().err
+    assert bench.main(["--quick", "--out", str(tmp_path / "induction.json")]) == 0
+    result = json.loads((tmp_path / "induction.json").read_text())
+    assert sorted(result["arms"]) == ["from_scratch", "induction"] and result["command"].endswith("--quick")
+    assert result["induction"]["steps"] == 3 and [p["step"] for p in result["arms"]["induction"]["curve"]] == [0, 3]
+    assert 0.0 <= result["arms"]["from_scratch"]["final_accuracy"] <= 1.0 and "machine" in result
+    assert doctest.testmod(bench).failed == 0

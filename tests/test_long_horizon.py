@@ -108,11 +108,13 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
     assert json.loads((mempo_dir / "run.json").read_text())["resumed_from"] == "checkpoint-1"
     assert module.main(["--quick", "--out", str(out), "--warm_only", "--split", "validation"]) == 0
     check = json.loads((out / "warm_check_validation.json").read_text())
+    assert json.loads((out / "warm_model" / "induction.json").read_text())["stats"]["steps"] == 2  # before the SFT
     assert sorted(check["memory"]) == sorted(check["full_history"]) == ["1", "4"]
     assert check["full_history"]["4"]["memory_recall"] is None and "fact_value" in check["memory_signal"]
     assert 0.0 < check["name_token_coverage"] <= 1.0
     assert check["name_copy_nll"]["rows"] == 4 and check["name_copy_nll"]["first"] > 0.0
     assert check["value_copy_nll"]["rows"] == 4 and check["value_copy_nll"]["value"] > 0.0
+    assert check["value_copy_nll"]["rows_from_memory"] == 2 and check["value_copy_nll"]["from_memory"] > 0.0
     out_text = capsys.readouterr().out
     assert "K=4: EM memory" in out_text and "validation names: " in out_text and "nats (first token)" in out_text
 
@@ -141,7 +143,8 @@ def test_default_settings_are_unchanged_and_the_options_only_add_keys():
         "world": {"seed": 2, "num_entities": 240, "rows_per_horizon": {"warm": 300, "rl": 120, "validation": 30,
                   "test": 50}, "horizons": [1, 2, 4, 6, 8]},
         "warm": {"steps": 3000, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3,
-                 "instruction": LEARNER_INSTRUCTION, "fresh_names": 2, "fresh_values": True, "prompt_loss": True},
+                 "instruction": LEARNER_INSTRUCTION, "fresh_names": 2, "fresh_values": True, "prompt_loss": True,
+                 "induction_steps": 3000},
         "budget": {"max_steps": 60, "per_device_train_batch_size": 16, "num_generations": 4, "learning_rate": 3e-4,
                    "max_completion_length": 192, "max_turns": 10, "retrieval_topk": 3, "temperature": 0.7,
                    "beta": 0.0, "loss_type": "dapo", "instruction": LEARNER_INSTRUCTION},
@@ -314,15 +317,22 @@ def test_copy_nll_scores_the_asked_name_in_the_first_search_and_the_value_in_the
     assert blind["first"] == pytest.approx(math.log(len(tokenizer)))  # every name token, and only those
     assert blind["later"] == pytest.approx(math.log(len(tokenizer)))
 
-    # value_copy_nll reads the first asked value in the memory written after the first search, and only it
+    # value_copy_nll reads the first asked value in the memory written after the first search (every row) and in
+    # the one written after the second (rows with K >= 2, from the previous memory), and only it
+    rows = [r for r in world.splits["validation"] if len(r["hop_queries"]) == 1][:1]
+    rows += [r for r in world.splits["validation"] if len(r["hop_queries"]) >= 2][:2]
     value_tokens = set()
     for row in rows:
         ids = tokenizer(" " + row["sub_answers"][0][0], add_special_tokens=False)["input_ids"]
         value_tokens |= set(ids[tokenizer.decode(ids[:1]) == " " :])
     assert long_horizon.value_copy_nll(Model(set()), tokenizer, rows, retriever, LEARNER_INSTRUCTION) == {
-        "value": pytest.approx(0.0, abs=1e-6), "rows": 3}  # fmt: skip
+        "value": pytest.approx(0.0, abs=1e-6), "from_memory": pytest.approx(0.0, abs=1e-6), "rows": 3,
+        "rows_from_memory": 2}  # fmt: skip
     blind = long_horizon.value_copy_nll(Model(value_tokens), tokenizer, rows, retriever, LEARNER_INSTRUCTION)
     assert blind["value"] == pytest.approx(math.log(len(tokenizer)))
+    assert blind["from_memory"] == pytest.approx(math.log(len(tokenizer)))
+    assert long_horizon.value_copy_nll(Model(set()), tokenizer, rows[:1], retriever, LEARNER_INSTRUCTION)[
+        "from_memory"] is None  # fmt: skip
 
 
 def test_copy_nll_finds_the_name_and_the_value_under_the_real_qwen2_5_tokenizer(world, tmp_path):
@@ -340,7 +350,7 @@ def test_copy_nll_finds_the_name_and_the_value_under_the_real_qwen2_5_tokenizer(
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(p) + "\n" for p in world.passages))
     retriever = BM25Retriever.from_corpus(str(corpus), cache_dir=str(tmp_path / "bm25"))
-    rows = world.splits["validation"][:4]
+    rows = world.splits["validation"][:2] + [r for r in world.splits["validation"] if len(r["hop_queries"]) >= 2][:2]
     assert any(row["sub_answers"][0][0][0].isdigit() for row in rows)
 
     class Uniform:
@@ -352,5 +362,7 @@ def test_copy_nll_finds_the_name_and_the_value_under_the_real_qwen2_5_tokenizer(
     uniform = math.log(len(tokenizer))
     value = long_horizon.value_copy_nll(Uniform(), tokenizer, rows, retriever, LEARNER_INSTRUCTION)
     name = long_horizon.name_copy_nll(Uniform(), tokenizer, rows, retriever, LEARNER_INSTRUCTION)
-    assert value == {"value": pytest.approx(uniform), "rows": 4}
+    assert value["value"] == pytest.approx(uniform) and value["rows"] == 4
+    assert value["rows_from_memory"] == sum(len(row["hop_queries"]) >= 2 for row in rows) > 0
+    assert value["from_memory"] == pytest.approx(uniform)
     assert name["first"] == pytest.approx(uniform) and name["later"] == pytest.approx(uniform)
