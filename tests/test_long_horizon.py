@@ -106,7 +106,10 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
     (mempo_dir / "run.json").unlink()
     assert module.main(["--quick", "--out", str(out), "--arms", "mempo"]) == 0
     assert json.loads((mempo_dir / "run.json").read_text())["resumed_from"] == "checkpoint-1"
+    committed = BENCH / "results" / "long_horizon_warm_check_validation.json"
+    before = committed.read_bytes() if committed.is_file() else None
     assert module.main(["--quick", "--out", str(out), "--warm_only", "--split", "validation"]) == 0
+    assert (committed.read_bytes() if committed.is_file() else None) == before  # only the default run writes it
     check = json.loads((out / "warm_check_validation.json").read_text())
     assert json.loads((out / "warm_model" / "induction.json").read_text())["stats"]["steps"] == 2  # before the SFT
     assert sorted(check["memory"]) == sorted(check["full_history"]) == ["1", "4"]
@@ -142,7 +145,7 @@ def test_default_settings_are_unchanged_and_the_options_only_add_keys():
     today = {
         "world": {"seed": 2, "num_entities": 240, "rows_per_horizon": {"warm": 300, "rl": 120, "validation": 30,
                   "test": 50}, "horizons": [1, 2, 4, 6, 8]},
-        "warm": {"steps": 3000, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3,
+        "warm": {"steps": 1500, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3,
                  "instruction": LEARNER_INSTRUCTION, "fresh_names": 2, "fresh_values": True, "prompt_loss": True,
                  "induction_steps": 3000},
         "budget": {"max_steps": 60, "per_device_train_batch_size": 16, "num_generations": 4, "learning_rate": 3e-4,
@@ -366,3 +369,20 @@ def test_copy_nll_finds_the_name_and_the_value_under_the_real_qwen2_5_tokenizer(
     assert value["rows_from_memory"] == sum(len(row["hop_queries"]) >= 2 for row in rows) > 0
     assert value["from_memory"] == pytest.approx(uniform)
     assert name["first"] == pytest.approx(uniform) and name["later"] == pytest.approx(uniform)
+
+
+def test_the_default_warm_check_is_also_written_to_bench_results_with_its_command(tmp_path, monkeypatch):
+    """``--warm_only`` with the default settings and ``--out`` writes the check the README cites, with its command,
+    settings, versions and machine, to ``bench/results/long_horizon_warm_check_<split>.json``; any other ``--out``
+    leaves it alone (the world, warm start and check itself are stubbed: this is the wiring)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(long_horizon, "prepare", lambda out, world, warm, device: ({}, Path(out) / "warm_model"))
+    monkeypatch.setattr(long_horizon, "warm_check", lambda *args: {"memory": {"1": {"em": 0.5}}})
+    committed = tmp_path / "bench" / "results" / "long_horizon_warm_check_validation.json"
+    assert long_horizon.main(["--warm_only", "--split", "validation", "--out", "elsewhere"]) == 0
+    assert not committed.exists()
+    assert long_horizon.main(["--warm_only", "--split", "validation"]) == 0
+    record = json.loads(committed.read_text())
+    assert record["memory"] == {"1": {"em": 0.5}} and record["settings"]["split"] == "validation"
+    assert record["command"] == "python bench/long_horizon.py --warm_only --split validation"
+    assert "torch" in record["versions"] and record["machine"]["cpus"] >= 1
