@@ -140,7 +140,7 @@ def test_name_token_coverage_counts_the_name_tokens_the_warm_texts_show(tiny_mod
 
 
 def test_default_settings_are_unchanged_and_the_options_only_add_keys():
-    """The default settings key the cached warm start (a 100-minute build) and the finished runs (``run.json``): with
+    """The default settings key the cached warm start (a ~55-minute build) and the finished runs (``run.json``): with
     neither option they are today's, key for key and in order (``run.json`` writes them as they are)."""
     today = {
         "world": {"seed": 2, "num_entities": 240, "rows_per_horizon": {"warm": 300, "rl": 120, "validation": 30,
