@@ -30,7 +30,7 @@ from pathlib import Path
 
 from long_horizon import VOCABULARY_SIZE
 
-from mempo_trl.kit.induction import induction_pretrain
+from mempo_trl.kit.induction import induction_pretrain, regular_token_ids
 
 
 FACTS = 6
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from mempo_trl.kit.learner import LEARNER_SIZE
     from mempo_trl.kit.tiny import build_tiny_model
     from mempo_trl.loading import load_tokenizer
+    from mempo_trl.outputs import OutputError, check_writable
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--induction_steps", type=int, default=3000)
@@ -116,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --quick would overwrite bench/results/induction.json; give --out a path of its own",
               file=sys.stderr)  # fmt: skip
         return 2
+    try:  # the result is written after ~15 minutes: check its folder first
+        check_writable(args.out.parent)
+    except OutputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.quick:
         args.induction_steps, args.lookup_steps = 3, 3
     torch.set_num_threads(1)
@@ -124,9 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = build_tiny_model(work / "scratch", seed=0, **{**LEARNER_SIZE, "vocab_size": VOCABULARY_SIZE})
         tokenizer = load_tokenizer(base)
-        special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
         colon, dot = (tokenizer(s, add_special_tokens=False)["input_ids"][0] for s in (":", "."))
-        tokens = [i for i in range(len(tokenizer)) if i not in special | {colon, dot}]
+        tokens = [i for i in regular_token_ids(tokenizer) if i not in (colon, dot)]
         induced = shutil.copytree(base, work / "induction")
         print(f"induction pretraining, {args.induction_steps} steps ...", flush=True)
         stats = induction_pretrain(induced, args.induction_steps)

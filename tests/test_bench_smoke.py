@@ -178,6 +178,9 @@ def test_induction_bench_runs_both_arms_and_leaves_the_committed_result_alone(tm
     bench = _load("induction")
     assert bench.main(["--quick"]) == 2
     assert "error: --quick would overwrite bench/results/induction.json" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert bench.main(["--quick", "--out", str(tmp_path / "a_file" / "induction.json")]) == 2  # before any work
+    assert "error: output directory" in capsys.readouterr().err
     assert bench.main(["--quick", "--out", str(tmp_path / "induction.json")]) == 0
     result = json.loads((tmp_path / "induction.json").read_text())
     assert sorted(result["arms"]) == ["from_scratch", "induction"] and result["command"].endswith("--quick")

@@ -50,3 +50,10 @@ def test_induction_pretrain_trains_the_model_in_place_and_records_it(tiny_model_
     again = shutil.copytree(tiny_model_dir, tmp_path / "again")
     induction_pretrain(again, steps=3, batch_size=2, max_length=8)
     assert all(load_file(again / "model.safetensors")[k].equal(after[k]) for k in after)
+
+
+def test_induction_pretrain_refuses_zero_steps(tiny_model_dir):
+    import pytest
+
+    with pytest.raises(ValueError, match="steps >= 1"):
+        induction_pretrain(tiny_model_dir, steps=0)

@@ -386,3 +386,31 @@ def test_the_default_warm_check_is_also_written_to_bench_results_with_its_comman
     assert record["memory"] == {"1": {"em": 0.5}} and record["settings"]["split"] == "validation"
     assert record["command"] == "python bench/long_horizon.py --warm_only --split validation"
     assert "torch" in record["versions"] and record["machine"]["cpus"] >= 1
+
+
+def test_the_copy_task_runs_before_the_sft_and_not_again_when_the_sft_resumes(tmp_path, monkeypatch):
+    """`prepare` runs `induction_pretrain` on the freshly built model, then the SFT; a warm start resumed from an SFT
+    checkpoint (whose weights replace the model's) skips it (the SFT and the check of the checkpoint are stubbed)."""
+    import mempo_trl.checkpoints
+    import mempo_trl.kit.induction
+    import mempo_trl.kit.warmstart
+
+    calls = []
+
+    def sft(model_dir, *args, **kwargs):
+        calls.append("sft")
+        (Path(model_dir) / mempo_trl.kit.warmstart.WARM_START_FILE).write_text("{}")
+        return {"steps": 2, "examples": 1, "initial_loss": 1.0, "final_loss": 1.0, "seconds": 0.0}
+
+    monkeypatch.setattr(mempo_trl.kit.induction, "induction_pretrain",
+                        lambda model_dir, steps, **kw: calls.append(f"induction {steps}") or
+                        {"steps": steps, "initial_loss": 7.0, "final_loss": 0.1, "seconds": 0.0})  # fmt: skip
+    monkeypatch.setattr(mempo_trl.kit.warmstart, "sft_warm_start", sft)
+    settings = long_horizon.experiment_settings(True, "validation", {})
+    long_horizon.prepare(tmp_path, settings["world"], settings["warm"], "cpu")
+    assert calls == ["induction 2", "sft"]
+    calls.clear()
+    (tmp_path / "warm_model" / mempo_trl.kit.warmstart.WARM_START_FILE).unlink()  # stopped before it finished
+    monkeypatch.setattr(mempo_trl.checkpoints, "newest_complete_checkpoint", lambda path: Path(path) / "checkpoint-1")
+    long_horizon.prepare(tmp_path, settings["world"], settings["warm"], "cpu")
+    assert calls == ["sft"]

@@ -8,7 +8,6 @@ here forms the heads: random token sequences, each repeated after a gap of rando
 """
 
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -16,6 +15,12 @@ from pathlib import Path
 
 INDUCTION_FILE = "induction.json"
 """Written into the model directory by `induction_pretrain`: its settings and stats."""
+
+
+def regular_token_ids(tokenizer) -> list[int]:
+    """The ids of ``tokenizer``'s vocabulary that are neither special nor added (tags, chat markers)."""
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    return [i for i in range(len(tokenizer)) if i not in special]
 
 
 def copy_batch(rng: random.Random, token_ids: list[int], batch_size: int, max_length: int) -> tuple[list, list]:
@@ -60,8 +65,11 @@ def induction_pretrain(
 
     Returns ``{"steps", "initial_loss", "final_loss", "seconds"}`` (the losses: mean of the first and last 50 steps,
     nats per copied token; ln V for a model that does not copy, near 0 for one that does), also written to
-    ``INDUCTION_FILE`` with the settings. ``use_cpu=False`` trains on the accelerator when there is one.
+    ``INDUCTION_FILE`` with the settings. ``use_cpu=False`` trains on the accelerator when there is one. Raises
+    ``ValueError`` for ``steps`` < 1.
     """
+    if steps < 1:
+        raise ValueError(f"induction pretraining needs steps >= 1, got {steps}")
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -70,8 +78,7 @@ def induction_pretrain(
     start = time.perf_counter()
     model_dir = Path(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    token_ids = [i for i in range(len(tokenizer)) if i not in special]
+    token_ids = regular_token_ids(tokenizer)
     device = "cuda" if not use_cpu and torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -87,11 +94,11 @@ def induction_pretrain(
         optimizer.step()
         losses.append(loss.item())
     model.save_pretrained(model_dir)
-    window = min(50, len(losses)) or 1
+    window = min(50, steps)
     stats = {
         "steps": steps,
-        "initial_loss": sum(losses[:window]) / window if losses else math.nan,
-        "final_loss": sum(losses[-window:]) / window if losses else math.nan,
+        "initial_loss": sum(losses[:window]) / window,
+        "final_loss": sum(losses[-window:]) / window,
         "seconds": time.perf_counter() - start,
     }
     settings = {"lr": lr, "batch_size": batch_size, "max_length": max_length, "seed": seed}
