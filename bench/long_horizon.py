@@ -61,7 +61,8 @@ import sys
 import time
 from pathlib import Path
 
-from learning import ARMS, _versions, parse_overrides
+import learning
+from learning import _versions, parse_overrides
 
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
 
@@ -106,6 +107,12 @@ vocabulary trained with the names 0.71-0.73; docs/learning.md)."""
 
 CHECKPOINT_EVERY = 10
 """RL steps between the checkpoints of a run (the newest kept): a stopped run resumes from the newest one."""
+
+ARMS = {**learning.ARMS, "mempo": {"memory_scale_rewards": "batch"}}
+"""The arms: MemPOConfig overrides of `BUDGET`. MemPO divides its memory advantage by the batch's std instead of each
+question's (`memory_scale_rewards`), chosen on validation: with the per-question std, seed 0 stopped answering
+(docs/learning.md, "The long-horizon experiment"). A run is keyed by `run_settings`, so changing one arm redoes only
+its runs."""
 
 BUDGET = {
     "max_steps": 60,
@@ -564,6 +571,11 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
     return check
 
 
+def run_settings(settings: dict, arm: str) -> dict:
+    """What one run of ``arm`` depends on, and is keyed by: the experiment's ``settings`` and the arm's overrides."""
+    return {**settings, "arm": ARMS[arm]}
+
+
 def run_one(job: dict) -> dict:
     """Train one (arm, seed) from the warm start, evaluate per K before and after; write ``run.json``."""
     import torch
@@ -576,7 +588,8 @@ def run_one(job: dict) -> dict:
 
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and runs share the machine
     arm, seed, settings, run_dir = job["arm"], job["seed"], job["settings"], Path(job["run_dir"])
-    budget, cuda = {**settings["budget"], **ARMS[arm]}, job["device"] == "cuda"
+    key = run_settings(settings, arm)
+    budget, cuda = {**settings["budget"], **key["arm"]}, job["device"] == "cuda"
     context_mode = budget.get("context_mode", "memory")
     retriever = BM25Retriever.from_corpus(job["paths"]["corpus"], cache_dir=job["bm25"])
     rows = read_jsonl(job["paths"][settings["split"]])
@@ -601,10 +614,10 @@ def run_one(job: dict) -> dict:
     )
     # A stopped run resumes from its newest checkpoint, unless that was made with other settings.
     started = run_dir / "settings.json"
-    if started.is_file() and json.loads(started.read_text()) != settings:
+    if started.is_file() and json.loads(started.read_text()) != key:
         for stale in run_dir.glob("checkpoint-*"):
             shutil.rmtree(stale)
-    started.write_text(json.dumps(settings))
+    started.write_text(json.dumps(key))
     resume = newest_complete_checkpoint(run_dir)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
@@ -612,7 +625,7 @@ def run_one(job: dict) -> dict:
     after = evaluate_horizons(trainer.model, tokenizer, rows, retriever, budget, context_mode)
     log = [e for e in trainer.state.log_history if "episode/em" in e]
     record = {
-        "arm": arm, "seed": seed, "settings": settings, "seconds": seconds, "resumed_from": resume and resume.name,
+        "arm": arm, "seed": seed, "settings": key, "seconds": seconds, "resumed_from": resume and resume.name,
         "before": before, "after": after,
         "train_em": [e["episode/em"] for e in log], "train_reward": [e.get("reward") for e in log],
     }  # fmt: skip
@@ -663,7 +676,8 @@ def summarize(records: list[dict], command: str) -> dict:
     return {
         "horizons": horizons,
         "targets": targets(horizons),
-        "settings": records[0]["settings"] if records else {},
+        "settings": {k: v for k, v in records[0]["settings"].items() if k != "arm"} if records else {},
+        "arms": {arm: ARMS[arm] for arm in ARMS if any(r["arm"] == arm for r in records)},
         "command": command,
         "versions": _versions(),
         "machine": _machine(),
@@ -756,7 +770,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny world, 1 step, 1 seed: a smoke run")
     parser.add_argument("--warm_only", action="store_true", help="build and check the warm start, no RL")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
-                        help="override BUDGET entries (MemPOConfig fields, JSON values)")  # fmt: skip
+                        help="override BUDGET entries (MemPOConfig fields, JSON values); an arm's own "
+                             "settings (ARMS) win")  # fmt: skip
     parser.add_argument("--passage_words", type=int, default=None, metavar="N",
                         help="pad every passage to ~N words (wiki-length); world, warm start and runs go to "
                              "<out>/passage_words_N")  # fmt: skip
@@ -817,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in args.arms:
             run_dir = runs / f"{arm}_s{seed}"
             done = run_dir / "run.json"
-            if done.is_file() and json.loads(done.read_text())["settings"] == settings:
+            if done.is_file() and json.loads(done.read_text())["settings"] == run_settings(settings, arm):
                 print(f"{arm} seed {seed}: done already ({done})", flush=True)
                 continue
             jobs.append({
@@ -832,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
         for job in jobs:
             run_one(job)
     records = [json.loads(p.read_text()) for p in sorted(runs.glob("*/run.json"))]
-    records = [r for r in records if r["settings"] == settings]
+    records = [r for r in records if r["settings"] == run_settings(settings, r["arm"])]
     if records:
         command = "python bench/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
         summary = summarize(records, command)

@@ -137,6 +137,22 @@ def test_memory_pools_per_question_and_per_question_round():
     assert half.memory.tolist() == pooled.memory.tolist()
 
 
+def test_memory_scale_divides_by_the_pool_std_the_batch_std_or_nothing():
+    # Scored rewards 0.2, 0.6 (question a) and 0.5, 0.1 (question b): pool means 0.4 and 0.3 in every mode.
+    batch_std = math.sqrt(sum((v - 0.35) ** 2 for v in (0.2, 0.6, 0.5, 0.1)) / 3)  # 0.2380: all four values
+    batch = _run(memory_scale_rewards="batch").memory
+    assert batch[1].tolist() == pytest.approx([-0.2 / (batch_std + 1e-6)] * 2 + [0.0] * 3, abs=1e-6)
+    assert batch[6].tolist() == pytest.approx([0.0] + [0.2 / (batch_std + 1e-6)] * 3 + [0.0], abs=1e-6)
+    none = _run(memory_scale_rewards="none").memory
+    assert none[3].tolist() == pytest.approx([0.0, 0.2, 0.2, 0.0, 0.0], abs=1e-6)
+    assert none[7].tolist() == pytest.approx([0.0, 0.0, -0.2, -0.2, -0.2], abs=1e-6)
+    # A pool of one value keeps mean 0 and takes the batch's std.
+    single = _run(memory_pooling="question_round", memory_scale_rewards="batch").memory
+    assert single[6].tolist() == pytest.approx([0.0] + [0.5 / (batch_std + 1e-6)] * 3 + [0.0], abs=1e-6)
+    with pytest.raises(ValueError, match="scale must be"):
+        _run(memory_scale_rewards="question")
+
+
 def test_gate_keeps_memory_where_outcome_advantage_is_zero_or_more():
     gated = _run(memory_gate_on_outcome=True)
     pooled = _run()

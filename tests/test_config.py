@@ -24,6 +24,7 @@ def test_paper_defaults(tmp_path):
     assert (args.max_turns, args.retrieval_topk, args.memory_coef) == (8, 3, 1.0)
     assert args.memory_threshold == pytest.approx(math.log(0.5))
     assert (args.context_mode, args.memory_pooling, args.memory_reward_type) == ("memory", "question", "diff")
+    assert args.memory_scale_rewards == "group"
     assert not (args.memory_gate_on_outcome or args.memory_full_from_reference or args.memory_length_penalty)
     assert args.loss_type == "dapo"
 
@@ -38,6 +39,7 @@ def test_paper_defaults(tmp_path):
         (dict(memory_threshold=None, memory_threshold_quantile=1.5), "memory_threshold_quantile"),
         (dict(memory_reward_type="ratio"), "memory_reward_type"),
         (dict(memory_length_penalty=-1.0), "memory_length_penalty"),
+        (dict(memory_scale_rewards="question"), "memory_scale_rewards"),
         (dict(memory_pooling="round"), "memory_pooling"),
         (dict(memory_scoring="fast"), "memory_scoring"),
         (dict(max_turns=0), "max_turns"),

@@ -85,7 +85,7 @@ def test_targets_are_computed_from_the_arms():
 
 
 @pytest.mark.slow
-def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
+def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys, monkeypatch):
     module = long_horizon
     out = tmp_path / "lh"
     assert module.main(["--quick", "--out", str(out)]) == 0
@@ -106,6 +106,17 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys):
     (mempo_dir / "run.json").unlink()
     assert module.main(["--quick", "--out", str(out), "--arms", "mempo"]) == 0
     assert json.loads((mempo_dir / "run.json").read_text())["resumed_from"] == "checkpoint-1"
+    # A change to one arm's settings redoes that arm's runs only.
+    monkeypatch.setitem(module.ARMS, "mempo", {"memory_scale_rewards": "none"})
+    capsys.readouterr()
+    assert module.main(["--quick", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("done already") == 2
+    redone = json.loads((mempo_dir / "run.json").read_text())
+    assert redone["settings"]["arm"] == {"memory_scale_rewards": "none"} and redone["resumed_from"] is None
+    summary = json.loads((out / "long_horizon.json").read_text())
+    assert summary["arms"]["mempo"] == {"memory_scale_rewards": "none"} and "arm" not in summary["settings"]
+    assert summary["horizons"]["4"]["mempo"]["seeds"] == [0]
+    monkeypatch.undo()
     committed = BENCH / "results" / "long_horizon_warm_check_validation.json"
     before = committed.read_bytes() if committed.is_file() else None
     assert module.main(["--quick", "--out", str(out), "--warm_only", "--split", "validation"]) == 0
@@ -182,7 +193,8 @@ def test_quick_mode_with_wiki_length_passages_and_a_context_budget(tmp_path):
     corpus = read_jsonl(variant / "world" / "corpus.jsonl")
     assert min(len(p["contents"].split("\n", 1)[1].split()) for p in corpus) >= 100
     run = json.loads((variant / "runs" / "test_max_context_tokens_600" / "mempo_s0" / "run.json").read_text())
-    assert run["settings"] == long_horizon.experiment_settings(True, "test", {"max_context_tokens": 600}, 100)
+    settings = long_horizon.experiment_settings(True, "test", {"max_context_tokens": 600}, 100)
+    assert run["settings"] == {**settings, "arm": long_horizon.ARMS["mempo"]}
     summary = json.loads((variant / "long_horizon_max_context_tokens_600.json").read_text())
     assert sorted(summary["horizons"]) == ["1", "4"]
     for cells in summary["horizons"].values():

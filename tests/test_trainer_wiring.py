@@ -141,7 +141,8 @@ def expected_advantages(out, tokenizer, args):
             reward[key] = math.log(pm + args.memory_reward_eps) - math.log(pf + args.memory_reward_eps)
         length = spans[key][1] - spans[key][0] + 1
         reward[key] -= args.memory_length_penalty * length / args.max_completion_length
-    # Pools: all scored rounds of a question (or of a question and round); (r - mean) / (std + 1e-6).
+    # Pools: all scored rounds of a question (or of a question and round); (r - mean) / (std + 1e-6), the std of the
+    # pool, of every scored round of the batch, or none.
     question_of = {label: qi for qi, label, _ in rows}
     pools = {}
     for label, r in reward:
@@ -151,6 +152,8 @@ def expected_advantages(out, tokenizer, args):
     for label, r in reward:
         values = pools[(question_of[label], r) if args.memory_pooling == "question_round" else question_of[label]]
         mean, std = (statistics.mean(values), statistics.stdev(values)) if len(values) > 1 else (0.0, 1.0)
+        if args.memory_scale_rewards != "group":
+            std = statistics.stdev(reward.values()) if args.memory_scale_rewards == "batch" else 0.0
         memory[(label, r)] = (reward[(label, r)] - mean) / (std + 1e-6) if std > 0 else reward[(label, r)] - mean
         if args.memory_gate_on_outcome and outcome[label] < 0:
             memory[(label, r)] = 0.0
@@ -173,6 +176,8 @@ VARIANTS = {
         "memory_gate_on_outcome": True,
         "memory_coef": 0.5,
     },
+    "batch-scaled": {"memory_scale_rewards": "batch"},
+    "unscaled-per-round": {"memory_scale_rewards": "none", "memory_pooling": "question_round"},
     "quantile-log-ratio-length-reference": {
         "memory_threshold": None,
         "memory_threshold_quantile": 0.0,  # drops a1 r2's P_mem (the smallest probability of the batch)

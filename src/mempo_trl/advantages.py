@@ -97,6 +97,7 @@ def mempo_advantages(
     memory_coef: float = 1.0,
     memory_pooling: str = "question",
     memory_gate_on_outcome: bool = False,
+    memory_scale_rewards: str = "group",
 ) -> MemPOAdvantages:
     """Per-token advantages of the rounds ``local_rows`` of a batch of N trajectories played as R rounds (rows).
 
@@ -115,6 +116,8 @@ def mempo_advantages(
         memory_pooling: ``"question"`` pools the memory rewards of all rounds of a question's G trajectories;
             ``"question_round"`` pools per (question, round index).
         memory_gate_on_outcome: keep the memory advantage only on rows whose outcome advantage is ``>= 0``.
+        memory_scale_rewards: the memory rewards' std: of their pool (``"group"``), of the batch, or ``"none"``
+            (`normalize_memory_rewards`).
 
     Returns:
         `MemPOAdvantages`: ``advantages`` ``(B, T)`` = outcome advantage of the row's trajectory on every completion
@@ -146,6 +149,7 @@ def mempo_advantages(
         [t // num_generations for t in row_trajectories],
         scored,
         [[t] * len(v) for t, v in zip(row_rounds, scored)] if memory_pooling == "question_round" else None,
+        memory_scale_rewards,
     )
     if memory_gate_on_outcome:
         normalized = [v if outcome[t] >= 0 else [0.0] * len(v) for t, v in zip(row_trajectories, normalized)]

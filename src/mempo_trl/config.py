@@ -66,6 +66,10 @@ class MemPOConfig(GRPOConfig):
         memory_pooling (`str`, *optional*, defaults to `"question"`):
             `"question"`: normalise over all rounds of all trajectories of a question (paper). `"question_round"`:
             normalise per (question, round index).
+        memory_scale_rewards (`str`, *optional*, defaults to `"group"`):
+            What the memory rewards are divided by after their pool's mean is taken off: `"group"`: the pool's std
+            (paper). `"batch"`: the std of all memory rewards of the batch. `"none"`: nothing. TRL's `scale_rewards`
+            values, for the memory advantage.
         memory_gate_on_outcome (`bool`, *optional*, defaults to `False`):
             Variant: add the memory advantage only on rows whose outcome advantage is >= 0.
         memory_full_from_reference (`bool`, *optional*, defaults to `False`):
@@ -131,6 +135,13 @@ class MemPOConfig(GRPOConfig):
         metadata={
             "help": "`question` or `question_round` normalisation pool.",
             "choices": ["question", "question_round"],
+        },
+    )
+    memory_scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "Std the memory rewards are divided by: `group` (their pool's), `batch` or `none`.",
+            "choices": ["group", "batch", "none"],
         },
     )
     memory_gate_on_outcome: bool = field(
@@ -200,6 +211,10 @@ class MemPOConfig(GRPOConfig):
             problems.append(f"memory_length_penalty must be >= 0, got {self.memory_length_penalty}.")
         if self.memory_pooling not in ("question", "question_round"):
             problems.append(f"memory_pooling must be 'question' or 'question_round', got {self.memory_pooling!r}.")
+        if self.memory_scale_rewards not in ("group", "batch", "none"):
+            problems.append(
+                f"memory_scale_rewards must be 'group', 'batch' or 'none', got {self.memory_scale_rewards!r}."
+            )
         if self.memory_scoring not in ("auto", "batched", "shared_prefix"):
             problems.append(
                 f"memory_scoring must be 'auto', 'batched' or 'shared_prefix', got {self.memory_scoring!r}."

@@ -420,6 +420,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             scale_rewards=self.scale_rewards,
             memory_coef=args.memory_coef,
             memory_pooling=args.memory_pooling,
+            memory_scale_rewards=args.memory_scale_rewards,
             memory_gate_on_outcome=args.memory_gate_on_outcome,
         )
 
