@@ -17,7 +17,8 @@ published command; `--split validation` for choosing settings) before and after 
 `runs/<split>/<arm>_s<seed>/run.json` when it ends and a rerun with the same settings skips it, so a later session adds
 seeds; a run stopped midway resumes from its newest checkpoint (every `CHECKPOINT_EVERY` steps). `--jobs N` trains N
 runs side by side as processes (on one GPU with `--device cuda`). Run directories stay out of git (default `--out
-runs/long_horizon`); the published configuration (no `--set`, `--split test`, not `--quick`, no `--passage_words`)
+runs/long_horizon`); the published configuration (no `--set`, `--split test`, not `--quick`, no `--passage_words`, no
+`--outcome_reward`)
 writes its summary and figure to `bench/results/long_horizon.json` / `.png`, any other next to its runs.
 
     python bench/long_horizon.py --seeds 0 1 2 3 4 --jobs 2          # the published experiment (resumable)
@@ -30,8 +31,8 @@ measures what a remembered fact is worth to it (`memory_signal`), and writes ``<
 the default settings and ``--out``, also ``bench/results/long_horizon_warm_check_<split>.json`` (with its command),
 which the README cites.
 
-Two options (issue 22), off by default (the default settings, and so the cached warm start and the finished runs,
-are unchanged):
+Three options, off by default (the default settings, and so the cached warm start and the finished runs, are
+unchanged):
 
 - a context budget, ``--set max_context_tokens=N`` (`MemPOConfig.max_context_tokens`): no round's context may be
   longer than N tokens; a longer one ends the episode (outcome 0; ``context_overflow`` per K and arm) or, with
@@ -43,9 +44,13 @@ are unchanged):
   (`bench_context_tokens.wiki_length_corpus`); with ``retrieval_topk`` 3, ``--passage_words 100`` gives
   wiki-length results (~100 words, top-3). It changes the world, so the world, the warm start (built anew), the runs
   and the summary go to ``<out>/passage_words_N/``, apart from the default ones, and ``settings["world"]`` holds it.
+- ``--outcome_reward all_parts``: every arm trains on `mempo_all_parts_reward` (1 only when all K parts are right)
+  instead of each part's share, which pays ``1/K`` for one search and one right value (`OUTCOME_REWARDS`); runs and
+  summary get the suffix ``_all_parts``, and ``settings["outcome_reward"]`` holds it.
 
     python bench/long_horizon.py --split validation --set max_context_tokens=1024
     python bench/long_horizon.py --split validation --passage_words 100   # -> runs/long_horizon/passage_words_100/
+    python bench/long_horizon.py --split validation --outcome_reward all_parts   # -> runs/validation_all_parts/
 """
 
 import argparse
@@ -104,6 +109,10 @@ VOCABULARY_SIZE = 1024
 small enough that a held-out name splits into pieces the warm data shows (`name_token_coverage` 0.99 on this world's
 validation and test names, 6.2-6.6 tokens per name; the 8,192 bound gives 0.91-0.94 at 4.2-4.6 tokens, and a
 vocabulary trained with the names 0.71-0.73; docs/learning.md)."""
+
+OUTCOME_REWARDS = {"each_part": "mempo_outcome_reward", "all_parts": "mempo_all_parts_reward"}
+"""``--outcome_reward``: the `mempo_trl.rewards` function every arm trains on. Evaluation always reports EM with each
+part's share (`mempo_outcome_reward`)."""
 
 CHECKPOINT_EVERY = 10
 """RL steps between the checkpoints of a run (the newest kept): a stopped run resumes from the newest one."""
@@ -580,6 +589,7 @@ def run_one(job: dict) -> dict:
     """Train one (arm, seed) from the warm start, evaluate per K before and after; write ``run.json``."""
     import torch
 
+    import mempo_trl.rewards
     from mempo_trl import MemPOConfig, MemPOTrainer
     from mempo_trl.checkpoints import newest_complete_checkpoint
     from mempo_trl.data import load_qa, read_jsonl
@@ -609,9 +619,11 @@ def run_one(job: dict) -> dict:
         report_to="none", save_strategy="steps", save_steps=CHECKPOINT_EVERY, save_total_limit=1, logging_steps=1,
         disable_tqdm=True,
     )  # fmt: skip
+    reward = getattr(mempo_trl.rewards, OUTCOME_REWARDS[settings.get("outcome_reward", "each_part")])
     trainer = MemPOTrainer(
-        model, retriever, args=config, train_dataset=load_qa(job["paths"]["rl"]), processing_class=tokenizer
-    )
+        model, retriever, args=config, reward_funcs=[reward], train_dataset=load_qa(job["paths"]["rl"]),
+        processing_class=tokenizer,
+    )  # fmt: skip
     # A stopped run resumes from its newest checkpoint, unless that was made with other settings.
     started = run_dir / "settings.json"
     if started.is_file() and json.loads(started.read_text()) != key:
@@ -744,7 +756,9 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def experiment_settings(quick: bool, split: str, overrides: dict, passage_words: int | None = None) -> dict:
+def experiment_settings(
+    quick: bool, split: str, overrides: dict, passage_words: int | None = None, outcome_reward: str = "each_part"
+) -> dict:
     """What keys the world, the warm start and every run: `WORLD`, `WARM` and `BUDGET` with ``overrides`` (`QUICK`'s
     with ``quick``), and the split. ``passage_words`` enters the world only when given, so that the default settings
     (and the cached warm start and runs they key) stay as they are."""
@@ -756,7 +770,8 @@ def experiment_settings(quick: bool, split: str, overrides: dict, passage_words:
         budget["max_turns"] = max(world["horizons"]) + 2
     if passage_words is not None:
         world = {**world, "passage_words": passage_words}
-    return {"world": world, "warm": warm, "budget": budget, "split": split}
+    settings = {"world": world, "warm": warm, "budget": budget, "split": split}
+    return settings if outcome_reward == "each_part" else {**settings, "outcome_reward": outcome_reward}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -772,6 +787,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override BUDGET entries (MemPOConfig fields, JSON values); an arm's own "
                              "settings (ARMS) win")  # fmt: skip
+    parser.add_argument("--outcome_reward", default="each_part", choices=list(OUTCOME_REWARDS),
+                        help="what an answer earns in training: each right part its share (default) or 1 only when "
+                             "all parts are right; runs and summary get the suffix _all_parts")  # fmt: skip
     parser.add_argument("--passage_words", type=int, default=None, metavar="N",
                         help="pad every passage to ~N words (wiki-length); world, warm start and runs go to "
                              "<out>/passage_words_N")  # fmt: skip
@@ -782,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--jobs {args.jobs}: expected >= 1")
         if args.passage_words is not None and args.passage_words < 1:
             raise ValueError(f"--passage_words {args.passage_words}: expected >= 1 (words per passage)")
-        settings = experiment_settings(args.quick, args.split, overrides, args.passage_words)
+        settings = experiment_settings(args.quick, args.split, overrides, args.passage_words, args.outcome_reward)
         turn_protocol(settings["budget"], "memory")  # a bad max_context_tokens fails here, before the warm start
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -792,10 +810,10 @@ def main(argv: list[str] | None = None) -> int:
     world, warm, budget = settings["world"], settings["warm"], settings["budget"]
     if args.quick:
         args.seeds = args.seeds[:1]
-    defaults = not (args.quick or overrides or args.passage_words)
+    defaults = not (args.quick or overrides or args.passage_words or args.outcome_reward != "each_part")
     published = defaults and args.split == "test"
     out = Path(args.out) if args.passage_words is None else Path(args.out) / f"passage_words_{args.passage_words}"
-    variant = budget_suffix(budget)
+    variant = budget_suffix(budget) + ("" if args.outcome_reward == "each_part" else f"_{args.outcome_reward}")
     results = Path("bench/results/long_horizon.json") if published else out / f"long_horizon{variant}.json"
     runs = out / "runs" / f"{args.split}{variant}"
     # The warm check of the default settings is the one the README cites: it is also written to bench/results.

@@ -202,6 +202,20 @@ def test_quick_mode_with_wiki_length_passages_and_a_context_budget(tmp_path):
         assert all(0.0 <= cell["context_overflow"] <= 1.0 for cell in cells.values())
 
 
+@pytest.mark.slow
+def test_the_all_parts_reward_trains_every_arm_in_runs_of_its_own(tmp_path):
+    out = tmp_path / "lh"
+    assert long_horizon.main(["--quick", "--out", str(out), "--outcome_reward", "all_parts"]) == 0
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["test_all_parts"]
+    for arm in long_horizon.ARMS:
+        run_dir = out / "runs" / "test_all_parts" / f"{arm}_s0"
+        assert json.loads((run_dir / "run.json").read_text())["settings"]["outcome_reward"] == "all_parts"
+        logged = json.loads((run_dir / "checkpoint-1" / "trainer_state.json").read_text())["log_history"][0]
+        assert "rewards/mempo_all_parts_reward/mean" in logged and "rewards/mempo_outcome_reward/mean" not in logged
+    summary = json.loads((out / "long_horizon_all_parts.json").read_text())
+    assert summary["settings"]["outcome_reward"] == "all_parts" and summary["command"].endswith("all_parts")
+
+
 @pytest.mark.parametrize(
     "option, message",
     [

@@ -9,6 +9,7 @@ from mempo_trl.rewards import (
     OutcomeScore,
     exact_match,
     f1_score,
+    mempo_all_parts_reward,
     mempo_outcome_reward,
     normalize_answer,
     outcome_score,
@@ -112,3 +113,16 @@ def test_mempo_outcome_reward():
     valid = [True, True, True, True, True, False, True, True]
     assert mempo_outcome_reward(["q"] * 8, completions, golds, sub_answers=subs, format_valid=valid)[5] == 0.0
     assert mempo_outcome_reward(["q"], ["<mem>m</mem><think>t</think><answer>Ulm</answer>"], [["Berlin"]]) == [0.0]
+
+
+def test_all_parts_reward_pays_only_for_the_whole_answer():
+    def turn(answer):
+        return f"<mem>m</mem><think>t</think><answer>{answer}</answer>"
+
+    subs = [[["1927"], ["Ulm"], ["40 metres", "40"]]] * 5 + [None]
+    completions = [turn("1927; Ulm; 40"), turn("1927; Ulm; 41"), turn("1927"), turn("1927; Ulm; 40"), "", turn("Ulm")]
+    golds = [[]] * 5 + [["ulm"]]
+    valid = [True, True, True, False, True, True]
+    args = (["q"] * 6, completions, golds, subs, valid)
+    assert mempo_outcome_reward(*args) == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0, 0.0, 1.0])
+    assert mempo_all_parts_reward(*args) == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]

@@ -28,6 +28,7 @@ _EXPORTS = {
     "f1_score": "mempo_trl.rewards",
     "outcome_score": "mempo_trl.rewards",
     "mempo_outcome_reward": "mempo_trl.rewards",
+    "mempo_all_parts_reward": "mempo_trl.rewards",
     "mempo_format_reward": "mempo_trl.rewards",
     "answer_probability": "mempo_trl.memory",
     "memory_reward": "mempo_trl.memory",

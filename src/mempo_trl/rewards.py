@@ -151,6 +151,19 @@ def _completion_text(completion: Any) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
 
 
+def _episode_scores(completions, golden_answers, sub_answers, format_valid) -> list[OutcomeScore]:
+    """`outcome_score` of each completion, parsed as the episode's final turn (see `mempo_outcome_reward`)."""
+    _check_batch(completions, golden_answers=golden_answers, sub_answers=sub_answers, format_valid=format_valid)
+    scores = []
+    for i, completion in enumerate(completions):
+        turn = parse_turn(_completion_text(completion))
+        answer = turn.content if turn.valid and turn.action == "answer" else None
+        valid = True if format_valid is None else bool(format_valid[i])
+        subs = sub_answers[i] if sub_answers is not None else None
+        scores.append(outcome_score(answer, golden_answers[i], subs, format_valid=valid))
+    return scores
+
+
 def mempo_outcome_reward(
     prompts: list[Any],
     completions: list[Any],
@@ -169,15 +182,28 @@ def mempo_outcome_reward(
     >>> mempo_outcome_reward(["q", "q"], [done, [{"role": "assistant", "content": "Ulm"}]], [["ulm"], ["ulm"]])
     [1.0, 0.0]
     """
-    _check_batch(completions, golden_answers=golden_answers, sub_answers=sub_answers, format_valid=format_valid)
-    rewards = []
-    for i, completion in enumerate(completions):
-        turn = parse_turn(_completion_text(completion))
-        answer = turn.content if turn.valid and turn.action == "answer" else None
-        valid = True if format_valid is None else bool(format_valid[i])
-        subs = sub_answers[i] if sub_answers is not None else None
-        rewards.append(outcome_score(answer, golden_answers[i], subs, format_valid=valid).em)
-    return rewards
+    return [score.em for score in _episode_scores(completions, golden_answers, sub_answers, format_valid)]
+
+
+def mempo_all_parts_reward(
+    prompts: list[Any],
+    completions: list[Any],
+    golden_answers: list[Sequence[str]],
+    sub_answers: list[Sequence[Sequence[str]] | None] | None = None,
+    format_valid: list[bool] | None = None,
+    **kwargs: Any,
+) -> list[float]:
+    """TRL reward function: 1 when every part of a multi-objective answer is an exact match, else 0.
+
+    `mempo_outcome_reward` gives each part its share (K parts: ``1/K`` each), so one search and one right value
+    already earns ``1/K``; this reward pays only for the whole answer. Rows without ``sub_answers`` score as there.
+
+    >>> done = "<mem>m</mem><think>t</think><answer>Ulm; Bob</answer>"
+    >>> mempo_all_parts_reward(["q", "q"], [done, done], [[], []], [[["Ulm"], ["Bob"]], [["Ulm"], ["Max"]]])
+    [1.0, 0.0]
+    """
+    scores = _episode_scores(completions, golden_answers, sub_answers, format_valid)
+    return [float(all(score.per_question_em)) for score in scores]
 
 
 def mempo_format_reward(
