@@ -17,7 +17,7 @@ import trl
 from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever, describe_retriever
 
 
-REWARD_FUNCS = {"mempo_outcome_reward", "mempo_format_reward"}
+REWARD_FUNCS = {"mempo_outcome_reward", "mempo_all_parts_reward", "mempo_format_reward"}
 
 
 @dataclass
@@ -32,7 +32,8 @@ class ScriptArguments(trl.ScriptArguments):
     )  # fmt: skip
     reward_funcs: list[str] = field(
         default_factory=lambda: ["mempo_outcome_reward"],
-        metadata={"help": "Outcome reward functions: mempo_outcome_reward, mempo_format_reward or a dotted import path "
+        metadata={"help": "Outcome reward functions: mempo_outcome_reward, mempo_all_parts_reward (multi-objective rows: "
+                  "1 only when every part is right), mempo_format_reward or a dotted import path "
                   "(`my_lib.rewards.custom_reward`); weigh them with `reward_weights`. `mempo_format_reward` helps a "
                   "small model that rarely answers right."},
     )  # fmt: skip
@@ -60,8 +61,8 @@ def load_reward_funcs(names: list[str]) -> list:
     """The reward functions `names` name: ours by name, anything else by dotted import path (as TRL's scripts).
 
     Example:
-        >>> [f.__name__ for f in load_reward_funcs(["mempo_outcome_reward", "mempo_trl.rewards.mempo_format_reward"])]
-        ['mempo_outcome_reward', 'mempo_format_reward']
+        >>> [f.__name__ for f in load_reward_funcs(["mempo_all_parts_reward", "mempo_trl.rewards.mempo_format_reward"])]
+        ['mempo_all_parts_reward', 'mempo_format_reward']
     """
     from mempo_trl import rewards
 
