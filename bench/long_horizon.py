@@ -9,7 +9,8 @@ pretrained on a copy task (`mempo_trl.kit.induction`), then SFT-warm-started wit
 of the warm rows with a forgetful memory (`WARM["mem_drop"]`; fresh names and values, the loss on every token:
 `WARM`); every arm then trains from it with the same budget on the RL rows (all K mixed):
 
-- `mempo`: memory context + memory advantage; `outcome_only`: memory context, `memory_coef: 0`;
+- `mempo`: memory context + memory advantage (divided by the batch's std: `ARMS`); `outcome_only`: memory context,
+  `memory_coef: 0`;
 - `full_history`: full-history GRPO (`context_mode: full_history`, evaluated in that mode).
 
 Each run is evaluated greedily per K on one split (`--split test` for published numbers, touched only by the
