@@ -107,11 +107,11 @@ def test_an_output_dir_with_results_is_refused_before_torch_is_imported(tmp_path
     )
     result = _run_python(code, tmp_path)
     assert result.stdout.rstrip().endswith("HEAVY [] 2"), result.stdout + result.stderr
-    assert "already holds results (model.safetensors)" in result.stderr
+    assert f"error: output directory {out} holds model.safetensors, which no mempo-trl run recorded" in result.stderr
     # The command line wins over the recipe, as in the full parse: this run gets past the early check.
     fresh = tmp_path / "fresh"
     result = _run_python(
         code.replace("'--config',", f"'--output_dir', {str(fresh)!r}, '--max_steps', 'ten', '--config',"), tmp_path
     )
-    assert "already holds results" not in result.stderr
+    assert "error: output directory" not in result.stderr
     assert "invalid int value: 'ten'" in result.stderr

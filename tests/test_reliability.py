@@ -242,7 +242,7 @@ def test_train_refuses_to_overwrite_earlier_results_unless_told(tmp_path, capsys
     assert main(train_settings(tmp_path, tiny_model_dir)) == 2
     assert one_error_line(capsys) == (
         f"error: output directory {out} already holds results (checkpoint-3, model.safetensors). Pass "
-        "--overwrite_output_dir to replace them, or choose another output directory."
+        "--overwrite_output_dir to replace them (other files there are kept), or choose another output directory."
     )
     assert (out / "model.safetensors").read_text() == "an earlier model"
     assert main([*train_settings(tmp_path, tiny_model_dir), "--overwrite_output_dir", "true"]) == 0

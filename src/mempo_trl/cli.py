@@ -47,5 +47,11 @@ def _dispatch(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; the output directories it claimed are released (and their run record written) at its end."""
+    from mempo_trl.outputs import release_output_dirs
+
     quiet_upstream_noise()
-    return run(_dispatch, sys.argv[1:] if argv is None else argv)
+    try:
+        return run(_dispatch, sys.argv[1:] if argv is None else argv)
+    finally:
+        release_output_dirs()

@@ -117,8 +117,8 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     """Parse `argv` (and `--config file.yaml`) into instances of `dataclass_types`, TRL-style.
 
     A bad argument raises `CommandError` (one `error:` line). A command with an `output_dir` also gets
-    `--overwrite_output_dir` (`OutputArguments`), and its `output_dir` is checked (`prepare_output_dir`) here,
-    before the command does any work.
+    `--overwrite_output_dir` (`OutputArguments`), and its `output_dir` is checked and held (`claim_output_dir`,
+    apart from the `INPUT_FIELDS` inputs and the recipe) here, before the command does any work.
 
     Example:
         >>> from mempo_trl.commands.retrieval import IndexArguments
@@ -127,7 +127,7 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     """
     from trl import TrlParser
 
-    from mempo_trl.outputs import OutputArguments, prepare_output_dir
+    from mempo_trl.outputs import OutputArguments, claim_output_dir
 
     names = {f.name for t in dataclass_types for f in fields(t)}
     writes = "output_dir" in names and "overwrite_output_dir" not in names
@@ -139,7 +139,33 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     if not writes:
         return tuple(parsed)
     *parsed, output = parsed
+    inputs = {
+        what: getattr(args, name) for args in parsed for name, what in INPUT_FIELDS.items() if hasattr(args, name)
+    }
+    inputs["recipe"] = flag_value(sys.argv[1:] if argv is None else argv, "config")
     for args in parsed:
         if getattr(args, "output_dir", None):
-            prepare_output_dir(args.output_dir, overwrite=output.overwrite_output_dir)
+            claim_output_dir(args.output_dir, overwrite=output.overwrite_output_dir, inputs=inputs)
     return tuple(parsed)
+
+
+INPUT_FIELDS = {"model_name_or_path": "model", "base_model_name_or_path": "base model", "dataset_name": "dataset",
+                "corpus": "corpus"}  # fmt: skip
+"""The arguments naming the inputs a command reads (and what each is), which its `output_dir` must be apart from."""
+
+
+def flag_value(argv: list[str], name: str) -> str | None:
+    """The last value of `--name value` / `--name=value` in `argv` ("true" for a bare boolean flag).
+
+    Example:
+        >>> flag_value(["--config", "a.yaml", "--push_to_hub", "--config=b.yaml"], "config")
+        'b.yaml'
+    """
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}":
+            following = argv[i + 1] if i + 1 < len(argv) else "--"
+            value = "true" if following.startswith("--") else following
+        elif arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+    return value

@@ -118,10 +118,10 @@ def launch(argv: list[str]) -> int:
     from mempo_trl.commands.train import parse_args
 
     launch, train_argv = split_launch_args(argv)
-    script_args, training_args, model_args, _ = parse_args(train_argv)
+    script_args, training_args, model_args, retriever_args = parse_args(train_argv)
     cmd = launch_command(launch, train_argv, use_cpu=training_args.use_cpu)
     check_cpu_config(Path(cmd[4]), training_args.use_cpu)
-    check_before_training(script_args, training_args, model_args)
+    check_before_training(script_args, training_args, model_args, retriever_args)
     # torchrun sets OMP_NUM_THREADS=1 in every process anyway (and warns that it did); say it once here instead.
     env = {"OMP_NUM_THREADS": "1", **os.environ}
     if Path(cmd[4]).name.startswith("cpu_"):  # DeepSpeed's accelerator, named: no "Setting accelerator to CPU" warning

@@ -27,8 +27,9 @@ class ScriptArguments(trl.ScriptArguments):
 
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Replace the results in an `output_dir` that already holds some (they are deleted first). "
-                  "Without it (or `resume_from_checkpoint`) such a directory is refused before anything is loaded."},
+        metadata={"help": "Replace the results of an earlier run in `output_dir` (they are deleted first; other files "
+                  "there are kept), or write into a directory that holds other files. Without it (or "
+                  "`resume_from_checkpoint`) such a directory is refused before anything is loaded."},
     )  # fmt: skip
     reward_funcs: list[str] = field(
         default_factory=lambda: ["mempo_outcome_reward"],
@@ -282,32 +283,11 @@ def save_checkpoint_and_release(trainer) -> Path:
     return checkpoint
 
 
-def remove_previous_results(output_dir: str | Path) -> list[str]:
-    """Delete everything in ``output_dir`` (weights or adapter, card, metrics, checkpoints, logs of the previous
-    run), so that nothing stale of another kind (full weights beside a new adapter) stays
-    there. Returns the names removed.
-
-    Example:
-        >>> remove_previous_results("outputs/tiny")  # doctest: +SKIP
-        ['README.md', 'adapter_config.json', 'adapter_model.safetensors', 'mempo_metrics.json', ...]
-    """
-    import shutil
-
-    from mempo_trl.outputs import PROBE_PREFIX
-
-    removed = []
-    for entry in sorted(Path(output_dir).iterdir()):
-        if entry.name.startswith(PROBE_PREFIX):  # another process's probe
-            continue
-        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-        removed.append(entry.name)
-    return removed
-
-
-def check_before_training(script_args: ScriptArguments, training_args, model_args) -> None:
-    """Fail in seconds, not after training: model path, logging backends, a writable and unused `output_dir`."""
+def check_before_training(script_args: ScriptArguments, training_args, model_args, retriever_args) -> None:
+    """Fail in seconds, not after training: model path, logging backends, a writable `output_dir` apart from the
+    inputs and free of earlier results (`mempo_trl.outputs.claim_output_dir`, which the first process holds)."""
     from mempo_trl.loading import check_model_path
-    from mempo_trl.outputs import check_report_to, prepare_output_dir
+    from mempo_trl.outputs import check_report_to, claim_output_dir, prepare_output_dir
 
     if not model_args.model_name_or_path:
         raise ValueError("no model: set model_name_or_path (a model directory or a Hub id; `mempo-trl kit learner` "
@@ -319,36 +299,33 @@ def check_before_training(script_args: ScriptArguments, training_args, model_arg
             f"`mempo-trl eval --environment {script_args.environment}` instead (set heldout_questions: 0)."
         )
     check_report_to(training_args.report_to)
-    first = int(os.environ.get("RANK", "0")) == 0
-    prepare_output_dir(
-        training_args.output_dir,
-        overwrite=script_args.overwrite_output_dir,
-        resume=training_args.resume_from_checkpoint,
-        check_existing=first,
-    )
-    if first and script_args.overwrite_output_dir and not training_args.resume_from_checkpoint:
-        removed = remove_previous_results(training_args.output_dir)
-        if removed:
-            print(
-                f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {training_args.output_dir}"
-            )
+    inputs = {"model": model_args.model_name_or_path, "dataset": script_args.dataset_name,
+              "corpus": retriever_args.corpus}  # fmt: skip
+    if int(os.environ.get("RANK", "0")) == 0:  # the run's first process holds output_dir locked until it ends
+        claim_output_dir(training_args.output_dir, script_args.overwrite_output_dir,
+                         training_args.resume_from_checkpoint, inputs)  # fmt: skip
+    else:
+        prepare_output_dir(training_args.output_dir, check_existing=False, inputs=inputs)
 
 
 def main(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments) -> int:
     """Check the inputs, build the trainer, train, save (and push); print where everything went."""
     from mempo_trl.checkpoints import prepare_resume
+    from mempo_trl.outputs import drop_abandoned_checkpoints
 
     if training_args.ddp_find_unused_parameters is None:
         # Trainer's default without activation checkpointing is True, and DDP then warns every run that it found none:
         # every parameter of a MemPO policy (full or LoRA) gets a gradient.
         training_args.ddp_find_unused_parameters = False
-    check_before_training(script_args, training_args, model_args)
+    check_before_training(script_args, training_args, model_args, retriever_args)
     finished = prepare_resume(training_args)  # validates the checkpoint before any model is loaded
     if finished:
         if int(os.environ.get("RANK", "0")) == 0:
             print(finished)
         return 0
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        drop_abandoned_checkpoints(training_args.output_dir, training_args.resume_from_checkpoint)
     metrics = train(trainer, training_args, script_args.dataset_name)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"model saved to {training_args.output_dir}")

@@ -13,7 +13,15 @@ import argparse
 import os
 from pathlib import Path
 
-from mempo_trl.commands import CommandError, add_command, one_line_errors, quiet_upstream_noise, run
+from mempo_trl.commands import (
+    INPUT_FIELDS,
+    CommandError,
+    add_command,
+    flag_value,
+    one_line_errors,
+    quiet_upstream_noise,
+    run,
+)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -29,38 +37,27 @@ def parse_args(argv: list[str] | None = None):
     return tuple(parsed)
 
 
-def _flag_value(argv: list[str], name: str) -> str | None:
-    """The last value of `--name value` / `--name=value` in `argv` ("true" for a bare boolean flag)."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == f"--{name}":
-            following = argv[i + 1] if i + 1 < len(argv) else "--"
-            value = "true" if following.startswith("--") else following
-        elif arg.startswith(f"--{name}="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def check_output_dir_early(argv: list[str]) -> int:
     """Refuse an `output_dir` that already holds results in a second, before torch and TRL are imported.
 
-    Reads `output_dir`, `overwrite_output_dir` and `resume_from_checkpoint` from the recipe and the command line the
-    way the full parse will (command line wins); anything it cannot read is left to that parse.
+    Reads `output_dir`, `overwrite_output_dir`, `resume_from_checkpoint` and the inputs (`INPUT_FIELDS`) from the
+    recipe and the command line the way the full parse will (command line wins); anything it cannot read is left to
+    that parse.
     """
     import yaml
 
     from mempo_trl.outputs import prepare_output_dir
 
     settings = {}
-    config = _flag_value(argv, "config")
+    config = flag_value(argv, "config")
     if config and Path(config).is_file():
         try:
             loaded = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
         except yaml.YAMLError:
             loaded = None
         settings = loaded if isinstance(loaded, dict) else {}
-    for name in ("output_dir", "overwrite_output_dir", "resume_from_checkpoint"):
-        value = _flag_value(argv, name)
+    for name in ("output_dir", "overwrite_output_dir", "resume_from_checkpoint", *INPUT_FIELDS):
+        value = flag_value(argv, name)
         if value is not None:
             settings[name] = value
     output_dir = settings.get("output_dir")
@@ -68,7 +65,8 @@ def check_output_dir_early(argv: list[str]) -> int:
         return 0  # nothing to refuse yet (and nothing is created before the full parse)
     overwrite = str(settings.get("overwrite_output_dir", False)).lower() in ("true", "1", "yes")
     resume = settings.get("resume_from_checkpoint")
-    prepare_output_dir(output_dir, overwrite=overwrite, resume=str(resume) if resume else None)
+    inputs = {what: settings[name] for name, what in INPUT_FIELDS.items() if isinstance(settings.get(name), str)}
+    prepare_output_dir(output_dir, overwrite, str(resume) if resume else None, inputs={**inputs, "recipe": config})
     return 0
 
 
