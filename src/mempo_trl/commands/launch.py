@@ -112,6 +112,21 @@ def check_cpu_config(config: Path, use_cpu: bool) -> None:
         )
 
 
+def machine_rank(launch: dict[str, str], config: Path) -> int:
+    """This machine's rank: `--machine_rank`, else the accelerate config's `machine_rank`, else 0.
+
+    Example:
+        >>> machine_rank({"--machine_rank": "1"}, resolve_accelerate_config("multi_node"))
+        1
+    """
+    import yaml
+
+    if "--machine_rank" in launch:
+        return int(launch["--machine_rank"])
+    settings = yaml.safe_load(config.read_text(encoding="utf-8"))
+    return int(settings.get("machine_rank", 0)) if isinstance(settings, dict) else 0
+
+
 def launch(argv: list[str]) -> int:
     """Check the recipe and the output directory here, then start the processes; returns the launcher's exit code."""
     from mempo_trl.commands.recipe import check_before_training
@@ -121,7 +136,8 @@ def launch(argv: list[str]) -> int:
     script_args, training_args, model_args, retriever_args = parse_args(train_argv)
     cmd = launch_command(launch, train_argv, use_cpu=training_args.use_cpu)
     check_cpu_config(Path(cmd[4]), training_args.use_cpu)
-    check_before_training(script_args, training_args, model_args, retriever_args)
+    main_machine = machine_rank(launch, Path(cmd[4])) == 0  # the others' first process is not the run's first
+    check_before_training(script_args, training_args, model_args, retriever_args, first=main_machine)
     # torchrun sets OMP_NUM_THREADS=1 in every process anyway (and warns that it did); say it once here instead.
     env = {"OMP_NUM_THREADS": "1", **os.environ}
     if Path(cmd[4]).name.startswith("cpu_"):  # DeepSpeed's accelerator, named: no "Setting accelerator to CPU" warning

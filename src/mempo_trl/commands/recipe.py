@@ -283,9 +283,12 @@ def save_checkpoint_and_release(trainer) -> Path:
     return checkpoint
 
 
-def check_before_training(script_args: ScriptArguments, training_args, model_args, retriever_args) -> None:
+def check_before_training(
+    script_args: ScriptArguments, training_args, model_args, retriever_args, first: bool = True
+) -> None:
     """Fail in seconds, not after training: model path, logging backends, a writable `output_dir` apart from the
-    inputs and free of earlier results (`mempo_trl.outputs.claim_output_dir`, which the first process holds)."""
+    inputs and free of earlier results (`mempo_trl.outputs.claim_output_dir`, which the run's first process holds;
+    `first=False` on the launcher of a machine other than the main one)."""
     from mempo_trl.loading import check_model_path
     from mempo_trl.outputs import check_report_to, claim_output_dir, prepare_output_dir
 
@@ -301,7 +304,7 @@ def check_before_training(script_args: ScriptArguments, training_args, model_arg
     check_report_to(training_args.report_to)
     inputs = {"model": model_args.model_name_or_path, "dataset": script_args.dataset_name,
               "corpus": retriever_args.corpus}  # fmt: skip
-    if int(os.environ.get("RANK", "0")) == 0:  # the run's first process holds output_dir locked until it ends
+    if first and int(os.environ.get("RANK", "0")) == 0:  # the run's first process holds output_dir until it ends
         claim_output_dir(training_args.output_dir, script_args.overwrite_output_dir,
                          training_args.resume_from_checkpoint, inputs)  # fmt: skip
     else:
