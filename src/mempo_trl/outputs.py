@@ -239,7 +239,7 @@ class OutputClaim:
     before: set[str]
 
     def release(self) -> None:
-        """Add the entries written since the claim to `RUN_RECORD`, then unlock."""
+        """Add the entries that appeared since the claim to `RUN_RECORD`, then unlock."""
         try:
             written = set(entries(self.path)) - self.before
             if written:
@@ -278,15 +278,14 @@ def claim_output_dir(
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise OutputError(f"output directory {path} cannot be locked ({e.strerror}).") from None
-            raise OutputError(
-                f"output directory {path} is in use by another mempo-trl run. Wait for it to end, or choose another "
-                "output directory."
-            ) from None
-        if not CLAIMS:
-            atexit.register(release_output_dirs)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                raise OutputError(
+                    f"output directory {path} is in use by another mempo-trl run. Wait for it to end, or choose "
+                    "another output directory."
+                ) from None
+            print(f"mempo-trl: WARNING: output directory {path} cannot be locked ({e.strerror}): a second run into "
+                  "it would not be refused.")  # fmt: skip
         CLAIMS[key] = OutputClaim(path, fd, set(entries(path)))
         os.environ[HELD_ENV] = str(key)
     check_existing_entries(path, overwrite, resume)
@@ -300,12 +299,15 @@ def claim_output_dir(
 
 
 def release_output_dirs() -> None:
-    """Release every output directory this process claimed (`OutputClaim.release`)."""
+    """Release every output directory this process claimed (`OutputClaim.release`); also run at exit."""
     while CLAIMS:
         key, claim = CLAIMS.popitem()
         claim.release()
         if os.environ.get(HELD_ENV) == str(key):
             del os.environ[HELD_ENV]
+
+
+atexit.register(release_output_dirs)
 
 
 def drop_abandoned_checkpoints(output_dir: str | os.PathLike, resume: str | None) -> list[str]:
