@@ -17,6 +17,7 @@ import pytest
 from helpers import cpu_recipe, one_error_line
 
 from mempo_trl.cli import main
+from mempo_trl.kit.demo_world import demo_paths
 
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's code, whatever is installed
@@ -87,8 +88,7 @@ def test_overwrite_deletes_only_the_previous_runs_outputs(tmp_path, tiny_model_d
 
 
 def test_eval_and_train_share_the_rules_other_files_alone_need_overwrite(tmp_path, capsys, tiny_model_dir):
-    qa = tmp_path / "qa.jsonl"
-    qa.write_text('{"question": "q", "golden_answers": ["a"]}\n')
+    qa = demo_paths().test
     out = tmp_path / "notes"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
@@ -106,6 +106,14 @@ def test_eval_and_train_share_the_rules_other_files_alone_need_overwrite(tmp_pat
             "overwrite. Move them away or choose another output directory."
         )
     assert tree(out) == {"README.md": b"my project", "notes.txt": b"mine"}
+    # A previous evaluation's results are replaced; notes.txt stays, as with train.
+    (out / "README.md").unlink()
+    (out / "trajectories.jsonl").write_text("an earlier evaluation")
+    corpus = ["--corpus", str(demo_paths().corpus), "--max_eval_samples", "1", "--disable_tqdm", "true"]
+    assert main([*argv, *corpus, "--overwrite_output_dir", "true"]) == 0
+    assert f"removed the previous run's trajectories.jsonl from {out}" in capsys.readouterr().out
+    assert (out / "notes.txt").read_text() == "mine" and (out / "results.json").is_file()
+    assert (out / "trajectories.jsonl").read_text() != "an earlier evaluation"
 
 
 @pytest.mark.parametrize(
