@@ -1,0 +1,77 @@
+"""Loading saved things fails in one line: hand-edited or damaged agent files, model folders, checkpoints and recipes.
+
+Every case runs the real CLI in process (`mempo_trl.cli.main`) on a copy of the tiny model, corrupted one file at a
+time, and expects one `error:` line (exit code 2) naming the file.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import one_error_line
+
+from mempo_trl.cli import main
+from mempo_trl.context import PROTOCOL_FILE, TurnProtocol
+
+
+@pytest.fixture(scope="module")
+def agent_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model with a saved turn protocol (one short turn), as training writes it."""
+    directory = tmp_path_factory.mktemp("agent") / "agent"
+    shutil.copytree(tiny_model_dir, directory)
+    TurnProtocol(max_turns=1, max_completion_length=4).save(directory)
+    return directory
+
+
+@pytest.fixture
+def damaged(tmp_path, agent_dir):
+    """A copy of `agent_dir` to corrupt."""
+    return Path(shutil.copytree(agent_dir, tmp_path / "model"))
+
+
+def ask(model: Path, demo_paths) -> list[str]:
+    return ["ask", "Where was Alice born?", "--model_name_or_path", str(model), "--corpus", str(demo_paths.corpus)]
+
+
+def test_ask_runs_the_undamaged_copy(damaged, demo_paths, capsys):
+    assert main(ask(damaged, demo_paths)) == 0
+    assert "1 turns" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        ([], "it holds list [], not a JSON object of settings"),
+        (None, "it holds NoneType None, not a JSON object of settings"),
+        ("x", "it holds str 'x', not a JSON object of settings"),
+        ({"max_turns": 2.5}, "max_turns must be an integer, got 2.5."),
+        ({"max_turns": True}, "max_turns must be an integer, got True."),
+        ({"max_turns": "3"}, "max_turns must be an integer, got '3'."),
+        ({"retrieval_topk": 2.5}, "retrieval_topk must be an integer, got 2.5."),
+        ({"max_completion_length": 16.5}, "max_completion_length must be an integer, got 16.5."),
+        ({"max_context_tokens": 0}, "max_context_tokens must be a positive integer"),
+        ({"instruction": "Q: {question} {other}"}, "instruction may only use the `{question}` placeholder"),
+        ({"instruction": "Q {0}: {question}"}, "instruction may only use the `{question}` placeholder, got {0}"),
+        ({"instruction": "Q: {question"}, "instruction is not a valid template"),
+        ({"system_prompt": 5}, "system_prompt must be a string, got 5."),
+        ({"system_prompt": None}, "system_prompt must be a string, got None."),
+        ({"context_mode": "sideways"}, "context_mode must be one of ('memory', 'full_history'), got 'sideways'."),
+    ],
+)
+def test_ask_refuses_a_hand_edited_agent_file(damaged, demo_paths, capsys, edit, problem):
+    path = damaged / PROTOCOL_FILE
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, **edit} if isinstance(edit, dict) else edit))
+    assert main(ask(damaged, demo_paths)) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {path}: not a valid turn protocol (") and problem in line, line
+
+
+def test_ask_refuses_an_environment_protocol_with_a_retriever(damaged, demo_paths, capsys):
+    TurnProtocol(max_turns=1, max_completion_length=4).for_environment().save(damaged)
+    assert main(ask(damaged, demo_paths)) == 2
+    assert one_error_line(capsys).startswith(
+        f"error: {damaged / PROTOCOL_FILE}: action 'tool_call' is the protocol of an agent trained on a TRL-style "
+        "environment"
+    )
