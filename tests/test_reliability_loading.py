@@ -75,3 +75,30 @@ def test_ask_refuses_an_environment_protocol_with_a_retriever(damaged, demo_path
         f"error: {damaged / PROTOCOL_FILE}: action 'tool_call' is the protocol of an agent trained on a TRL-style "
         "environment"
     )
+
+
+# ------------------------------------------------------------------------------------------ recipes
+
+
+def alias_bomb(path: Path, levels: int = 3) -> Path:
+    """A recipe of `levels` anchored lists, each holding 9 aliases of the one before (9**levels values)."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{k}: &a{k} [{', '.join([f'*a{k - 1}'] * 9)}]" for k in range(1, levels)]
+    path.write_text("\n".join([*lines, "use_cpu: true", ""]))
+    return path
+
+
+@pytest.mark.parametrize("command", [["train"], ["build-index"], ["eval"], ["kit", "tiny"]])
+def test_every_command_refuses_yaml_aliases_in_its_recipe(tmp_path, capsys, command):
+    recipe = alias_bomb(tmp_path / "bomb.yaml")
+    assert main([*command, "--config", str(recipe)]) == 2
+    assert one_error_line(capsys) == (
+        f"error: {recipe}, line 2: the YAML alias *a0 is not allowed in a recipe; write the value out instead"
+    )
+
+
+def test_a_long_error_line_is_cut(capsys):
+    assert main(["serve-retriever", "--corpus", "c.jsonl", "--typo", "x" * 100_000]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: unrecognized arguments: --typo xxx") and len(line) < 2100, len(line)
+    assert line.endswith("xxx... (98079 more characters cut)"), line[-60:]

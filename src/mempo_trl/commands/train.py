@@ -13,7 +13,15 @@ import argparse
 import os
 from pathlib import Path
 
-from mempo_trl.commands import CommandError, add_command, one_line_errors, quiet_upstream_noise, run
+from mempo_trl.commands import (
+    CommandError,
+    add_command,
+    flag_value,
+    one_line_errors,
+    quiet_upstream_noise,
+    refuse_yaml_aliases,
+    run,
+)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -29,20 +37,9 @@ def parse_args(argv: list[str] | None = None):
     return tuple(parsed)
 
 
-def _flag_value(argv: list[str], name: str) -> str | None:
-    """The last value of `--name value` / `--name=value` in `argv` ("true" for a bare boolean flag)."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == f"--{name}":
-            following = argv[i + 1] if i + 1 < len(argv) else "--"
-            value = "true" if following.startswith("--") else following
-        elif arg.startswith(f"--{name}="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def check_output_dir_early(argv: list[str]) -> int:
-    """Refuse an `output_dir` that already holds results in a second, before torch and TRL are imported.
+    """Refuse a recipe with YAML aliases, and an `output_dir` that already holds results, in a second, before torch
+    and TRL are imported.
 
     Reads `output_dir`, `overwrite_output_dir` and `resume_from_checkpoint` from the recipe and the command line the
     way the full parse will (command line wins); anything it cannot read is left to that parse.
@@ -51,8 +48,9 @@ def check_output_dir_early(argv: list[str]) -> int:
 
     from mempo_trl.outputs import prepare_output_dir
 
+    refuse_yaml_aliases(argv)
     settings = {}
-    config = _flag_value(argv, "config")
+    config = flag_value(argv, "config")
     if config and Path(config).is_file():
         try:
             loaded = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
@@ -60,7 +58,7 @@ def check_output_dir_early(argv: list[str]) -> int:
             loaded = None
         settings = loaded if isinstance(loaded, dict) else {}
     for name in ("output_dir", "overwrite_output_dir", "resume_from_checkpoint"):
-        value = _flag_value(argv, name)
+        value = flag_value(argv, name)
         if value is not None:
             settings[name] = value
     output_dir = settings.get("output_dir")
