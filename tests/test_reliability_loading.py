@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import one_error_line
+from helpers import cpu_recipe, one_error_line
 
 from mempo_trl.cli import main
 from mempo_trl.context import PROTOCOL_FILE, TurnProtocol
@@ -102,3 +102,26 @@ def test_a_long_error_line_is_cut(capsys):
     line = one_error_line(capsys)
     assert line.startswith("error: unrecognized arguments: --typo xxx") and len(line) < 2100, len(line)
     assert line.endswith("xxx... (98079 more characters cut)"), line[-60:]
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def test_resuming_a_checkpoint_of_another_model_names_both(tmp_path, capsys, tiny_model_dir):
+    from mempo_trl.kit.tiny import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", seed=0, hidden_size=32)
+    (tmp_path / "first").mkdir()
+    first = cpu_recipe(tmp_path / "first", other, save_strategy="steps", save_steps=1)
+    assert main(["train", "--config", str(first)]) == 0
+    checkpoint = tmp_path / "first" / "out" / "checkpoint-1"
+    (tmp_path / "second").mkdir()
+    second = cpu_recipe(tmp_path / "second", tiny_model_dir, max_steps=2, resume_from_checkpoint=str(checkpoint))
+    capsys.readouterr()
+    assert main(["train", "--config", str(second)]) == 2
+    assert one_error_line(capsys) == (
+        f"error: checkpoint {checkpoint} holds another model than {tiny_model_dir} (hidden_size 32 there, 64 here; "
+        f"see {checkpoint / 'config.json'}). Resume with the model it was trained from (model_name_or_path), or start "
+        "a new run."
+    )
+    assert not any((tmp_path / "second" / "out").iterdir())  # checked before the model was loaded

@@ -343,7 +343,8 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
         # every parameter of a MemPO policy (full or LoRA) gets a gradient.
         training_args.ddp_find_unused_parameters = False
     check_before_training(script_args, training_args, model_args)
-    finished = prepare_resume(training_args)  # validates the checkpoint before any model is loaded
+    # validates the checkpoint (its files, and that it holds this model) before any model is loaded
+    finished = prepare_resume(training_args, model_args.model_name_or_path, model_args.model_revision)
     if finished:
         if int(os.environ.get("RANK", "0")) == 0:
             print(finished)
