@@ -5,11 +5,14 @@ time, and expects one `error:` line (exit code 2) naming the file.
 """
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import cpu_recipe, one_error_line
+from helpers import cpu_recipe, free_port, one_error_line
 
 from mempo_trl.cli import main
 from mempo_trl.context import PROTOCOL_FILE, TurnProtocol
@@ -125,3 +128,23 @@ def test_resuming_a_checkpoint_of_another_model_names_both(tmp_path, capsys, tin
         "a new run."
     )
     assert not any((tmp_path / "second" / "out").iterdir())  # checked before the model was loaded
+
+
+# ------------------------------------------------------------------------------------------ the Hub
+
+
+@pytest.mark.parametrize("offline", ["0", "1"])
+def test_push_to_hub_with_the_hub_unreachable_fails_before_loading(tmp_path, tiny_model_dir, offline):
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there: nothing leaves the machine
+    recipe = cpu_recipe(tmp_path, tiny_model_dir, push_to_hub=True, hub_model_id="someone/mempo-test")
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": offline, "HF_TOKEN": "", "MEMPO_DEBUG": ""}
+    done = subprocess.run(
+        [sys.executable, "-m", "mempo_trl", "train", "--config", str(recipe)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("error: ") == 1, done.stderr
+    reason = "HF_HUB_OFFLINE is set" if offline == "1" else f"{endpoint} cannot be reached ("
+    assert f"error: push_to_hub needs the Hugging Face Hub, but {reason}" in done.stderr, done.stderr
+    assert "set push_to_hub: false and upload the output directory later" in done.stderr
+    assert not (tmp_path / "out").exists()  # before the output directory, let alone the model

@@ -54,3 +54,28 @@ def load_tokenizer(path: str | Path, revision: str | None = None):
     if Path(path, "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     return AutoTokenizer.from_pretrained(str(path), revision=revision)
+
+
+def check_hub_reachable(why: str = "push_to_hub") -> None:
+    """Raise `ConnectionError` (one line, naming the endpoint) unless the Hugging Face Hub answers: before the work
+    whose results `why` would upload, not after. The endpoint is huggingface_hub's (`HF_ENDPOINT`); nothing is sent
+    but one HEAD request, and `HF_HUB_OFFLINE` fails at once.
+
+    Example:
+        >>> check_hub_reachable()  # doctest: +SKIP
+        Traceback (most recent call last):
+        ConnectionError: push_to_hub needs the Hugging Face Hub, but http://127.0.0.1:9 cannot be reached ...
+    """
+    import httpx
+    from huggingface_hub import constants
+
+    fix = f"check the network and HF_ENDPOINT, or set {why}: false and upload the output directory later"
+    if constants.HF_HUB_OFFLINE:
+        raise ConnectionError(f"{why} needs the Hugging Face Hub, but HF_HUB_OFFLINE is set; {fix}")
+    try:
+        httpx.head(constants.ENDPOINT, timeout=15)
+    except httpx.HTTPError as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise ConnectionError(
+            f"{why} needs the Hugging Face Hub, but {constants.ENDPOINT} cannot be reached ({reason}); {fix}"
+        ) from None

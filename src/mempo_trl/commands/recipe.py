@@ -305,8 +305,9 @@ def remove_previous_results(output_dir: str | Path) -> list[str]:
 
 
 def check_before_training(script_args: ScriptArguments, training_args, model_args) -> None:
-    """Fail in seconds, not after training: model path, logging backends, a writable and unused `output_dir`."""
-    from mempo_trl.loading import check_model_path
+    """Fail in seconds, not after training: model path, logging backends, the Hub when pushing, a writable and unused
+    `output_dir`."""
+    from mempo_trl.loading import check_hub_reachable, check_model_path
     from mempo_trl.outputs import check_report_to, prepare_output_dir
 
     if not model_args.model_name_or_path:
@@ -319,6 +320,8 @@ def check_before_training(script_args: ScriptArguments, training_args, model_arg
             f"`mempo-trl eval --environment {script_args.environment}` instead (set heldout_questions: 0)."
         )
     check_report_to(training_args.report_to)
+    if training_args.push_to_hub:
+        check_hub_reachable()
     first = int(os.environ.get("RANK", "0")) == 0
     prepare_output_dir(
         training_args.output_dir,
