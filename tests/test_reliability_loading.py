@@ -80,6 +80,59 @@ def test_ask_refuses_an_environment_protocol_with_a_retriever(damaged, demo_path
     )
 
 
+def edit_config(**fields):
+    def edit(model: Path) -> None:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, **fields}))
+
+    return edit
+
+
+def write(name: str, text: str):
+    return lambda model: (model / name).write_text(text)
+
+
+def cut(name: str, keep: float):
+    def edit(model: Path) -> None:
+        with (model / name).open("r+b") as f:
+            f.truncate(int((model / name).stat().st_size * keep))
+
+    return edit
+
+
+RESTORE = "restore it from the saved model, or save the model again"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (edit_config(vocab_size=10), "{m}/config.json does not match the weights in model.safetensors: "
+         "model.embed_tokens.weight has shape (1616, 64) there, (10, 64) by the config"),
+        (edit_config(hidden_size="big"), "{m}/config.json does not describe a model that can be built (Validation "
+         "error for field 'hidden_size': TypeError: Field 'hidden_size' expected int, got str (value: 'big'))"),
+        (edit_config(num_hidden_layers=5), "{m}/config.json does not describe a model that can be built ("),
+        (edit_config(dtype="float99"), "{m}/config.json: dtype 'float99' is not a torch dtype (float32, bfloat16, ...)"),
+        (write("config.json", "[]"), "{m}/config.json holds list, not a JSON object"),
+        (write("chat_template.jinja", "{% if %}"), "the chat template in {m}/chat_template.jinja cannot render a MemPO "
+         "round (TemplateSyntaxError: "),
+        (write("chat_template.jinja", "{{ raise_exception('no tools here') }}"), "the chat template in "
+         "{m}/chat_template.jinja cannot render a MemPO round (TemplateError: no tools here)"),
+        (cut("model.safetensors", 0.5), "{m}/model.safetensors is truncated ("),
+        (cut("model.safetensors", 0), "{m}/model.safetensors is truncated (0 bytes, shorter than its header)"),
+        (lambda model: (model / "tokenizer.json").unlink(), "{m}/tokenizer.json is missing: {m} holds no tokenizer"),
+        (write("tokenizer.json", ""), "{m}/tokenizer.json is not valid JSON (Expecting value: line 1 column 1"),
+        (write("tokenizer.json", '{"a": 1}'), "{m}/tokenizer.json is not a tokenizer ("),
+        (write("tokenizer_config.json", ""), "{m}/tokenizer_config.json is not valid JSON (Expecting value"),
+    ],
+)  # fmt: skip
+def test_ask_names_the_damaged_file_of_a_model(damaged, demo_paths, capsys, damage, message):
+    damage(damaged)
+    assert main(ask(damaged, demo_paths)) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: " + message.format(m=damaged)), line
+    assert line.endswith("save_pretrained writes them)" if "missing" in message else RESTORE), line
+
+
 # ------------------------------------------------------------------------------------------ recipes
 
 

@@ -67,8 +67,9 @@ def read_trainer_state(checkpoint: str | os.PathLike) -> dict:
     return state
 
 
-def check_safetensors(path: Path) -> None:
-    """Raise `CheckpointError` unless `path` is a whole safetensors file (size = header + the tensors it lists)."""
+def check_safetensors(path: Path) -> dict:
+    """Raise `CheckpointError` unless `path` is a whole safetensors file (size = header + the tensors it lists);
+    return its header (tensor name -> dtype, shape, offsets)."""
     size = path.stat().st_size
     with path.open("rb") as f:
         raw = f.read(8)
@@ -79,10 +80,13 @@ def check_safetensors(path: Path) -> None:
             header = json.loads(f.read(header_size))
         except ValueError:
             raise CheckpointError(f"{path} has an unreadable header (truncated or not a safetensors file)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has an unreadable header (truncated or not a safetensors file)")
     ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
     expected = 8 + header_size + max(ends, default=0)
     if size < expected:
         raise CheckpointError(f"{path} is truncated ({size} of {expected} bytes)")
+    return header
 
 
 def check_torch_file(path: Path) -> None:
