@@ -1,7 +1,8 @@
 """Loading saved things fails in one line: hand-edited or damaged agent files, model folders, checkpoints and recipes.
 
-Every case runs the real CLI in process (`mempo_trl.cli.main`) on a copy of the tiny model, corrupted one file at a
-time, and expects one `error:` line (exit code 2) naming the file.
+Every case runs the real CLI in process (`mempo_trl.cli.main`), most on a copy of the tiny model corrupted one file
+at a time, and expects one `error:` line (exit code 2) naming the file or field; the Hub case runs
+`python -m mempo_trl train` with `HF_ENDPOINT` at a closed port of 127.0.0.1 (nothing leaves the machine).
 """
 
 import json
