@@ -52,6 +52,7 @@ def test_ask_runs_the_undamaged_copy(damaged, demo_paths, capsys):
         ({"max_turns": 2.5}, "max_turns must be an integer, got 2.5."),
         ({"max_turns": True}, "max_turns must be an integer, got True."),
         ({"max_turns": "3"}, "max_turns must be an integer, got '3'."),
+        ({"max_turns": None}, "max_turns must be an integer, got None."),
         ({"retrieval_topk": 2.5}, "retrieval_topk must be an integer, got 2.5."),
         ({"max_completion_length": 16.5}, "max_completion_length must be an integer, got 16.5."),
         ({"max_context_tokens": 0}, "max_context_tokens must be a positive integer"),

@@ -156,7 +156,7 @@ class TurnProtocol:
 
     def __post_init__(self):
         """Refuse values a protocol cannot be played with, with the rules of `MemPOConfig` (types first)."""
-        problems = field_type_problems(self, strings_converted=False)
+        problems = field_type_problems(self, strict=True)
         for name in ("system_prompt", "instruction"):
             if not isinstance(getattr(self, name), str):
                 problems.append(f"{name} must be a string, got {getattr(self, name)!r}.")
@@ -271,13 +271,14 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def field_type_problems(config, strings_converted: bool = True) -> list[str]:
+def field_type_problems(config, strict: bool = False) -> list[str]:
     """One sentence per field of `config` whose value does not fit its declared `int` or `float` type.
 
     `int` fields take integers only (a float such as 2.7 is refused, not truncated); `float` fields take finite
     numbers only (`.nan` and `.inf` in a YAML recipe are refused: they would train to NaN weights). Booleans are
-    neither. Strings are left to the parser that converts them (TRL's) when ``strings_converted``, else refused too
-    (a saved JSON file is not converted); values of other types are left to the other checks.
+    neither. Strings and None are left to the parser that converts them (TRL's) and to the other checks, unless
+    ``strict`` (a saved JSON file, which nothing converts): then a string is refused, and None too where the type
+    does not allow it.
 
     Example:
         >>> from dataclasses import make_dataclass
@@ -289,7 +290,8 @@ def field_type_problems(config, strings_converted: bool = True) -> list[str]:
     for f in fields(config):
         kinds = set(f.type.__args__) if isinstance(f.type, types.UnionType) else {f.type}
         value = getattr(config, f.name, None)
-        if value is None or isinstance(value, str) and strings_converted or not kinds & {int, float}:
+        left = value is None and (not strict or type(None) in kinds) or isinstance(value, str) and not strict
+        if left or not kinds & {int, float}:
             continue
         if int in kinds and float not in kinds and (isinstance(value, bool) or not isinstance(value, int)):
             problems.append(f"{f.name} must be an integer, got {value!r}.")
