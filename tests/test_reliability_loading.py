@@ -39,6 +39,9 @@ def ask(model: Path, demo_paths) -> list[str]:
 
 
 def test_ask_runs_the_undamaged_copy(damaged, demo_paths, capsys):
+    import mempo_trl
+
+    mempo_trl.check_model_files(damaged)  # the checks pass a model as saved
     assert main(ask(damaged, demo_paths)) == 0
     assert "1 turns" in capsys.readouterr().out
 
