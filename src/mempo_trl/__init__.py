@@ -45,6 +45,7 @@ _EXPORTS = {
     "load_qa": "mempo_trl.data",
     "DataError": "mempo_trl.data",
     "load_tokenizer": "mempo_trl.loading",
+    "check_model_files": "mempo_trl.loading",
     "evaluate": "mempo_trl.evaluation",
     "MemPOAgent": "mempo_trl.agent",
     "TurnProtocol": "mempo_trl.context",

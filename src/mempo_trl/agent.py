@@ -170,6 +170,12 @@ class MemPOAgent:
             protocol, messages = (saved or TurnProtocol()).override(**overrides)
         except ValueError as err:
             raise AgentError(str(err)) from None
+        if saved is not None and saved.action == "tool_call" and environment_factory is None:
+            raise AgentError(
+                f"{Path(path, PROTOCOL_FILE)}: action 'tool_call' is the protocol of an agent trained on a TRL-style "
+                "environment; play it with its environment (environment_factory, `mempo-trl eval --environment`), "
+                "not with a retriever"
+            )
         if saved is None:
             logger.info("%s has no %s: the turn protocol is the defaults and the arguments", path, PROTOCOL_FILE)
         for message in messages if saved is not None else []:

@@ -67,8 +67,9 @@ def read_trainer_state(checkpoint: str | os.PathLike) -> dict:
     return state
 
 
-def check_safetensors(path: Path) -> None:
-    """Raise `CheckpointError` unless `path` is a whole safetensors file (size = header + the tensors it lists)."""
+def check_safetensors(path: Path) -> dict:
+    """Raise `CheckpointError` unless `path` is a whole safetensors file (size = header + the tensors it lists);
+    return its header (tensor name -> dtype, shape, offsets)."""
     size = path.stat().st_size
     with path.open("rb") as f:
         raw = f.read(8)
@@ -79,10 +80,13 @@ def check_safetensors(path: Path) -> None:
             header = json.loads(f.read(header_size))
         except ValueError:
             raise CheckpointError(f"{path} has an unreadable header (truncated or not a safetensors file)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has an unreadable header (truncated or not a safetensors file)")
     ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
     expected = 8 + header_size + max(ends, default=0)
     if size < expected:
         raise CheckpointError(f"{path} is truncated ({size} of {expected} bytes)")
+    return header
 
 
 def check_torch_file(path: Path) -> None:
@@ -294,13 +298,63 @@ def format_bytes(size: int) -> str:
     return f"{size} B"
 
 
-def prepare_resume(training_args) -> str | None:
-    """Resolve and validate `training_args.resume_from_checkpoint` in place (before any model is loaded); return
-    `finished_message` when that checkpoint already ends the run, else None."""
+MODEL_SHAPE_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim",
+)  # fmt: skip
+"""The `config.json` fields that fix a model's weight shapes: a checkpoint and the run's model must agree on them."""
+
+
+def check_checkpoint_model(
+    checkpoint: str | os.PathLike, model_name_or_path: str, revision: str | None = None
+) -> None:
+    """Raise `CheckpointError` when the model saved in `checkpoint` (its ``config.json``) is not the run's model.
+
+    Compares `MODEL_SHAPE_KEYS` present in both configs. A checkpoint without ``config.json`` (a LoRA adapter) is
+    not compared.
+
+    Example:
+        >>> check_checkpoint_model("learner/checkpoint-1", "kit/tiny/model")  # doctest: +SKIP
+        Traceback (most recent call last):
+        mempo_trl.checkpoints.CheckpointError: checkpoint learner/checkpoint-1 holds another model than kit/tiny/model ...
+    """
+    saved_path = Path(checkpoint, "config.json")
+    if not saved_path.is_file():
+        return
+    try:
+        saved = json.loads(saved_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{saved_path} is not valid JSON ({' '.join(str(e).split()) or 'empty file'})") from None
+    if Path(model_name_or_path, "config.json").is_file():
+        model = json.loads(Path(model_name_or_path, "config.json").read_text(encoding="utf-8"))
+    else:
+        from transformers import AutoConfig
+
+        model = AutoConfig.from_pretrained(model_name_or_path, revision=revision).to_dict()
+    if not isinstance(saved, dict) or not isinstance(model, dict):
+        return
+    differ = [
+        f"{key} {saved[key]!r} there, {model[key]!r} here"
+        for key in MODEL_SHAPE_KEYS
+        if key in saved and key in model and saved[key] != model[key]
+    ]
+    if differ:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds another model than {model_name_or_path} ({'; '.join(differ)}; see "
+            f"{saved_path}). Resume with the model it was trained from (model_name_or_path), or start a new run."
+        )
+
+
+def prepare_resume(training_args, model_name_or_path: str | None = None, revision: str | None = None) -> str | None:
+    """Resolve and validate `training_args.resume_from_checkpoint` in place (before any model is loaded): its files,
+    and that it holds `model_name_or_path` (`check_checkpoint_model`). Return `finished_message` when that checkpoint
+    already ends the run, else None."""
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     training_args.resume_from_checkpoint = resume
     if resume is None:
         return None
+    if model_name_or_path:
+        check_checkpoint_model(resume, model_name_or_path, revision)
     saved = saved_world_size(resume)
     if saved != training_args.world_size and training_args.process_index == 0:
         print(

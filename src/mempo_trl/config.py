@@ -1,13 +1,18 @@
 """`MemPOConfig`: `GRPOConfig` plus the fields of the MemPO search loop and memory advantage."""
 
 import math
-import string
-import types
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from mempo_trl.context import CONTEXT_MODES, CONTEXT_OVERFLOWS, DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
+from mempo_trl.context import (
+    CONTEXT_MODES,
+    CONTEXT_OVERFLOWS,
+    DEFAULT_INSTRUCTION,
+    DEFAULT_SYSTEM_PROMPT,
+    field_type_problems,
+    instruction_problems,
+)
 
 
 TOKEN_LEVEL_LOSSES = ("dapo", "bnpo", "cispo", "vespo")
@@ -235,58 +240,3 @@ class MemPOConfig(GRPOConfig):
             True
         """
         return {**self.__dict__, "hub_token": None}
-
-
-def field_type_problems(config) -> list[str]:
-    """One sentence per field of `config` whose value does not fit its declared `int` or `float` type.
-
-    `int` fields take integers only (a float such as 2.7 is refused, not truncated); `float` fields take finite
-    numbers only (`.nan` and `.inf` in a YAML recipe are refused: they would train to NaN weights). Booleans are
-    neither. Values of other types (strings TRL converts itself) are left to the other checks.
-
-    Example:
-        >>> from dataclasses import make_dataclass
-        >>> Toy = make_dataclass("Toy", [("retrieval_topk", int), ("memory_coef", float)])
-        >>> field_type_problems(Toy(retrieval_topk=2.7, memory_coef=float("nan")))
-        ['retrieval_topk must be an integer, got 2.7.', 'memory_coef must be a finite number, got nan.']
-    """
-    problems = []
-    for f in fields(config):
-        kinds = set(f.type.__args__) if isinstance(f.type, types.UnionType) else {f.type}
-        value = getattr(config, f.name, None)
-        if value is None or isinstance(value, str) or not kinds & {int, float}:
-            continue
-        if int in kinds and float not in kinds and (isinstance(value, bool) or not isinstance(value, int)):
-            problems.append(f"{f.name} must be an integer, got {value!r}.")
-        elif float in kinds and (isinstance(value, bool) or not isinstance(value, int | float)):
-            problems.append(f"{f.name} must be a number, got {value!r}.")
-        elif float in kinds and not math.isfinite(value):
-            problems.append(f"{f.name} must be a finite number, got {value!r}.")
-    weights = getattr(config, "reward_weights", None) or []
-    if not all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
-        problems.append(f"reward_weights must be finite numbers, got {weights!r}.")
-    return problems
-
-
-def instruction_problems(instruction: str) -> list[str]:
-    """Why `instruction` cannot be filled with `instruction.format(question=...)` (empty list if it can).
-
-    Example:
-        >>> instruction_problems("Q: {question} {other}")
-        ['instruction may only use the `{question}` placeholder, got {other}; write a literal brace as {{ or }}.']
-    """
-    try:
-        names = {name for _, name, _, _ in string.Formatter().parse(instruction) if name is not None}
-    except ValueError as e:
-        return [f"instruction is not a valid template ({e}); write a literal brace as {{{{ or }}}}."]
-    problems = []
-    if "question" not in names:
-        problems.append("instruction must contain the `{question}` placeholder.")
-    others = sorted(names - {"question"})
-    if others:
-        shown = ", ".join("{" + name + "}" for name in others)
-        problems.append(
-            f"instruction may only use the `{{question}}` placeholder, got {shown}; write a literal brace as "
-            "{{ or }}."
-        )
-    return problems

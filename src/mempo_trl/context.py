@@ -20,6 +20,9 @@ rollout, the agent, the evaluation and the callbacks all play by it.
 """
 
 import json
+import math
+import string
+import types
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -152,21 +155,30 @@ class TurnProtocol:
     action: Literal["search", "tool_call"] = "search"
 
     def __post_init__(self):
-        if self.context_mode not in CONTEXT_MODES:
-            raise ValueError(f"context_mode must be one of {CONTEXT_MODES}, got {self.context_mode!r}")
-        if "{question}" not in self.instruction:
-            raise ValueError("instruction must contain the `{question}` placeholder")
-        if self.max_turns < 1 or self.retrieval_topk < 1 or self.max_completion_length < 1:
-            raise ValueError("max_turns, retrieval_topk and max_completion_length must be >= 1")
-        budget = self.max_context_tokens
-        if budget is not None and (type(budget) is not int or budget < 1):  # a bool is not a budget
-            raise ValueError(
-                f"max_context_tokens must be a positive integer (or None: no budget), got {self.max_context_tokens!r}"
-            )
-        if self.context_overflow not in CONTEXT_OVERFLOWS:
-            raise ValueError(f"context_overflow must be one of {CONTEXT_OVERFLOWS}, got {self.context_overflow!r}")
-        if self.action not in ("search", "tool_call"):
-            raise ValueError(f"action must be 'search' or 'tool_call', got {self.action!r}")
+        """Refuse values a protocol cannot be played with, with the rules of `MemPOConfig` (types first)."""
+        problems = field_type_problems(self, strict=True)
+        for name in ("system_prompt", "instruction"):
+            if not isinstance(getattr(self, name), str):
+                problems.append(f"{name} must be a string, got {getattr(self, name)!r}.")
+        if isinstance(self.instruction, str):
+            problems += instruction_problems(self.instruction)
+        if not problems:
+            for name in ("max_turns", "retrieval_topk", "max_completion_length"):
+                if getattr(self, name) < 1:
+                    problems.append(f"{name} must be >= 1, got {getattr(self, name)}.")
+            if self.max_context_tokens is not None and self.max_context_tokens < 1:
+                problems.append(
+                    f"max_context_tokens must be a positive integer (or None: no budget), got {self.max_context_tokens}."
+                )
+        for name, allowed in (
+            ("context_mode", CONTEXT_MODES),
+            ("context_overflow", CONTEXT_OVERFLOWS),
+            ("action", ("search", "tool_call")),
+        ):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+        if problems:
+            raise ValueError(" ".join(problems))
 
     def context_limit(self, backend_limit: int | None) -> int | None:
         """The longest context (tokens) a round may have: ``backend_limit`` (what the generation backend takes; None:
@@ -231,9 +243,11 @@ class TurnProtocol:
                 return None
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(saved, dict):
+                raise ValueError(f"it holds {type(saved).__name__} {_short(saved)}, not a JSON object of settings")
             known = {f.name for f in fields(cls)}
             return cls(**{key: value for key, value in saved.items() if key in known})
-        except (json.JSONDecodeError, TypeError, ValueError) as err:
+        except ValueError as err:  # JSON, encoding (UnicodeDecodeError) and the checks of __post_init__
             raise ValueError(f"{path}: not a valid turn protocol ({err}); delete it or save it again") from None
 
     def override(self, **values: Any) -> tuple["TurnProtocol", list[str]]:
@@ -255,3 +269,61 @@ class TurnProtocol:
 def _short(value: Any) -> str:
     text = repr(value) if isinstance(value, str) else str(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def field_type_problems(config, strict: bool = False) -> list[str]:
+    """One sentence per field of `config` whose value does not fit its declared `int` or `float` type.
+
+    `int` fields take integers only (a float such as 2.7 is refused, not truncated); `float` fields take finite
+    numbers only (`.nan` and `.inf` in a YAML recipe are refused: they would train to NaN weights). Booleans are
+    neither. Strings and None are left to the parser that converts them (TRL's) and to the other checks, unless
+    ``strict`` (a saved JSON file, which nothing converts): then a string is refused, and None too where the type
+    does not allow it.
+
+    Example:
+        >>> from dataclasses import make_dataclass
+        >>> Toy = make_dataclass("Toy", [("retrieval_topk", int), ("memory_coef", float)])
+        >>> field_type_problems(Toy(retrieval_topk=2.7, memory_coef=float("nan")))
+        ['retrieval_topk must be an integer, got 2.7.', 'memory_coef must be a finite number, got nan.']
+    """
+    problems = []
+    for f in fields(config):
+        kinds = set(f.type.__args__) if isinstance(f.type, types.UnionType) else {f.type}
+        value = getattr(config, f.name, None)
+        left = value is None and (not strict or type(None) in kinds) or isinstance(value, str) and not strict
+        if left or not kinds & {int, float}:
+            continue
+        if int in kinds and float not in kinds and (isinstance(value, bool) or not isinstance(value, int)):
+            problems.append(f"{f.name} must be an integer, got {value!r}.")
+        elif float in kinds and (isinstance(value, bool) or not isinstance(value, int | float)):
+            problems.append(f"{f.name} must be a number, got {value!r}.")
+        elif float in kinds and not math.isfinite(value):
+            problems.append(f"{f.name} must be a finite number, got {value!r}.")
+    weights = getattr(config, "reward_weights", None) or []
+    if not all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+        problems.append(f"reward_weights must be finite numbers, got {weights!r}.")
+    return problems
+
+
+def instruction_problems(instruction: str) -> list[str]:
+    """Why `instruction` cannot be filled with `instruction.format(question=...)` (empty list if it can).
+
+    Example:
+        >>> instruction_problems("Q: {question} {other}")
+        ['instruction may only use the `{question}` placeholder, got {other}; write a literal brace as {{ or }}.']
+    """
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(instruction) if name is not None}
+    except ValueError as e:
+        return [f"instruction is not a valid template ({e}); write a literal brace as {{{{ or }}}}."]
+    problems = []
+    if "question" not in names:
+        problems.append("instruction must contain the `{question}` placeholder.")
+    others = sorted(names - {"question"})
+    if others:
+        shown = ", ".join("{" + name + "}" for name in others)
+        problems.append(
+            f"instruction may only use the `{{question}}` placeholder, got {shown}; write a literal brace as "
+            "{{ or }}."
+        )
+    return problems

@@ -1,14 +1,23 @@
-"""Loading a policy's tokenizer exactly as it was trained; checking a model path before anything is loaded."""
+"""Loading a policy's tokenizer exactly as it was trained; checking a model path and its files before anything is
+loaded, and the Hub before a run that pushes to it."""
 
+import json
 import os
 from pathlib import Path
+
+
+MODEL_JSON_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json")
+"""The JSON files of a saved model that loading needs; each must hold a JSON object."""
+TOKENIZER_VOCABULARIES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
+"""Files that hold a tokenizer's vocabulary: a model directory needs one of them."""
+RESTORE = "restore it from the saved model, or save the model again"
 
 
 def check_model_path(path: str) -> None:
     """Raise `FileNotFoundError` with a fix when `path` names a local model that is not there or not a model.
 
     A Hub id (`name` or `org/name`, not an existing path) passes unless `HF_HUB_OFFLINE` is set and it is not in the
-    local cache.
+    local cache. The files of a local directory are checked too (`check_model_files`).
 
     Example:
         >>> check_model_path("./no/such/model")
@@ -21,6 +30,7 @@ def check_model_path(path: str) -> None:
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise FileNotFoundError(f"model path {path} is not a model directory (no config.json). {fix}")
+        check_model_files(local)
         return
     if path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path:
         raise FileNotFoundError(f"model path {path} does not exist. {fix}")
@@ -38,8 +48,102 @@ def check_model_path(path: str) -> None:
             )
 
 
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_model_files(directory: str | Path) -> None:
+    """Raise `ValueError` naming the file when a local model directory cannot be loaded as saved.
+
+    Checks, without loading any weights: every JSON file (`MODEL_JSON_FILES`) holds a JSON object; a tokenizer
+    vocabulary is there (`TOKENIZER_VOCABULARIES`) and ``tokenizer.json`` parses; ``config.json`` describes a model
+    transformers can build (valid fields, a known ``dtype``); each safetensors weight file is whole and its tensors
+    have the shapes that ``config.json`` gives them (an edited ``vocab_size`` or ``hidden_size``).
+
+    Example:
+        >>> check_model_files("outputs/damaged")  # doctest: +SKIP
+        Traceback (most recent call last):
+        ValueError: outputs/damaged/config.json does not match the weights in model.safetensors: ...
+    """
+    directory = Path(directory)
+    for name in MODEL_JSON_FILES:
+        file = directory / name
+        if not file.is_file():
+            continue
+        try:
+            value = json.loads(file.read_text(encoding="utf-8"))
+        except ValueError as err:  # JSON and encoding errors
+            raise ValueError(f"{file} is not valid JSON ({_one_line(err)}); {RESTORE}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{file} holds {type(value).__name__}, not a JSON object; {RESTORE}")
+    if not any((directory / name).is_file() for name in TOKENIZER_VOCABULARIES):
+        raise ValueError(
+            f"{directory / 'tokenizer.json'} is missing: {directory} holds no tokenizer; copy the tokenizer files of "
+            "the model it was trained from (save_pretrained writes them)"
+        )
+    if (directory / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(directory / "tokenizer.json"))
+        except Exception as err:  # `tokenizers` raises plain Exceptions for files it cannot parse
+            raise ValueError(
+                f"{directory / 'tokenizer.json'} is not a tokenizer ({_one_line(err)}); {RESTORE}"
+            ) from None
+    _check_config_and_weights(directory)
+
+
+def _check_config_and_weights(directory: Path) -> None:
+    import torch
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mempo_trl.checkpoints import CheckpointError, check_safetensors
+
+    config_file = directory / "config.json"
+    for key, dtype in json.loads(config_file.read_text(encoding="utf-8")).items():
+        if key in ("dtype", "torch_dtype") and isinstance(dtype, str) and dtype != "auto":
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(
+                    f"{config_file}: {key} {dtype!r} is not a torch dtype (float32, bfloat16, ...); {RESTORE}"
+                )
+    try:
+        config = AutoConfig.from_pretrained(str(directory))
+        if getattr(config, "quantization_config", None):
+            return  # pre-quantized weights are packed: their shapes are not the config's
+        with torch.device("meta"):
+            expected = {
+                key: tuple(t.shape) for key, t in AutoModelForCausalLM.from_config(config).state_dict().items()
+            }
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, StrictDataclassError) as err:
+        raise ValueError(
+            f"{config_file} does not describe a model that can be built ({_one_line(err)}); {RESTORE}"
+        ) from None
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object; {RESTORE}")
+        weight_files = [directory / shard for shard in sorted(set(map(str, weight_map.values())))]
+    else:
+        weight_files = [directory / "model.safetensors"] if (directory / "model.safetensors").is_file() else []
+    for weights in weight_files:
+        try:
+            header = check_safetensors(weights)
+        except (CheckpointError, OSError) as err:
+            raise ValueError(f"{_one_line(err)}: the weights are damaged; {RESTORE}") from None
+        for key, tensor in header.items():
+            if key in expected and isinstance(tensor, dict) and tuple(tensor.get("shape", ())) != expected[key]:
+                raise ValueError(
+                    f"{config_file} does not match the weights in {weights.name}: {key} has shape "
+                    f"{tuple(tensor['shape'])} there, {expected[key]} by the config (an edited size such as vocab_size "
+                    f"or hidden_size?); {RESTORE}"
+                )
+
+
 def load_tokenizer(path: str | Path, revision: str | None = None):
-    """The tokenizer of a model directory or Hub id.
+    """The tokenizer of a model directory or Hub id, its chat template checked (`check_chat_template`).
 
     A directory with a ``tokenizer.json`` is loaded as a `PreTrainedTokenizerFast`, exactly as that file says:
     `AutoTokenizer` swaps in `Qwen2Tokenizer` for ``model_type: qwen2`` configs, which re-tokenizes a custom
@@ -52,5 +156,53 @@ def load_tokenizer(path: str | Path, revision: str | None = None):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if Path(path, "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    return AutoTokenizer.from_pretrained(str(path), revision=revision)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), revision=revision)
+    if tokenizer.chat_template:
+        check_chat_template(tokenizer, path)
+    return tokenizer
+
+
+def check_chat_template(tokenizer, path: str | Path) -> None:
+    """Raise `ValueError` naming the template's file when the chat template cannot render a MemPO round (system,
+    user, assistant, tool and the generation prompt): a syntax error, or a `raise_exception` it reaches."""
+    import jinja2
+
+    from mempo_trl.context import initial_messages, round_messages
+
+    messages = round_messages(initial_messages("q"), [("<mem>m</mem>", "<information>i</information>")])
+    try:
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as err:
+        local = Path(path, "chat_template.jinja")
+        where = local if local.is_file() else Path(path, "tokenizer_config.json") if Path(path).is_dir() else path
+        raise ValueError(
+            f"the chat template in {where} cannot render a MemPO round ({type(err).__name__}: {_one_line(err)}); "
+            f"{RESTORE}"
+        ) from None
+
+
+def check_hub_reachable(why: str = "push_to_hub") -> None:
+    """Raise `ConnectionError` (one line, naming the endpoint) unless the Hugging Face Hub answers: before the work
+    whose results `why` would upload, not after. The endpoint is huggingface_hub's (`HF_ENDPOINT`); nothing is sent
+    but one HEAD request, and `HF_HUB_OFFLINE` fails at once.
+
+    Example:
+        >>> check_hub_reachable()  # doctest: +SKIP
+        Traceback (most recent call last):
+        ConnectionError: push_to_hub needs the Hugging Face Hub, but http://127.0.0.1:9 cannot be reached ...
+    """
+    import httpx
+    from huggingface_hub import constants
+
+    fix = f"check the network and HF_ENDPOINT, or set {why}: false and upload the output directory later"
+    if constants.HF_HUB_OFFLINE:
+        raise ConnectionError(f"{why} needs the Hugging Face Hub, but HF_HUB_OFFLINE is set; {fix}")
+    try:
+        httpx.head(constants.ENDPOINT, timeout=15)
+    except httpx.HTTPError as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise ConnectionError(
+            f"{why} needs the Hugging Face Hub, but {constants.ENDPOINT} cannot be reached ({reason}); {fix}"
+        ) from None

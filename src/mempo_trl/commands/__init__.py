@@ -18,6 +18,9 @@ from typing import Any
 
 USAGE_EXIT = 2
 
+MAX_ERROR_LINE = 2000
+"""Characters of an `error:` line at most; a longer message (a huge value echoed back) is cut, saying how much."""
+
 
 class CommandError(Exception):
     """A bad command line (unknown flag, wrong value type, ...); printed as one `error:` line."""
@@ -59,7 +62,10 @@ def error_message(err: BaseException) -> str | None:
     text = " ".join(str(err).split()) or type(err).__name__
     if isinstance(err, yaml.YAMLError):
         text = f"invalid YAML: {text}"
-    return f"error: {text}"
+    line = f"error: {text}"
+    if len(line) > MAX_ERROR_LINE:
+        line = f"{line[:MAX_ERROR_LINE]}... ({len(line) - MAX_ERROR_LINE} more characters cut)"
+    return line
 
 
 def run(func: Callable[..., int | None], *args: Any) -> int:
@@ -106,6 +112,27 @@ def quiet_upstream_noise() -> None:
             warnings.filterwarnings("ignore", message=re.escape(message), category=source)
 
 
+def refuse_yaml_aliases(argv: list[str]) -> None:
+    """Raise `CommandError` when the `--config` recipe in `argv` uses a YAML alias (``*name``), naming its line.
+
+    A recipe is a flat list of settings; aliases only add a way to blow a few bytes up into gigabytes (an "alias
+    bomb": each level repeats the one before), so they are refused before the recipe is loaded. A file that cannot
+    be read or parsed is left to the parser, which says why.
+    """
+    import yaml
+
+    config = flag_value(argv, "config")
+    if not config or not os.path.isfile(config):
+        return
+    with open(config, encoding="utf-8", errors="replace") as stream:
+        for event in yaml.parse(stream, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                raise CommandError(
+                    f"{config}, line {event.start_mark.line + 1}: the YAML alias *{event.anchor} is not allowed in a "
+                    "recipe; write the value out instead"
+                )
+
+
 def add_command(subparsers: argparse._SubParsersAction, name: str, help: str, main: Callable[[list[str]], int]):
     """Register `name` on the dispatcher; `main(argv)` parses its own arguments (with `parse`)."""
     parser = subparsers.add_parser(name, help=help, add_help=False)
@@ -133,6 +160,7 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     writes = "output_dir" in names and "overwrite_output_dir" not in names
     types = [*dataclass_types, OutputArguments] if writes else list(dataclass_types)
     parser = one_line_errors(TrlParser(types, prog=prog), prog)
+    refuse_yaml_aliases(sys.argv[1:] if argv is None else argv)
     *parsed, unknown = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
     if unknown:
         raise CommandError(f"unrecognized arguments: {' '.join(unknown)} (see `{prog} --help`)")

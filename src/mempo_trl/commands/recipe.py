@@ -286,10 +286,10 @@ def save_checkpoint_and_release(trainer) -> Path:
 def check_before_training(
     script_args: ScriptArguments, training_args, model_args, retriever_args, first: bool = True
 ) -> None:
-    """Fail in seconds, not after training: model path, logging backends, a writable `output_dir` apart from the
-    inputs and free of earlier results (`mempo_trl.outputs.claim_output_dir`, which the run's first process holds;
-    `first=False` on the launcher of a machine other than the main one)."""
-    from mempo_trl.loading import check_model_path
+    """Fail in seconds, not after training: model path, logging backends, the Hub when pushing, a writable
+    `output_dir` apart from the inputs and free of earlier results (`mempo_trl.outputs.claim_output_dir`, which the
+    run's first process holds; `first=False` on the launcher of a machine other than the main one)."""
+    from mempo_trl.loading import check_hub_reachable, check_model_path
     from mempo_trl.outputs import check_report_to, claim_output_dir, prepare_output_dir
 
     if not model_args.model_name_or_path:
@@ -302,6 +302,8 @@ def check_before_training(
             f"`mempo-trl eval --environment {script_args.environment}` instead (set heldout_questions: 0)."
         )
     check_report_to(training_args.report_to)
+    if training_args.push_to_hub:
+        check_hub_reachable()
     inputs = {"model": model_args.model_name_or_path, "dataset": script_args.dataset_name,
               "corpus": retriever_args.corpus}  # fmt: skip
     if first and int(os.environ.get("RANK", "0")) == 0:  # the run's first process holds output_dir until it ends
@@ -321,7 +323,8 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
         # every parameter of a MemPO policy (full or LoRA) gets a gradient.
         training_args.ddp_find_unused_parameters = False
     check_before_training(script_args, training_args, model_args, retriever_args)
-    finished = prepare_resume(training_args)  # validates the checkpoint before any model is loaded
+    # validates the checkpoint (its files, and that it holds this model) before any model is loaded
+    finished = prepare_resume(training_args, model_args.model_name_or_path, model_args.model_revision)
     if finished:
         if int(os.environ.get("RANK", "0")) == 0:
             print(finished)

@@ -20,6 +20,7 @@ from mempo_trl.commands import (
     flag_value,
     one_line_errors,
     quiet_upstream_noise,
+    refuse_yaml_aliases,
     run,
 )
 
@@ -38,7 +39,8 @@ def parse_args(argv: list[str] | None = None):
 
 
 def check_output_dir_early(argv: list[str]) -> int:
-    """Refuse an `output_dir` that already holds results in a second, before torch and TRL are imported.
+    """Refuse a recipe with YAML aliases, and an `output_dir` that already holds results, in a second, before torch
+    and TRL are imported.
 
     Reads `output_dir`, `overwrite_output_dir`, `resume_from_checkpoint` and the inputs (`INPUT_FIELDS`) from the
     recipe and the command line the way the full parse will (command line wins); anything it cannot read is left to
@@ -48,6 +50,7 @@ def check_output_dir_early(argv: list[str]) -> int:
 
     from mempo_trl.outputs import prepare_output_dir
 
+    refuse_yaml_aliases(argv)
     settings = {}
     config = flag_value(argv, "config")
     if config and Path(config).is_file():
