@@ -88,3 +88,23 @@ def test_an_error_mid_run_saves_a_checkpoint_first(tmp_path, capsys, tiny_model_
         f"with --resume_from_checkpoint {checkpoint}."
     )
     validate_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("words", "flags", "limit"),
+    [
+        (5000, [], "more than 4088 the generation backend takes"),
+        (400, ["--max_context_tokens", "300"], "more than max_context_tokens=300: raise it"),
+    ],
+)
+def test_eval_holds_contexts_to_the_same_limits_as_training(
+    tmp_path, capsys, tiny_model_dir, demo_paths, words, flags, limit
+):
+    data = write_rows(tmp_path / "qa.jsonl", ["Where was Ada born?", "Where is " + "it " * words])
+    argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data), "--corpus"]
+    argv += [str(demo_paths.corpus), "--output_dir", str(tmp_path / "ev"), "--max_completion_length", "8", *flags]
+    assert main(argv) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {data}, row 2 (id '1'): the first context of question 'Where is it it"), line
+    assert limit in line, line
+    assert not (tmp_path / "ev" / "results.json").exists()
