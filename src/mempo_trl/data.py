@@ -138,8 +138,8 @@ def has_visible_text(text: str) -> bool:
     U+3000 and zero-width spaces are not text).
 
     Example:
-        >>> [has_visible_text(t) for t in ("Who?", " \t\n", "\u3000", "\u200b\u200b", "?")]
-        [True, False, False, False, True]
+        >>> [has_visible_text(t) for t in ("Who?", "\u3000", "\u200b\u200b", "?")]
+        [True, False, False, True]
     """
     return any(unicodedata.category(ch)[0] not in "ZC" for ch in text)
 
