@@ -5,11 +5,13 @@ spoken to with raw sockets. Each wait is bounded; nothing asserts a speed.
 """
 
 import json
+import socket
+import time
 
 import pyarrow
 import pyarrow.parquet
 import pytest
-from helpers import cpu_recipe, one_error_line
+from helpers import cpu_recipe, free_port, one_error_line, start_retriever, stop
 
 from mempo_trl.checkpoints import validate_checkpoint
 from mempo_trl.cli import main
@@ -108,3 +110,90 @@ def test_eval_holds_contexts_to_the_same_limits_as_training(
     assert line.startswith(f"error: {data}, row 2 (id '1'): the first context of question 'Where is it it"), line
     assert limit in line, line
     assert not (tmp_path / "ev" / "results.json").exists()
+
+
+# ------------------------------------------------------------------------------------------ retrieval server and client
+
+
+def raw_request(port: int, head: str, body: bytes = b"", receive_buffer: int | None = None) -> socket.socket:
+    """A connected socket that has sent ``head`` (request line and headers, without the blank line) and ``body``."""
+    sock = socket.socket()
+    if receive_buffer is not None:  # a small window: the answer stays in the server's buffers
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(60)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"{head}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (or resets) the connection."""
+    data = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    sock.close()
+    return data
+
+
+def status(port: int, host: str) -> int:
+    answer = read_all(raw_request(port, f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close"))
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_a_client_that_never_reads_its_answer_is_cut_off(tmp_path):
+    corpus = tmp_path / "big.jsonl"
+    filler = "common filler " * 8000  # 112 KB a passage: 40 of them make an answer of about 9 MB
+    corpus.write_text(
+        "".join(json.dumps({"id": str(i), "contents": f'"Doc {i}"\n{filler}'}) + "\n" for i in range(40))
+    )
+    port = free_port()
+    server = start_retriever(tmp_path, port, "--corpus", str(corpus), "--request_timeout", "1")
+    try:
+        body = json.dumps({"queries": ["common filler"] * 2, "topk": 40}).encode()
+        head = f"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
+        clients = [raw_request(port, head, body, receive_buffer=4096) for _ in range(3)]
+        firsts = [client.recv(1024) for client in clients]  # the answers have started; nothing more is read
+        size = int(firsts[0].split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+        assert size > 8 * 2**20, firsts[0]
+        time.sleep(4)  # well past --request_timeout 1 after the answers were written
+        for client, first in zip(clients, firsts):
+            assert len(first) + len(read_all(client)) < size  # dropped, not kept for the client
+        assert status(port, f"127.0.0.1:{port}") == 200  # and the server serves on
+    finally:
+        stop(server)
+
+
+def test_a_loopback_server_answers_only_loopback_host_names(tmp_path):
+    port = free_port()
+    server = start_retriever(tmp_path, port)
+    try:
+        assert [status(port, f"{host}:{port}") for host in ("localhost", "127.0.0.1", "[::1]")] == [200] * 3
+        assert status(port, f"rebound.example:{port}") == 421
+        answer = read_all(raw_request(port, "GET /health HTTP/1.1\r\nHost: rebound.example\r\nConnection: close"))
+        assert b"restart the server with --allowed_hosts NAME" in answer
+    finally:
+        stop(server)
+    server = start_retriever(tmp_path, port, "--allowed_hosts", "rebound.example")
+    try:
+        assert status(port, f"rebound.example:{port}") == 200
+        assert status(port, f"other.example:{port}") == 421
+    finally:
+        stop(server)
+
+
+@pytest.mark.parametrize("command", ["ask", "eval"])
+def test_a_retriever_url_with_a_password_is_refused_without_echoing_it(tmp_path, capsys, tiny_model_dir, command):
+    url = "http://alice:hunter2@127.0.0.1:9"
+    argv = [command, *(["Where?"] if command == "ask" else [])]
+    argv += ["--model_name_or_path", str(tiny_model_dir), "--retriever_url", url]
+    argv += ["--dataset_name", "qa.jsonl", "--output_dir", str(tmp_path / "ev")] if command == "eval" else []
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "hunter2" not in err and "alice" not in err, err
+    assert err == (
+        "error: retriever URL 'http://***@127.0.0.1:9' holds a user name or password. Remove them: the server takes "
+        "its API key as a bearer token, set $MEMPO_RETRIEVER_API_KEY instead.\n"
+    )

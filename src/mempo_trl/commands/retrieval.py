@@ -63,11 +63,17 @@ class ServeArguments:
     request_timeout: float = field(
         default=settings.REQUEST_TIMEOUT,
         metadata={"help": "Seconds a connection has to send a whole request (after connecting or after its last "
-                  "answer) before it is closed: idle and slow clients cannot hold connections open."},
+                  "answer), and to read an answer, before it is closed: idle, slow and non-reading clients cannot "
+                  "hold connections (or answers) open."},
     )  # fmt: skip
     api_key: str | None = field(
         default=None, metadata={"help": "Require 'Authorization: Bearer KEY' (default: $MEMPO_RETRIEVER_API_KEY)."}
     )
+    allowed_hosts: list[str] | None = field(
+        default=None,
+        metadata={"help": "Host header names answered (any port; `*`: any). Default: localhost, 127.0.0.1 and [::1] "
+                  "when bound to loopback (a web page cannot read the server by DNS rebinding), else any."},
+    )  # fmt: skip
     log_level: str = field(default="info", metadata={"help": "Server log level.", "choices": LOG_LEVELS})
 
 
@@ -123,6 +129,7 @@ def serve_retriever(argv: list[str] | None = None) -> int:
         max_response_bytes=args.max_response_bytes,
         api_key=args.api_key,
         request_timeout=args.request_timeout,
+        allowed_hosts=args.allowed_hosts,
     )
     return 0
 
