@@ -5,13 +5,17 @@ spoken to with raw sockets. Each wait is bounded; nothing asserts a speed.
 """
 
 import json
+import shlex
+import shutil
 import socket
+import subprocess
+import sys
 import time
 
 import pyarrow
 import pyarrow.parquet
 import pytest
-from helpers import cpu_recipe, free_port, one_error_line, start_retriever, stop
+from helpers import cpu_recipe, free_port, one_error_line, start_retriever, stop, write_corpus
 
 from mempo_trl.checkpoints import validate_checkpoint
 from mempo_trl.cli import main
@@ -197,3 +201,30 @@ def test_a_retriever_url_with_a_password_is_refused_without_echoing_it(tmp_path,
         "error: retriever URL 'http://***@127.0.0.1:9' holds a user name or password. Remove them: the server takes "
         "its API key as a bearer token, set $MEMPO_RETRIEVER_API_KEY instead.\n"
     )
+
+
+def run_on_read_only(directory, argv: list[str]) -> subprocess.CompletedProcess:
+    """`mempo-trl ARGV` in a subprocess that sees ``directory`` as a read-only file system (a bind mount in a user
+    and mount namespace); skips the test where namespaces are not allowed."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    mount = f"mount --bind -o ro {shlex.quote(str(directory))} {shlex.quote(str(directory))}"
+    if subprocess.run(["unshare", "-rm", "sh", "-c", mount], capture_output=True).returncode:
+        pytest.skip("user and mount namespaces are not allowed here")
+    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "mempo_trl", *argv])
+    return subprocess.run(["unshare", "-rm", "sh", "-c", f"{mount} && exec {command}"], capture_output=True, text=True)
+
+
+def test_build_index_accepts_a_read_only_cache_that_holds_the_index(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    argv = ["build-index", "--corpus", str(write_corpus(tmp_path)), "--retriever_cache_dir", str(cache)]
+    assert main(argv) == 0
+    done = run_on_read_only(cache, argv)
+    assert done.returncode == 0, done.stderr
+    assert "loaded from cache" in done.stdout, done.stdout
+    assert f"the index is already built in {cache} (read-only); nothing to write." in done.stdout
+    other = run_on_read_only(cache, [*argv, "--bm25_k1", "1.3"])  # another index: not there, and cannot be written
+    assert (other.returncode, other.stderr) == (2, (
+        f"error: index cache {cache} cannot be written and does not hold this index. Choose another "
+        "--retriever_cache_dir or fix its permissions.\n"
+    ))  # fmt: skip
