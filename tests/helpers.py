@@ -172,3 +172,11 @@ def scripted_scorers(tokenizer, probability):
         return answer_token_logps(model, items, pad_token_id, batch_size, num_chunks)
 
     return answer_token_logps, shared_prefix_answer_logps
+
+
+def reward_failing_after_step_1(completions, trainer_state, **kwargs):
+    """A reward function (give its import path, ``helpers.reward_failing_after_step_1``) that scores 0 at step 1 and
+    raises `ValueError` from step 2 on: an error that ends training mid-run."""
+    if trainer_state.global_step >= 1:
+        raise ValueError("the reward service went away")
+    return [0.0] * len(completions)

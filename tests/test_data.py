@@ -52,7 +52,7 @@ def test_defaults_fill_missing_optional_columns(tmp_path):
     ("row", "field", "hint"),
     [
         ({"golden_answers": ["x"]}, "question", "is missing"),
-        ({"question": "  ", "golden_answers": ["x"]}, "question", "non-empty string"),
+        ({"question": "  ", "golden_answers": ["x"]}, "question", "with visible text"),
         ({"question": "A?"}, "golden_answers", "is missing"),
         ({"question": "A?", "golden_answers": "a"}, "golden_answers", 'Wrap it in a list, e.g. ["a"]'),
         ({"question": "A?", "golden_answers": []}, "golden_answers", "empty list"),

@@ -210,17 +210,22 @@ class MemPOAgent:
     ) -> tuple[list[Episode], RolloutTimings]:
         """Play one episode per row (``question`` and any other keys, kept in ``episode.row``; with an environment,
         the keyword arguments of its ``reset``)."""
-        generate = generate or self.generator
+        return self.rollout_engine(context_mode).run([dict(row) for row in rows], generate or self.generator)
+
+    def rollout_engine(self, context_mode: str | None = None) -> RolloutEngine:
+        """The `RolloutEngine` that plays this agent's episodes: its protocol (with ``context_mode`` when given) and
+        the context limit of its generator (``max_prompt_length``, e.g. the model's ``max_position_embeddings``
+        minus the turn budget), so that a long context is handled as in training (``context_overflow``)."""
         protocol = replace(self.protocol, context_mode=context_mode) if context_mode else self.protocol
         eos = getattr(self.generator, "eos_token_ids", None)
-        engine = RolloutEngine(
+        return RolloutEngine(
             self.tokenizer,
             protocol,
             self.retriever,
             eos_token_ids=eos if eos is not None else protocol.stop_token_ids(self.tokenizer),
+            max_prompt_length=getattr(self.generator, "max_prompt_length", None),
             environment_factory=self.environment_factory,
         )
-        return engine.run([dict(row) for row in rows], generate)
 
     def run_batch(self, questions: Sequence[str | dict]) -> list[AgentResult]:
         """Answer every question (a string, or a row dict: an environment's ``reset`` arguments); their rounds are

@@ -133,6 +133,17 @@ def has_answer_text(alias: str) -> bool:
     return any(unicodedata.category(ch)[0] not in "PZC" for ch in normalize_answer(alias))
 
 
+def has_visible_text(text: str) -> bool:
+    """Whether `text` has a character that is not a space, a control or an invisible format character (any script:
+    U+3000 and zero-width spaces are not text).
+
+    Example:
+        >>> [has_visible_text(t) for t in ("Who?", "\u3000", "\u200b\u200b", "?")]
+        [True, False, False, True]
+    """
+    return any(unicodedata.category(ch)[0] not in "ZC" for ch in text)
+
+
 def _json_kind(value) -> str:
     if isinstance(value, bool):
         return "boolean"
@@ -163,8 +174,8 @@ def _check_column_kinds(rows: list[dict], source_name: str, lines) -> None:
 
 def _check_row(row: dict, source_name: str, line: int) -> None:
     question = row.get("question")
-    if not isinstance(question, str) or not question.strip():
-        problem = "is missing" if question is None else f"must be a non-empty string, got {question!r}"
+    if not isinstance(question, str) or not has_visible_text(question):
+        problem = "is missing" if question is None else f"must be a string with visible text, got {question!r:.80}"
         raise _fail(source_name, line, "question", problem, "Every row needs the question text in 'question'.")
     if row.get("golden_answers") is None:
         raise _fail(
@@ -177,7 +188,9 @@ def _check_row(row: dict, source_name: str, line: int) -> None:
         )
     _check_strings(row["golden_answers"], source_name, line, "golden_answers", "accepted answer strings")
     sub_questions, sub_answers = row.get("sub_questions") or [], row.get("sub_answers") or []
-    if not isinstance(sub_questions, list) or not all(isinstance(q, str) and q.strip() for q in sub_questions):
+    if not isinstance(sub_questions, list) or not all(
+        isinstance(q, str) and has_visible_text(q) for q in sub_questions
+    ):
         raise _fail(
             source_name,
             line,
@@ -312,6 +325,14 @@ def validate_qa_rows(
 def _read_file(path: Path) -> tuple[datasets.Dataset | list[dict], list[int] | None]:
     """Rows of a .jsonl/.json/.parquet file, with line numbers where the file has lines."""
     if path.suffix == ".parquet":
+        import pyarrow.parquet
+
+        try:
+            rows = pyarrow.parquet.read_metadata(path).num_rows
+        except pyarrow.ArrowException as err:
+            raise DataError(f"{path}: not a readable Parquet file ({err}). Write it again, or use .jsonl.") from None
+        if not rows:
+            raise DataError(f"{path}: no rows. Give at least one question.")
         return datasets.Dataset.from_parquet(str(path)), None
     if path.suffix == ".json":
         try:

@@ -27,12 +27,30 @@ def strip_completion(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
     return ids[:end]
 
 
+def prompt_budget(limit: int | None, max_new_tokens: int, what: str) -> int | None:
+    """The longest prompt a model of context ``limit`` (tokens; None: unknown) takes with ``max_new_tokens`` to write.
+
+    Example:
+        >>> prompt_budget(4096, 512, "max_position_embeddings"), prompt_budget(None, 512, "max_model_len")
+        (3584, None)
+    """
+    if limit is None:
+        return None
+    if limit <= max_new_tokens:
+        raise ValueError(
+            f"max_completion_length={max_new_tokens} leaves no room for a prompt in the model's {limit}-token "
+            f"context ({what})."
+        )
+    return limit - max_new_tokens
+
+
 class HFGenerator:
     """`GenerateFn` over a transformers causal LM: `model.generate` on left-padded batches of `batch_size` prompts.
 
     Greedy when `temperature == 0`, else sampling with `temperature`/`top_p`. Each sequence stops on eos or once it
     has written ``</search>``/``</answer>`` (``stops``, as strings, `action_stopping_criteria`). The model is put in eval mode during a call
-    and restored afterwards. Returns no log-probs.
+    and restored afterwards. Returns no log-probs. ``max_prompt_length`` is the longest prompt the model takes
+    (`prompt_budget` of its ``max_position_embeddings``); the rollout holds every context to it.
 
     Example:
         >>> from mempo_trl.kit.tiny import load_tiny
@@ -55,6 +73,8 @@ class HFGenerator:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
         self.max_new_tokens = max_new_tokens
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.max_prompt_length = prompt_budget(limit, max_new_tokens, "max_position_embeddings")
         self.temperature = temperature
         self.top_p = top_p
         self.batch_size = batch_size
@@ -145,6 +165,8 @@ class VLLMGenerator:
             seed=seed,
         )
         self.eos_token_ids = stop_token_ids(tokenizer, stops=stops)
+        limit = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "max_model_len", None)
+        self.max_prompt_length = prompt_budget(limit, max_new_tokens, "max_model_len")
 
     def __call__(self, prompts: list[list[int]]) -> tuple[list[list[int]], None]:
         inputs = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]

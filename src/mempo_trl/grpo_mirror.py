@@ -32,6 +32,7 @@ from accelerate.utils import gather_object
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 
+from mempo_trl.generation import prompt_budget
 from mempo_trl.stopping import ContinuousBatchingStops, action_stopping_criteria
 
 
@@ -57,14 +58,7 @@ class GRPOMirror:
         `max_position_embeddings`, minus `max_completion_length`; None when neither is known."""
         limit = self.args.vllm_max_model_length if self.use_vllm else None
         limit = limit or getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        if limit is None:
-            return None
-        if limit <= self.max_completion_length:
-            raise ValueError(
-                f"max_completion_length={self.max_completion_length} leaves no room for a prompt in the model's "
-                f"{limit}-token context (vllm_max_model_length / max_position_embeddings)."
-            )
-        return limit - self.max_completion_length
+        return prompt_budget(limit, self.max_completion_length, "vllm_max_model_length / max_position_embeddings")
 
     def _generate_turns(self, prompt_ids: list[list[int]]):
         """One turn per prompt with TRL's backend, stopping after the turn's action tag.

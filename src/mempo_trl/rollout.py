@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from mempo_trl.context import ACTION_STOPS, TurnProtocol, render_prompt
+from mempo_trl.data import DataError
 from mempo_trl.environments import (
     EnvironmentFactory,
     call_tool,
@@ -238,6 +239,42 @@ class RolloutEngine:
             tools=tool_schemas(environment),
         )
 
+    def _limit_hint(self, limit: int) -> str:
+        """Which setting the context limit ``limit`` comes from, and how to raise it."""
+        if limit == self.protocol.max_context_tokens:
+            return f"max_context_tokens={limit}: raise it"
+        return (
+            f"{limit} the generation backend takes (vllm_max_model_length or max_position_embeddings, minus "
+            "max_completion_length): raise the limit or lower max_completion_length"
+        )
+
+    def check_first_contexts(self, rows, source_name: str, margin: int = 16) -> None:
+        """Raise `DataError` naming the row when a question's first context (system prompt and instruction with the
+        question, rendered with the chat template) is longer than the context limit `fit_prompt` applies: checked
+        when the data is loaded, not at the step that draws the row. Search task only (an environment's first
+        context comes from its ``reset``).
+
+        Questions are tokenised in one batch; a row whose question tokens plus the template's come within
+        ``margin`` of the limit is rendered whole and measured exactly.
+        """
+        limit = self.protocol.context_limit(self.max_prompt_length)
+        if limit is None or self.environment_factory is not None or not len(rows):
+            return
+        questions = list(rows["question"]) if hasattr(rows, "column_names") else [row["question"] for row in rows]
+        template = len(render_prompt(self.tokenizer, self.protocol.initial_messages("")))
+        lengths = self.tokenizer(questions, add_special_tokens=False)["input_ids"]
+        for index, (question, ids) in enumerate(zip(questions, lengths)):
+            if template + len(ids) + margin <= limit:
+                continue
+            length = len(render_prompt(self.tokenizer, self.protocol.initial_messages(question)))
+            if length > limit:
+                row_id = rows[index].get("id", index)
+                raise DataError(
+                    f"{source_name}, row {index + 1} (id {row_id!r}): the first context of question "
+                    f"{question[:80]!r} is {length} tokens, more than {self._limit_hint(limit)}; or shorten or "
+                    "remove the row."
+                )
+
     def context_messages(self, episode: Episode) -> list[dict[str, str]]:
         """Messages of the episode's next round (docs/algorithm.md, "Context rebuild")."""
         return self.protocol.round_messages(episode.base_messages, episode.history())
@@ -253,15 +290,9 @@ class RolloutEngine:
         if limit is None or len(ids) <= limit:
             return ids
         if not episode.rounds:
-            if limit == self.protocol.max_context_tokens:
-                which = f"max_context_tokens={limit}: raise it"
-            else:
-                which = (
-                    f"{limit} the generation backend takes (vllm_max_model_length or max_position_embeddings, minus "
-                    "max_completion_length): raise the limit or lower max_completion_length"
-                )
             raise ValueError(
-                f"The first context of question {episode.question[:80]!r} is {len(ids)} tokens, more than {which}."
+                f"The first context of question {episode.question[:80]!r} is {len(ids)} tokens, more than "
+                f"{self._limit_hint(limit)}."
             )
         if self.protocol.context_overflow == "truncate_information":
             searched = [r for r in episode.rounds if r.information is not None]

@@ -201,6 +201,13 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             max_prompt_length=self._max_prompt_length(),
             environment_factory=environment_factory,
         )
+        if environment_factory is None:  # every question fits its first context, before any step
+            named = {"train_dataset": train_dataset}
+            named.update({f"eval_dataset[{n}]": ds for n, ds in eval_dataset.items()} if isinstance(eval_dataset, dict)
+                         else {"eval_dataset": eval_dataset})  # fmt: skip
+            for name, rows in named.items():
+                if rows is not None:
+                    self.rollout_engine.check_first_contexts(rows, name)
         self._warned_no_target = False
 
     # ------------------------------------------------------------------ memory reward

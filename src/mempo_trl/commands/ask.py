@@ -33,6 +33,19 @@ class AgentArguments:
     max_completion_length: int | None = field(
         default=None, metadata={"help": "Tokens per turn at most (saved value)."}
     )
+    max_context_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest context (prompt tokens) a round may have, with the model's own limit (saved value)."
+        },
+    )
+    context_overflow: str | None = field(
+        default=None,
+        metadata={
+            "help": "A longer context: `end_episode` or `truncate_information` first (saved value).",
+            "choices": ["end_episode", "truncate_information"],
+        },
+    )
     system_prompt: str | None = field(default=None, metadata={"help": "System message (saved value)."})
     instruction: str | None = field(default=None, metadata={"help": "User message with `{question}` (saved value)."})
     temperature: float = field(default=0.0, metadata={"help": "Sampling temperature; 0 is greedy."})
@@ -43,7 +56,8 @@ class AgentArguments:
     seed: int = field(default=0, metadata={"help": "Seed of sampling."})
 
     def __post_init__(self):
-        for name in ("max_turns", "retrieval_topk", "max_completion_length", "per_device_eval_batch_size"):
+        for name in ("max_turns", "retrieval_topk", "max_completion_length", "max_context_tokens",
+                     "per_device_eval_batch_size"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
@@ -68,6 +82,8 @@ def load_agent(args: AgentArguments, retriever, context_mode: str | None = None,
         retrieval_topk=args.retrieval_topk,
         context_mode=context_mode,
         max_completion_length=args.max_completion_length,
+        max_context_tokens=args.max_context_tokens,
+        context_overflow=args.context_overflow,
         system_prompt=args.system_prompt,
         instruction=args.instruction,
     )

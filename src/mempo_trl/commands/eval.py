@@ -7,7 +7,8 @@ With `--environment my_pkg.envs.MyEnv` (an import path) the agent plays that TRL
 searching; `--dataset_name` then holds its `reset` rows (.jsonl).
 
 The agent runs with the turn protocol saved with it (`mempo_agent.json`); a flag such as `--max_turns 4` overrides them
-and says so. Writes ``results.json`` (metrics, settings, versions), ``trajectories.jsonl`` (one line per question
+and says so. Contexts are held to the model's limit and `max_context_tokens` as in training (`context_overflow`): a
+question whose first context does not fit is refused before any is played. Writes ``results.json`` (metrics, settings, versions), ``trajectories.jsonl`` (one line per question
 and mode) and ``context_tokens.png`` (mean prompt tokens per round) into `output_dir`.
 """
 
@@ -87,17 +88,18 @@ def _quiet_retry_warnings():
         log.setLevel(level)
 
 
-def _load_rows(args: EvalArguments) -> list[dict]:
+def _load_rows(args: EvalArguments) -> dict[str, list[dict]]:
+    """The QA rows of every `dataset_name` source, by source."""
     from mempo_trl.data import load_qa
 
-    rows = []
+    rows = {}
     for source in args.dataset_name:
         dataset = load_qa(source, split=args.dataset_split, config=args.dataset_config)
         if args.max_eval_samples is not None:
             dataset = dataset.select(range(min(args.max_eval_samples, len(dataset))))
         name = Path(source).stem if Path(source).exists() else args.dataset_config or source
         # Rows without a data_source are reported under the name of the file or dataset they come from.
-        rows += [
+        rows[source] = [
             {**row, "data_source": name if row["data_source"] == "unknown" else row["data_source"]} for row in dataset
         ]
     return rows
@@ -170,10 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         rows, retriever_info = _environment_rows(eval_args), {"environment": eval_args.environment}
         agent = load_agent(agent_args, None, context_mode, environment_factory=environment_factory)
     else:
-        rows = _load_rows(eval_args)
+        sources = _load_rows(eval_args)
+        rows = [row for found in sources.values() for row in found]
         retriever = build_retriever(retriever_args)
         retriever_info = _probe_retriever(retriever, retriever_args, rows[0]["question"])
         agent = load_agent(agent_args, retriever, context_mode)
+        for source, found in sources.items():  # every question fits its first context, before any is played
+            agent.rollout_engine().check_first_contexts(found, source)
 
     modes = list(CONTEXT_MODES) if agent_args.context_mode == "both" else [agent.protocol.context_mode]
     out = Path(eval_args.output_dir)

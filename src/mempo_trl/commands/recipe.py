@@ -9,6 +9,7 @@ kit's are written to disk by `mempo-trl kit learner` / `mempo-trl kit tiny`.
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,7 +118,35 @@ def load_dataset(script_args: ScriptArguments, split: str):
                          "name; `mempo-trl kit learner` writes one).")  # fmt: skip
     if script_args.environment:
         return Dataset.from_list(read_jsonl(script_args.dataset_name))
+    if Path(split).is_file():  # a held-out file given as `dataset_test_split`
+        return load_qa(split)
     return load_qa(script_args.dataset_name, split=split, config=script_args.dataset_config)
+
+
+def check_heldout_source(script_args: ScriptArguments, training_args) -> None:
+    """Refuse an evaluation (`heldout_questions`, `eval_strategy`) whose rows would be the training rows: a file
+    `dataset_name` has no splits, so its `dataset_test_split` rows are the training file unless that names a file."""
+    evaluates = script_args.heldout_questions > 0 or training_args.eval_strategy != "no"
+    if not evaluates or script_args.environment or not script_args.dataset_name:
+        return
+
+    def source(split: str) -> tuple:
+        if Path(split).is_file():
+            return (Path(split).resolve(),)
+        name = script_args.dataset_name
+        return (Path(name).resolve(),) if Path(name).is_file() else (name, script_args.dataset_config, split)
+
+    if source(script_args.dataset_train_split) == source(script_args.dataset_test_split):
+        strategy = getattr(training_args.eval_strategy, "value", training_args.eval_strategy)
+        what = f"eval_strategy={strategy}"
+        if script_args.heldout_questions > 0:
+            what = f"heldout_questions={script_args.heldout_questions}"
+        raise ValueError(
+            f"{what} would evaluate on the training rows: dataset_test_split {script_args.dataset_test_split!r} of "
+            f"{script_args.dataset_name} is the data trained on (a file has no splits). Give held-out questions as a "
+            "file (--dataset_test_split path/test.jsonl), use a directory holding train.jsonl and test.jsonl, or "
+            "turn the evaluation off."
+        )
 
 
 def load_environment(spec: str):
@@ -224,10 +253,12 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
     First checks that the disk has room for the final model and a checkpoint. Training that stops early keeps its
     work: on SIGTERM/SIGINT, a retriever that fails for the whole retry budget (`RetrieverOutage`) or answers
     wrongly, or a non-finite loss or advantage, a checkpoint of the last finished step is saved and the error is
-    raised again naming it (`--resume_from_checkpoint ...`). A final save that fails keeps the model in a temporary
-    directory named in the error (`save_model_or_rescue`).
+    raised again naming it (`--resume_from_checkpoint ...`); so does any other error of a single-process run after
+    a step. A final save that fails keeps the model in a temporary directory named in the error
+    (`save_model_or_rescue`).
     """
     from mempo_trl.checkpoints import check_room_to_save, disk_full_error, is_disk_full, save_model_or_rescue
+    from mempo_trl.commands import error_message
     from mempo_trl.interruptions import NonFiniteError, SaveOnSignalCallback, TrainingStopped
     from mempo_trl.model_card import heldout_summary
     from mempo_trl.retrieval import RetrievalError, RetrieverOutage
@@ -251,7 +282,15 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
             step = trainer.state.global_step
             doing = f"training stopped at step {step}: saving {Path(training_args.output_dir, f'checkpoint-{step}')}"
             raise disk_full_error(doing, training_args) from err
-        raise
+        if trainer.state.global_step == 0 or training_args.world_size > 1:
+            raise  # nothing to save, or the other processes would never join the save
+        checkpoint = save_checkpoint_and_release(trainer)
+        resume = f"Saved {checkpoint}; once that is fixed, rerun with --resume_from_checkpoint {checkpoint}."
+        if error_message(err) is None:  # a bug: keep its traceback, after saying where the work is
+            print(f"training stopped after step {trainer.state.global_step} by the error below. {resume}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            raise
+        raise TrainingStopped(f"training stopped: {str(err).rstrip('.')}. {resume}") from err
     finally:
         if stop is not None:
             stop.restore()
@@ -301,6 +340,7 @@ def check_before_training(
             "heldout_questions evaluates the search task; evaluate an environment agent with "
             f"`mempo-trl eval --environment {script_args.environment}` instead (set heldout_questions: 0)."
         )
+    check_heldout_source(script_args, training_args)
     check_report_to(training_args.report_to)
     if training_args.push_to_hub:
         check_hub_reachable()

@@ -11,6 +11,7 @@ index settings below (defaults: the retriever classes' own).
 import argparse
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mempo_trl.commands import add_command, parse
 from mempo_trl.outputs import OutputError, check_port, check_writable
@@ -63,11 +64,17 @@ class ServeArguments:
     request_timeout: float = field(
         default=settings.REQUEST_TIMEOUT,
         metadata={"help": "Seconds a connection has to send a whole request (after connecting or after its last "
-                  "answer) before it is closed: idle and slow clients cannot hold connections open."},
+                  "answer), and to read an answer, before it is closed: idle, slow and non-reading clients cannot "
+                  "hold connections (or answers) open."},
     )  # fmt: skip
     api_key: str | None = field(
         default=None, metadata={"help": "Require 'Authorization: Bearer KEY' (default: $MEMPO_RETRIEVER_API_KEY)."}
     )
+    allowed_hosts: list[str] | None = field(
+        default=None,
+        metadata={"help": "Host header names answered (any port; `*`: any). Default: localhost, 127.0.0.1 and [::1] "
+                  "when bound to loopback (a web page cannot read the server by DNS rebinding), else any."},
+    )  # fmt: skip
     log_level: str = field(default="info", metadata={"help": "Server log level.", "choices": LOG_LEVELS})
 
 
@@ -78,9 +85,9 @@ def _parse_index(prog: str, argv: list[str] | None, *extra_types: type) -> tuple
     return retriever_args, index_args, *rest
 
 
-def _build_reporting(retriever_args: RetrieverArguments, index_args: IndexArguments):
+def _build_reporting(retriever_args: RetrieverArguments, index_args: IndexArguments, **extra):
     start = time.perf_counter()
-    retriever = build_retriever(retriever_args, **index_args.kwargs(retriever_args.retriever_type))
+    retriever = build_retriever(retriever_args, **index_args.kwargs(retriever_args.retriever_type), **extra)
     action = "loaded from cache" if retriever.cache_hit else "built"
     print(
         f"{retriever_args.retriever_type} index of {retriever.num_passages} passages {action} in "
@@ -91,12 +98,27 @@ def _build_reporting(retriever_args: RetrieverArguments, index_args: IndexArgume
 
 
 def build_index(argv: list[str] | None = None) -> int:
-    """`mempo-trl build-index`: index a corpus into the cache that `serve-retriever`, `train` and `eval` reuse."""
+    """`mempo-trl build-index`: index a corpus into the cache that `serve-retriever`, `train` and `eval` reuse; a
+    read-only cache that already holds the index is accepted (nothing to build)."""
     from mempo_trl.retrieval.cache import cache_root
 
     retriever_args, index_args = _parse_index("mempo-trl build-index", argv)
     kind = retriever_args.retriever_type
-    cache = check_writable(retriever_args.retriever_cache_dir or cache_root() / kind, what="index cache")
+    root = Path(retriever_args.retriever_cache_dir or cache_root() / kind).expanduser()
+    try:
+        cache = check_writable(root, what="index cache")
+    except OutputError:
+        if not root.is_dir():
+            raise
+        try:  # read-only: fine if the index is there already
+            _build_reporting(retriever_args, index_args, cached_only=True)
+        except LookupError:
+            raise OutputError(
+                f"index cache {root} cannot be written and does not hold this index. Choose another "
+                "--retriever_cache_dir or fix its permissions."
+            ) from None
+        print(f"the index is already built in {root} (read-only); nothing to write.", flush=True)
+        return 0
     if _build_reporting(retriever_args, index_args).cache_path is None:
         raise OutputError(f"the index was built but could not be written to the cache {cache} (see the warning).")
     return 0
@@ -123,6 +145,7 @@ def serve_retriever(argv: list[str] | None = None) -> int:
         max_response_bytes=args.max_response_bytes,
         api_key=args.api_key,
         request_timeout=args.request_timeout,
+        allowed_hosts=args.allowed_hosts,
     )
     return 0
 

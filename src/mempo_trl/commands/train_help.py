@@ -25,7 +25,8 @@ TRL_DATA_FIELDS = [
      "`datasets` name (FlashRAG or Search-R1 rows); with `environment`, a .jsonl of its reset rows."),
     ("dataset_config", "str", "", "`datasets` config name of `dataset_name`."),
     ("dataset_train_split", "str", "'train'", "Split to train on."),
-    ("dataset_test_split", "str", "'test'", "Split to evaluate on (`heldout_questions`, `eval_strategy`)."),
+    ("dataset_test_split", "str", "'test'", "Split (or QA file) to evaluate on (`heldout_questions`, "
+     "`eval_strategy`); never the training rows."),
 ]  # fmt: skip
 """The fields of TRL's `ScriptArguments` a MemPO recipe uses (importing it would import TRL)."""
 

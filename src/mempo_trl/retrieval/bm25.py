@@ -97,12 +97,14 @@ class BM25Retriever(CachedIndex):
         stemmer: str | None = STEMMER,
         k1: float = K1,
         b: float = B,
+        cached_only: bool = False,
     ) -> "BM25Retriever":
         """Load `corpus` (see `load_corpus`) and index it, reusing `<cache_dir>/<sha256>` when it exists.
 
         `cache_dir` defaults to `$MEMPO_CACHE/bm25` (`~/.cache/mempo_trl/bm25`). The key covers every passage
         and the parameters, so an edited corpus or new `k1`/`b`/`stemmer` builds a new entry. An entry is used only
         if its files match the content hashes recorded when it was written; otherwise it is rebuilt, with a warning.
+        `cached_only`: read the entry, never build (`LookupError` when there is none).
 
         Example:
             >>> BM25Retriever.from_corpus("corpus.jsonl", cache_dir="/tmp/idx", stemmer=None, k1=1.2).cache_hit
@@ -124,6 +126,7 @@ class BM25Retriever(CachedIndex):
             lambda: cls(_build_index(passages, params), passages, params),
             lambda retriever, directory: retriever._save_index(directory),
             "BM25",
+            cached_only,
         )
 
     @classmethod

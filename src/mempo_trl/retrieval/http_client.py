@@ -17,6 +17,7 @@ import math
 import os
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 import httpcore
@@ -30,6 +31,27 @@ logger = logging.getLogger(__name__)
 
 START_HINT = "Start one with `mempo-trl serve-retriever --corpus CORPUS.jsonl --port PORT`, or fix the URL."
 API_KEY_ENV = "MEMPO_RETRIEVER_API_KEY"
+
+
+def check_retriever_url(url: str) -> None:
+    """Raise `ValueError` unless `url` is an http(s) URL without a user name or password: the server takes its API key
+    as a bearer token (`$MEMPO_RETRIEVER_API_KEY`), and a `user:password@` would be sent as Basic auth and end up in
+    error lines. The message never shows the password.
+
+    Example:
+        >>> check_retriever_url("http://alice:hunter2@127.0.0.1:8000")
+        Traceback (most recent call last):
+        ValueError: retriever URL 'http://***@127.0.0.1:8000' holds a user name or password. Remove them: the server takes its API key as a bearer token, set $MEMPO_RETRIEVER_API_KEY instead.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if "@" in parts.netloc:
+        shown = urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+        raise ValueError(
+            f"retriever URL {shown!r} holds a user name or password. Remove them: the server takes its API key as a "
+            f"bearer token, set ${API_KEY_ENV} instead."
+        )
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"retriever URL must start with http:// or https://, got {url!r}")
 
 
 class _Retryable(Exception):
@@ -164,8 +186,7 @@ class HttpRetriever:
         max_response_bytes: int = 256 * 2**20,
         api_key: str | None = None,
     ):
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"retriever URL must start with http:// or https://, got {url!r}")
+        check_retriever_url(url)
         if timeout <= 0 or retry_budget < 0 or max_response_bytes < 1 or (max_retries is not None and max_retries < 0):
             raise ValueError(
                 f"HttpRetriever needs timeout > 0, retry_budget >= 0, max_response_bytes >= 1 and max_retries >= 0 "

@@ -7,8 +7,12 @@ clients work unchanged. Searches run in FastAPI's thread pool, so one slow batch
 Limits (checked at start-up, enforced per request): queries per request, topk, request body bytes (a body without
 Content-Length is refused) and response bytes. A connection must send each whole request within `request_timeout`
 seconds (default 10) of connecting or of its previous answer, or it is closed, so idle and slow (slow-loris) clients
-cannot hold connections; uvicorn also closes keep-alive connections idle for 5 s after an answer. With an API key (`api_key`, or `$MEMPO_RETRIEVER_API_KEY`),
-`/retrieve` needs `Authorization: Bearer <key>`; binding a non-loopback address without one logs a warning.
+cannot hold connections, and must read each answer within `request_timeout` seconds of its writing, or it is cut
+off and the answer dropped, so clients that never read cannot pile answers up in memory; uvicorn also closes
+keep-alive connections idle for 5 s after an answer. With an API key (`api_key`, or `$MEMPO_RETRIEVER_API_KEY`),
+`/retrieve` needs `Authorization: Bearer <key>`; binding a non-loopback address without one logs a warning. Bound to
+loopback, the server answers only `Host: localhost`, `127.0.0.1` or `[::1]` (any port) unless `--allowed_hosts`
+says otherwise (HTTP 421), so a web page cannot read it through DNS rebinding.
 """
 
 import hmac
@@ -16,6 +20,7 @@ import ipaddress
 import json
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from mempo_trl.retrieval.base import Retriever
@@ -86,12 +91,16 @@ def check_request_timeout(request_timeout: float) -> None:
 
 class RequestDeadlineProtocol(H11Protocol):
     """uvicorn's h11 protocol, plus: a connection that has not sent a whole request `request_timeout` seconds after
-    connecting (or after its previous answer) is closed. uvicorn itself only times out idle keep-alive connections
-    after an answer, so a client that connects and sends nothing, or trickles header bytes, would hold a
-    connection forever."""
+    connecting (or after its previous answer) is closed, and one that reads nothing of its answer for
+    `request_timeout` seconds while the unsent part is over the transport's high-water mark (64 KiB), or has not
+    read its whole answer `request_timeout` seconds after it was written, is cut off and the answer dropped.
+    uvicorn itself only times out idle keep-alive connections after an answer, waits for a non-reading client
+    forever (holding the answer) and closes only once the unsent answer is sent, so a client that sends nothing,
+    trickles header bytes or never reads would hold a connection, and its answer, forever."""
 
     request_timeout = REQUEST_TIMEOUT
     _request_timer = None
+    _read_timer = None  # runs while the client reads nothing and the unsent answer is over the high-water mark
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -107,10 +116,25 @@ class RequestDeadlineProtocol(H11Protocol):
         super().on_response_complete()
         self._arm_request_timer()
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._cancel_read_timer()
+        self._read_timer = self.loop.call_later(self.request_timeout, self.transport.abort)  # drops the unsent answer
+
+    def resume_writing(self) -> None:
+        self._cancel_read_timer()
+        super().resume_writing()
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self._request_timer is not None:
             self._request_timer.cancel()
+        self._cancel_read_timer()
         super().connection_lost(exc)
+
+    def _cancel_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
 
     def _arm_request_timer(self) -> None:
         if self._request_timer is not None:
@@ -119,7 +143,9 @@ class RequestDeadlineProtocol(H11Protocol):
 
     def _close_if_waiting(self) -> None:
         self._request_timer = None
-        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+        if self.transport.get_write_buffer_size():  # an answer not read in time: drop it (close() would wait)
+            self.transport.abort()
+        elif self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
             self.transport.close()
 
 
@@ -130,10 +156,14 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     max_response_bytes: int = MAX_RESPONSE_BYTES,
     api_key: str | None = None,
+    allowed_hosts: Sequence[str] | None = None,
 ) -> FastAPI:
     """Wrap `retriever` in the `/retrieve` + `/health` API; bad requests get HTTP 4xx with an `error` message.
 
-    `api_key` defaults to `$MEMPO_RETRIEVER_API_KEY`; `/health` stays open (for readiness probes).
+    `api_key` defaults to `$MEMPO_RETRIEVER_API_KEY`; `/health` stays open (for readiness probes). With
+    `allowed_hosts` (names or addresses, any port; the loopback names are always answered), a request whose `Host`
+    header names another host gets HTTP 421: a web page that rebinds its own domain to this address cannot read the
+    server (`serve` defaults to the loopback names when bound to loopback, `allowed_host_names`). None: any `Host`.
 
     Example:
         >>> from fastapi.testclient import TestClient
@@ -145,8 +175,17 @@ def create_app(
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     app = FastAPI(title="mempo_trl retriever", summary="Search-R1 compatible /retrieve API.")
 
+    allowed = None if allowed_hosts is None else {_host_name(name) for name in (*LOOPBACK_NAMES, *allowed_hosts)}
+
     @app.middleware("http")
     async def guard(request: Request, call_next):
+        host = request.headers.get("host", "")
+        if allowed is not None and "*" not in allowed and _host_name(host) not in allowed:
+            return JSONResponse(
+                {"error": f"Host {host!r} is not served here (this server answers {', '.join(sorted(allowed))}). "
+                 "Connect by one of those names, or restart the server with --allowed_hosts NAME."},
+                status_code=421,
+            )  # fmt: skip
         if request.method == "POST":
             if api_key is not None:
                 given = request.headers.get("authorization", "")
@@ -228,14 +267,18 @@ def serve(
     max_response_bytes: int = MAX_RESPONSE_BYTES,
     api_key: str | None = None,
     request_timeout: float = REQUEST_TIMEOUT,
+    allowed_hosts: Sequence[str] | None = None,
 ) -> None:
     """Serve `retriever` with uvicorn until interrupted (access log off: it costs latency under load); connections
-    that do not send a whole request within `request_timeout` seconds are closed (`RequestDeadlineProtocol`).
+    that do not send a whole request, or read their answer, within `request_timeout` seconds are closed
+    (`RequestDeadlineProtocol`). Requests must name one of `allowed_hosts` in `Host` (default:
+    `allowed_host_names(host)`).
 
     Example:
         >>> serve(BM25Retriever.from_corpus("corpus.jsonl"), port=8000)  # then HttpRetriever("http://127.0.0.1:8000")
     """
-    app = create_app(retriever, max_queries, max_topk, max_body_bytes, max_response_bytes, api_key)
+    allowed_hosts = allowed_host_names(host) if allowed_hosts is None else allowed_hosts
+    app = create_app(retriever, max_queries, max_topk, max_body_bytes, max_response_bytes, api_key, allowed_hosts)
     if not _is_loopback(host) and not (api_key or os.environ.get(API_KEY_ENV)):
         logger.warning(
             "Serving on %s without an API key: anyone who can reach this address can query the server. Set "
@@ -246,6 +289,34 @@ def serve(
     check_request_timeout(request_timeout)
     protocol = type("RequestDeadlineProtocol", (RequestDeadlineProtocol,), {"request_timeout": request_timeout})
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, http=protocol)
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+"""The `Host` names a server bound to loopback answers by default."""
+
+
+def allowed_host_names(host: str) -> tuple[str, ...] | None:
+    """The `Host` names a server bound to `host` answers by default: the loopback names when it is bound to
+    loopback (a browser page cannot rebind its own domain onto it), else any (None).
+
+    Example:
+        >>> allowed_host_names("127.0.0.1"), allowed_host_names("0.0.0.0")
+        (('localhost', '127.0.0.1', '::1'), None)
+    """
+    return LOOPBACK_NAMES if _is_loopback(host) else None
+
+
+def _host_name(value: str) -> str:
+    """The name in a `Host` header or an `--allowed_hosts` entry, without the port or IPv6 brackets, lower case.
+
+    Example:
+        >>> [_host_name(h) for h in ("LocalHost:8000", "[::1]:8000", "127.0.0.1", "::1")]
+        ['localhost', '::1', '127.0.0.1', '::1']
+    """
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:].split("]", 1)[0]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
 def _is_loopback(host: str) -> bool:

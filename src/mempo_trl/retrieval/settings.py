@@ -5,7 +5,7 @@ limits of the retrieval server (`mempo_trl.retrieval.server`, which needs the `s
 from dataclasses import dataclass, field
 
 from mempo_trl.retrieval.base import Retriever
-from mempo_trl.retrieval.http_client import MAX_RETRIES, RETRY_BUDGET, TIMEOUT
+from mempo_trl.retrieval.http_client import MAX_RETRIES, RETRY_BUDGET, TIMEOUT, check_retriever_url
 
 
 MAX_QUERIES, MAX_TOPK = 4096, 100
@@ -47,6 +47,10 @@ class RetrieverArguments:
         metadata={"help": "Seconds an unreachable `retriever_url` is retried (each outage logged); training then "
                   "saves a checkpoint and stops: resume from it once the server is back."},
     )  # fmt: skip
+
+    def __post_init__(self):
+        if self.retriever_url:
+            check_retriever_url(self.retriever_url)  # at parse time, before anything is loaded
 
 
 def describe_retriever(args: RetrieverArguments) -> str:

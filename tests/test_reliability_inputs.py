@@ -1,0 +1,230 @@
+"""Runs never lose work, part 3: data, context limits and the retrieval server and client.
+
+Every case goes through the real CLI (`mempo_trl.cli.main`, in process) or a real server subprocess on 127.0.0.1
+spoken to with raw sockets. Each wait is bounded; nothing asserts a speed.
+"""
+
+import json
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow
+import pyarrow.parquet
+import pytest
+from helpers import cpu_recipe, free_port, one_error_line, start_retriever, stop, write_corpus
+
+from mempo_trl.checkpoints import validate_checkpoint
+from mempo_trl.cli import main
+
+
+def write_rows(path, questions):
+    """A QA .jsonl of ``questions`` (gold "Ulm" each); returns its path."""
+    rows = [{"question": q, "golden_answers": ["Ulm"]} for q in questions]
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def train(tmp_path, model_dir, **fields) -> int:
+    return main(["train", "--config", str(cpu_recipe(tmp_path, model_dir, **fields))])
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+@pytest.mark.parametrize(
+    ("fields", "what"),
+    [({"heldout_questions": 2}, "heldout_questions=2"), ({"eval_strategy": "steps"}, "eval_strategy=steps")],
+)
+def test_a_single_file_is_never_its_own_heldout_split(tmp_path, capsys, tiny_model_dir, demo_paths, fields, what):
+    assert train(tmp_path, tiny_model_dir, dataset_name=str(demo_paths.train), **fields) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {what} would evaluate on the training rows: dataset_test_split 'test' of "), line
+    assert "--dataset_test_split path/test.jsonl" in line
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_an_empty_parquet_file_is_one_error_line(tmp_path, capsys, tiny_model_dir):
+    empty = tmp_path / "empty.parquet"
+    pyarrow.parquet.write_table(pyarrow.table({"question": pyarrow.array([], pyarrow.string())}), empty)
+    assert train(tmp_path, tiny_model_dir, dataset_name=str(empty)) == 2
+    assert one_error_line(capsys) == f"error: {empty}: no rows. Give at least one question."
+
+
+@pytest.mark.parametrize("question", ["\u200b\u200b", "\u3000", " \t "])
+def test_a_question_without_visible_text_is_refused(tmp_path, capsys, tiny_model_dir, question):
+    data = write_rows(tmp_path / "qa.jsonl", ["Where?", question])
+    assert train(tmp_path, tiny_model_dir, dataset_name=str(data)) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {data}, line 2: field 'question' must be a string with visible text"), line
+
+
+# ------------------------------------------------------------------------------------------ context limits
+
+
+@pytest.mark.parametrize(
+    ("words", "fields", "limit"),
+    [
+        (5000, {}, "more than 4088 the generation backend takes (vllm_max_model_length or max_position_embeddings"),
+        (400, {"max_context_tokens": 300}, "more than max_context_tokens=300: raise it"),
+    ],
+)
+def test_a_question_too_long_for_the_context_is_refused_before_any_step(
+    tmp_path, capsys, tiny_model_dir, words, fields, limit
+):
+    data = write_rows(tmp_path / "qa.jsonl", ["Where was Ada born?", "Where is " + "it " * words, "Who?"])
+    assert train(tmp_path, tiny_model_dir, dataset_name=str(data), **fields) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: train_dataset, row 2 (id '1'): the first context of question 'Where is it it"), line
+    assert limit in line, line
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_an_error_mid_run_saves_a_checkpoint_first(tmp_path, capsys, tiny_model_dir, demo_paths):
+    # A held-out file given as dataset_test_split is a real held-out source (accepted); the reward fails at step 2.
+    fields = {"dataset_name": str(demo_paths.train), "dataset_test_split": str(demo_paths.test)}
+    fields.update(heldout_questions=1, max_steps=3, reward_funcs=["helpers.reward_failing_after_step_1"])
+    assert train(tmp_path, tiny_model_dir, **fields) == 2
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    assert one_error_line(capsys) == (
+        f"error: training stopped: the reward service went away. Saved {checkpoint}; once that is fixed, rerun "
+        f"with --resume_from_checkpoint {checkpoint}."
+    )
+    validate_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("words", "flags", "limit"),
+    [
+        (5000, [], "more than 4088 the generation backend takes"),
+        (400, ["--max_context_tokens", "300"], "more than max_context_tokens=300: raise it"),
+    ],
+)
+def test_eval_holds_contexts_to_the_same_limits_as_training(
+    tmp_path, capsys, tiny_model_dir, demo_paths, words, flags, limit
+):
+    data = write_rows(tmp_path / "qa.jsonl", ["Where was Ada born?", "Where is " + "it " * words])
+    argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data), "--corpus"]
+    argv += [str(demo_paths.corpus), "--output_dir", str(tmp_path / "ev"), "--max_completion_length", "8", *flags]
+    assert main(argv) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {data}, row 2 (id '1'): the first context of question 'Where is it it"), line
+    assert limit in line, line
+    assert not (tmp_path / "ev" / "results.json").exists()
+
+
+# ------------------------------------------------------------------------------------------ retrieval server and client
+
+
+def raw_request(port: int, head: str, body: bytes = b"", receive_buffer: int | None = None) -> socket.socket:
+    """A connected socket that has sent ``head`` (request line and headers, without the blank line) and ``body``."""
+    sock = socket.socket()
+    if receive_buffer is not None:  # a small window: the answer stays in the server's buffers
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(60)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"{head}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (or resets) the connection."""
+    data = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    sock.close()
+    return data
+
+
+def status(port: int, host: str) -> int:
+    answer = read_all(raw_request(port, f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close"))
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_a_client_that_never_reads_its_answer_is_cut_off(tmp_path):
+    corpus = tmp_path / "big.jsonl"
+    filler = "common filler " * 8000  # 112 KB a passage: 40 of them make an answer of about 9 MB
+    corpus.write_text(
+        "".join(json.dumps({"id": str(i), "contents": f'"Doc {i}"\n{filler}'}) + "\n" for i in range(40))
+    )
+    port = free_port()
+    server = start_retriever(tmp_path, port, "--corpus", str(corpus), "--request_timeout", "1")
+    try:
+        body = json.dumps({"queries": ["common filler"] * 2, "topk": 40}).encode()
+        head = f"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
+        clients = [raw_request(port, head, body, receive_buffer=4096) for _ in range(3)]
+        firsts = [client.recv(1024) for client in clients]  # the answers have started; nothing more is read
+        size = int(firsts[0].split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+        assert size > 8 * 2**20, firsts[0]
+        time.sleep(4)  # well past --request_timeout 1 after the answers were written
+        for client, first in zip(clients, firsts):
+            assert len(first) + len(read_all(client)) < size  # dropped, not kept for the client
+        assert status(port, f"127.0.0.1:{port}") == 200  # and the server serves on
+    finally:
+        stop(server)
+
+
+def test_a_loopback_server_answers_only_loopback_host_names(tmp_path):
+    port = free_port()
+    server = start_retriever(tmp_path, port)
+    try:
+        assert [status(port, f"{host}:{port}") for host in ("localhost", "127.0.0.1", "[::1]")] == [200] * 3
+        assert status(port, f"rebound.example:{port}") == 421
+        answer = read_all(raw_request(port, "GET /health HTTP/1.1\r\nHost: rebound.example\r\nConnection: close"))
+        assert b"restart the server with --allowed_hosts NAME" in answer
+    finally:
+        stop(server)
+    server = start_retriever(tmp_path, port, "--allowed_hosts", "rebound.example")
+    try:
+        assert status(port, f"rebound.example:{port}") == 200
+        assert status(port, f"other.example:{port}") == 421
+    finally:
+        stop(server)
+
+
+@pytest.mark.parametrize("command", ["ask", "eval"])
+def test_a_retriever_url_with_a_password_is_refused_without_echoing_it(tmp_path, capsys, tiny_model_dir, command):
+    url = "http://alice:hunter2@127.0.0.1:9"
+    argv = [command, *(["Where?"] if command == "ask" else [])]
+    argv += ["--model_name_or_path", str(tiny_model_dir), "--retriever_url", url]
+    argv += ["--dataset_name", "qa.jsonl", "--output_dir", str(tmp_path / "ev")] if command == "eval" else []
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "hunter2" not in err and "alice" not in err, err
+    assert err == (
+        "error: retriever URL 'http://***@127.0.0.1:9' holds a user name or password. Remove them: the server takes "
+        "its API key as a bearer token, set $MEMPO_RETRIEVER_API_KEY instead.\n"
+    )
+
+
+def run_on_read_only(directory, argv: list[str]) -> subprocess.CompletedProcess:
+    """`mempo-trl ARGV` in a subprocess that sees ``directory`` as a read-only file system (a bind mount in a user
+    and mount namespace); skips the test where namespaces are not allowed."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    mount = f"mount --bind -o ro {shlex.quote(str(directory))} {shlex.quote(str(directory))}"
+    if subprocess.run(["unshare", "-rm", "sh", "-c", mount], capture_output=True).returncode:
+        pytest.skip("user and mount namespaces are not allowed here")
+    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "mempo_trl", *argv])
+    return subprocess.run(["unshare", "-rm", "sh", "-c", f"{mount} && exec {command}"], capture_output=True, text=True)
+
+
+def test_build_index_accepts_a_read_only_cache_that_holds_the_index(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    argv = ["build-index", "--corpus", str(write_corpus(tmp_path)), "--retriever_cache_dir", str(cache)]
+    assert main(argv) == 0
+    done = run_on_read_only(cache, argv)
+    assert done.returncode == 0, done.stderr
+    assert "loaded from cache" in done.stdout, done.stdout
+    assert f"the index is already built in {cache} (read-only); nothing to write." in done.stdout
+    other = run_on_read_only(cache, [*argv, "--bm25_k1", "1.3"])  # another index: not there, and cannot be written
+    assert (other.returncode, other.stderr) == (2, (
+        f"error: index cache {cache} cannot be written and does not hold this index. Choose another "
+        "--retriever_cache_dir or fix its permissions.\n"
+    ))  # fmt: skip
