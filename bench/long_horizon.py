@@ -10,8 +10,11 @@ of the warm rows with a forgetful memory (`WARM["mem_drop"]`; fresh names and va
 `WARM`); every arm then trains from it with the same budget on the RL rows (all K mixed):
 
 - `mempo`: memory context + memory advantage (divided by the batch's std: `ARMS`); `outcome_only`: memory context,
-  `memory_coef: 0`;
-- `full_history`: full-history GRPO (`context_mode: full_history`, evaluated in that mode).
+  `memory_coef: 0`; `outcome_only_dynamic`: outcome-only with dynamic sampling (`dynamic_sampling: refill`);
+- `full_history`: full-history GRPO (`context_mode: full_history`).
+
+RL episodes search the corpus without the passages that name a validation or test entity (`rl_corpus`), evaluation
+the whole corpus; every trained policy is evaluated in both context modes (`after_by_mode`; ``after`` is its own).
 
 Each run is evaluated greedily per K on one split (`--split test` for published numbers, touched only by the
 published command; `--split validation` for choosing settings) before and after training. Resumable: a run writes
@@ -70,6 +73,7 @@ from pathlib import Path
 import learning
 from learning import _versions, parse_overrides
 
+from mempo_trl.context import CONTEXT_MODES
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
 
 
@@ -118,11 +122,27 @@ part's share (`mempo_outcome_reward`)."""
 CHECKPOINT_EVERY = 10
 """RL steps between the checkpoints of a run (the newest kept): a stopped run resumes from the newest one."""
 
-ARMS = {**learning.ARMS, "mempo": {"memory_scale_rewards": "batch"}}
+ARMS = {
+    **learning.ARMS,
+    "mempo": {"memory_scale_rewards": "batch"},
+    "outcome_only_dynamic": {"memory_coef": 0.0, "dynamic_sampling": "refill"},
+}
 """The arms: MemPOConfig overrides of `BUDGET`. MemPO divides its memory advantage by the batch's std instead of each
 question's (`memory_scale_rewards`), chosen on validation: with the per-question std, seed 0 stopped answering
-(docs/learning.md, "The long-horizon experiment"). A run is keyed by `run_settings`, so changing one arm redoes only
-its runs."""
+(docs/learning.md, "The long-horizon experiment"). ``outcome_only_dynamic`` is outcome-only with DAPO's dynamic
+sampling (`MemPOConfig.dynamic_sampling`): its all-equal groups are replaced by groups of further RL prompts, so that
+a step where every answer scores the same still trains; it is the fair baseline for MemPO's claim that the memory
+advantage gives a gradient there. A run is keyed by `run_settings`, so changing one arm redoes only its runs."""
+
+COMPARED_ARMS = ("mempo", "outcome_only", "full_history")
+"""The arms `targets` compares."""
+
+HELD_OUT_SPLITS = ("validation", "test")
+"""The splits whose entities RL episodes cannot retrieve (`rl_corpus`)."""
+
+RL_CORPUS = "corpus without the passages that name a validation or test entity"
+"""What RL episodes search (`rl_corpus`); part of every run's key (`run_settings`). Evaluation searches the whole
+corpus."""
 
 BUDGET = {
     "max_steps": 60,
@@ -206,6 +226,7 @@ def evaluate_horizons(model, tokenizer, rows: list[dict], retriever, budget: dic
         per_k[source.removeprefix("horizon_")] = {
             "rows": len(pairs),
             "em": m["em"],
+            "all_parts_em": statistics.fmean(float(rec["em"] == 1.0) for _, rec in pairs),
             "f1": m["f1"],
             "format_valid": m["format_valid"],
             "turns": m["turns_per_question"],
@@ -317,6 +338,7 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     import hashlib
 
     from mempo_trl.checkpoints import newest_complete_checkpoint
+    from mempo_trl.data import read_jsonl
     from mempo_trl.kit.demo_world import HORIZON_SPLITS, _write_jsonl
     from mempo_trl.kit.induction import induction_pretrain
     from mempo_trl.kit.learner import LEARNER_SIZE
@@ -345,8 +367,6 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     key = {"size": size, "warm": warm, "data_sha256": digest, "vocabulary": "corpus without asked-about names"}
     warm_marker = warm_dir / WARM_START_FILE
     if not (warm_marker.is_file() and json.loads(warm_marker.read_text()).get("horizon") == key):
-        from mempo_trl.data import read_jsonl
-
         # A stopped warm start resumes from its newest checkpoint, unless that was made for another key.
         started = warm_dir / "horizon_key.json"
         if not (started.is_file() and json.loads(started.read_text()) == key):
@@ -373,6 +393,11 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
         print(f"warm start: {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
               f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
         warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))
+    # not in `paths` above: the warm start's key covers the world's own files only
+    pools = json.loads(marker.read_text())["pools"]
+    paths["corpus_rl"] = world_dir / "corpus_rl.jsonl"
+    held_out = [name for split in HELD_OUT_SPLITS for name in pools[split]]
+    _write_jsonl(paths["corpus_rl"], rl_corpus(read_jsonl(paths["corpus"]), held_out))
     return paths, warm_dir
 
 
@@ -582,8 +607,22 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
 
 
 def run_settings(settings: dict, arm: str) -> dict:
-    """What one run of ``arm`` depends on, and is keyed by: the experiment's ``settings`` and the arm's overrides."""
-    return {**settings, "arm": ARMS[arm]}
+    """What one run of ``arm`` depends on, and is keyed by: the experiment's ``settings``, what RL searches
+    (`RL_CORPUS`) and the arm's overrides."""
+    return {**settings, "rl_corpus": RL_CORPUS, "arm": ARMS[arm]}
+
+
+def rl_corpus(passages: list[dict], held_out_names: list[str]) -> list[dict]:
+    """The passages RL episodes search: every passage that names none of ``held_out_names`` (as a whole word, in its
+    title or text), so that training cannot read a fact about an entity the evaluation asks about.
+
+    Example:
+        >>> rl_corpus([{"contents": "Kisek was born in Ulm."}, {"contents": "Bor met Kisekian."}], ["Kisek"])
+        [{'contents': 'Bor met Kisekian.'}]
+    """
+    names = sorted(held_out_names, key=len, reverse=True)
+    pattern = re.compile(r"\b(?:" + "|".join(re.escape(n) for n in names) + r")\b")
+    return [p for p in passages if not pattern.search(p["contents"])]
 
 
 def run_one(job: dict) -> dict:
@@ -621,8 +660,9 @@ def run_one(job: dict) -> dict:
         disable_tqdm=True,
     )  # fmt: skip
     reward = getattr(mempo_trl.rewards, OUTCOME_REWARDS[settings.get("outcome_reward", "each_part")])
+    rl_retriever = BM25Retriever.from_corpus(job["paths"]["corpus_rl"], cache_dir=job["bm25"])
     trainer = MemPOTrainer(
-        model, retriever, args=config, reward_funcs=[reward], train_dataset=load_qa(job["paths"]["rl"]),
+        model, rl_retriever, args=config, reward_funcs=[reward], train_dataset=load_qa(job["paths"]["rl"]),
         processing_class=tokenizer,
     )  # fmt: skip
     # A stopped run resumes from its newest checkpoint, unless that was made with other settings.
@@ -635,11 +675,15 @@ def run_one(job: dict) -> dict:
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     seconds = time.perf_counter() - start
-    after = evaluate_horizons(trainer.model, tokenizer, rows, retriever, budget, context_mode)
+    # the trained policy in both context modes: its own (``after``) and the other one
+    after_by_mode = {
+        mode: evaluate_horizons(trainer.model, tokenizer, rows, retriever, budget, mode) for mode in CONTEXT_MODES
+    }
+    after = after_by_mode[context_mode]
     log = [e for e in trainer.state.log_history if "episode/em" in e]
     record = {
         "arm": arm, "seed": seed, "settings": key, "seconds": seconds, "resumed_from": resume and resume.name,
-        "before": before, "after": after,
+        "before": before, "after": after, "after_by_mode": after_by_mode,
         "train_em": [e["episode/em"] for e in log], "train_reward": [e.get("reward") for e in log],
     }  # fmt: skip
     (run_dir / "run.json").write_text(json.dumps(record, indent=1))
@@ -668,6 +712,7 @@ def summarize(records: list[dict], command: str) -> dict:
                 continue
             finals = [r["after"][k] for r in runs]
             em, em_std = _mean_std([f["em"] for f in finals])
+            all_parts, all_parts_std = _mean_std([f.get("all_parts_em") for f in finals])
             f1, f1_std = _mean_std([f["f1"] for f in finals])
             kinds = finals[0]["failures"]
             horizons[k][arm] = {
@@ -676,6 +721,16 @@ def summarize(records: list[dict], command: str) -> dict:
                 "warm_f1": runs[0]["before"][k]["f1"],
                 "warm_tokens_per_question": runs[0]["before"][k]["tokens_per_question"],
                 "final_em_mean": em, "final_em_std": em_std, "final_f1_mean": f1, "final_f1_std": f1_std,
+                "final_em_per_seed": [f["em"] for f in finals],
+                "final_all_parts_em_mean": all_parts, "final_all_parts_em_std": all_parts_std,
+                "final_all_parts_em_per_seed": [f.get("all_parts_em") for f in finals],
+                "by_context_mode": {
+                    mode: {
+                        "em_per_seed": [r["after_by_mode"][mode][k]["em"] for r in runs],
+                        "all_parts_em_per_seed": [r["after_by_mode"][mode][k]["all_parts_em"] for r in runs],
+                    }
+                    for mode in CONTEXT_MODES if all("after_by_mode" in r for r in runs)
+                },
                 "tokens_per_question": _mean_std([f["tokens_per_question"] for f in finals])[0],
                 "peak_context_tokens": _mean_std([f["peak_context_tokens"] for f in finals])[0],
                 "turns": _mean_std([f["turns"] for f in finals])[0],
@@ -703,13 +758,13 @@ def _machine() -> dict:
 
 
 def targets(horizons: dict) -> dict:
-    """At every reported K >= 4 with all three arms: MemPO's tokens per question over full history's (target <= 0.5
+    """At every reported K >= 4 with the three `COMPARED_ARMS`: MemPO's tokens per question over full history's (target <= 0.5
     at equal or better EM), MemPO - full-history EM, and MemPO - outcome-only EM against the larger seed std (target:
     above it); ``gap_grows_with_k``: the MemPO - full-history EM gap is larger at each larger reported K."""
     checked, gaps = {}, []
     for k in (str(k) for k in REPORTED_HORIZONS):
         arms = horizons.get(k, {})
-        if int(k) < 4 or not all(a in arms for a in ARMS):
+        if int(k) < 4 or not all(a in arms for a in COMPARED_ARMS):
             continue
         mem, out, full = arms["mempo"], arms["outcome_only"], arms["full_history"]
         ratio = mem["tokens_per_question"] / full["tokens_per_question"]
