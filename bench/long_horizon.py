@@ -25,10 +25,17 @@ runs/long_horizon`); the published configuration (no `--set`, `--split test`, no
 `--outcome_reward`)
 writes its summary and figure to `bench/results/long_horizon.json` / `.png`, any other next to its runs.
 
+    python bench/long_horizon.py --tune --seeds 0 1                  # each arm's settings, chosen on validation
     python bench/long_horizon.py --seeds 0 1 2 3 4 --jobs 2          # the published experiment (resumable)
     python bench/long_horizon.py --split validation --set learning_rate=3e-4   # choosing a setting
     python bench/long_horizon.py --quick --out outputs/long_horizon_quick      # CI smoke: tiny world, 1 step
     python bench/long_horizon.py --warm_only --split validation   # can the warm start play it? (no RL)
+
+``--tune`` gives every arm the same validation budget before the test split is touched: it trains each arm at every
+`TUNE_GRID` point (with the given seeds) on the validation split, into ``runs/validation_tune/``, and writes each arm's
+point of best validation EM (mean over K and seeds) with every point's score to
+``bench/results/long_horizon_tuned.json`` (default settings; any other next to its runs). Later runs of the same
+settings, on either split, train each arm at its chosen point (`read_tuned`); without that file, at `BUDGET`'s.
 
 ``--warm_only`` builds the world and the warm start, evaluates the warm model per K in both context modes and
 measures what a remembered fact is worth to it (`memory_signal`), and writes ``<out>/warm_check_<split>.json``; with
@@ -139,6 +146,10 @@ COMPARED_ARMS = ("mempo", "outcome_only", "full_history")
 
 HELD_OUT_SPLITS = ("validation", "test")
 """The splits whose entities RL episodes cannot retrieve (`rl_corpus`)."""
+
+TUNE_GRID = ({"learning_rate": 1e-4}, {"learning_rate": 3e-4}, {"learning_rate": 1e-3})
+"""``--tune``: the settings every arm is tried at on the validation split, the same grid and seeds for each arm, so
+each gets the same validation budget; the arm's own settings (`ARMS`) hold on top of each point."""
 
 RL_CORPUS = "corpus without the passages that name a validation or test entity"
 """What RL episodes search (`rl_corpus`); part of every run's key (`run_settings`). Evaluation searches the whole
@@ -606,10 +617,44 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
     return check
 
 
-def run_settings(settings: dict, arm: str) -> dict:
+def run_settings(settings: dict, arm: str, tuned: dict | None = None) -> dict:
     """What one run of ``arm`` depends on, and is keyed by: the experiment's ``settings``, what RL searches
-    (`RL_CORPUS`) and the arm's overrides."""
-    return {**settings, "rl_corpus": RL_CORPUS, "arm": ARMS[arm]}
+    (`RL_CORPUS`) and the arm's settings: ``tuned`` (a `TUNE_GRID` point), then its overrides (`ARMS`)."""
+    return {**settings, "rl_corpus": RL_CORPUS, "arm": {**(tuned or {}), **ARMS[arm]}}
+
+
+def read_tuned(path: Path, settings: dict) -> dict:
+    """Each arm's `TUNE_GRID` point chosen by ``--tune`` for ``settings`` (any split), from ``path``; ``{}`` when
+    there is none (no file, or one written for other settings): every arm then runs at `BUDGET`'s values."""
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    if {**record["settings"], "split": settings["split"]} != settings:
+        print(f"{path} was tuned for other settings: not used", flush=True)
+        return {}
+    return {arm: chosen["choice"] for arm, chosen in record["arms"].items()}
+
+
+def tune_choice(records: list[dict], grid: tuple[dict, ...]) -> dict:
+    """Per arm, the `TUNE_GRID` point whose runs (``record["tune_point"]``: its index) have the best validation EM,
+    averaged over K and seeds (the first point wins a tie), with every point's score.
+
+    Example:
+        >>> runs = [{"arm": "a", "tune_point": i, "after": {"1": {"em": em}, "4": {"em": 0.0}}}
+        ...         for i, em in enumerate([0.25, 0.5, 0.5])]
+        >>> tune_choice(runs, ({"lr": 1}, {"lr": 2}, {"lr": 3}))
+        {'a': {'choice': {'lr': 2}, 'scores': [0.125, 0.25, 0.25]}}
+    """
+    chosen = {}
+    for arm in dict.fromkeys(r["arm"] for r in records):
+        scores = [
+            statistics.fmean(
+                cell["em"] for r in records if r["arm"] == arm and r["tune_point"] == i for cell in r["after"].values()
+            )
+            for i in range(len(grid))
+        ]
+        chosen[arm] = {"choice": grid[scores.index(max(scores))], "scores": scores}
+    return chosen
 
 
 def rl_corpus(passages: list[dict], held_out_names: list[str]) -> list[dict]:
@@ -638,7 +683,7 @@ def run_one(job: dict) -> dict:
 
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and runs share the machine
     arm, seed, settings, run_dir = job["arm"], job["seed"], job["settings"], Path(job["run_dir"])
-    key = run_settings(settings, arm)
+    key = job["key"]
     budget, cuda = {**settings["budget"], **key["arm"]}, job["device"] == "cuda"
     context_mode = budget.get("context_mode", "memory")
     retriever = BM25Retriever.from_corpus(job["paths"]["corpus"], cache_dir=job["bm25"])
@@ -682,7 +727,7 @@ def run_one(job: dict) -> dict:
     after = after_by_mode[context_mode]
     log = [e for e in trainer.state.log_history if "episode/em" in e]
     record = {
-        "arm": arm, "seed": seed, "settings": key, "seconds": seconds, "resumed_from": resume and resume.name,
+        "arm": arm, "seed": seed, "tune_point": job["tune_point"], "settings": key, "seconds": seconds, "resumed_from": resume and resume.name,
         "before": before, "after": after, "after_by_mode": after_by_mode,
         "train_em": [e["episode/em"] for e in log], "train_reward": [e.get("reward") for e in log],
     }  # fmt: skip
@@ -745,7 +790,11 @@ def summarize(records: list[dict], command: str) -> dict:
         "horizons": horizons,
         "targets": targets(horizons),
         "settings": {k: v for k, v in records[0]["settings"].items() if k != "arm"} if records else {},
-        "arms": {arm: ARMS[arm] for arm in ARMS if any(r["arm"] == arm for r in records)},
+        "arms": {
+            arm: next(r["settings"]["arm"] for r in records if r["arm"] == arm)
+            for arm in ARMS
+            if any(r["arm"] == arm for r in records)
+        },
         "command": command,
         "versions": _versions(),
         "machine": _machine(),
@@ -840,6 +889,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="tiny world, 1 step, 1 seed: a smoke run")
     parser.add_argument("--warm_only", action="store_true", help="build and check the warm start, no RL")
+    parser.add_argument("--tune", action="store_true",
+                        help="on the validation split, train every arm at each TUNE_GRID point and write each arm's "
+                             "best point, which later runs of these settings use")  # fmt: skip
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override BUDGET entries (MemPOConfig fields, JSON values); an arm's own "
                              "settings (ARMS) win")  # fmt: skip
@@ -850,6 +902,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="pad every passage to ~N words (wiki-length); world, warm start and runs go to "
                              "<out>/passage_words_N")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.tune:
+        args.split = "validation"
     try:
         overrides = parse_overrides(args.overrides)
         if args.jobs < 1:
@@ -872,11 +926,15 @@ def main(argv: list[str] | None = None) -> int:
     variant = budget_suffix(budget) + ("" if args.outcome_reward == "each_part" else f"_{args.outcome_reward}")
     results = Path("bench/results/long_horizon.json") if published else out / f"long_horizon{variant}.json"
     runs = out / "runs" / f"{args.split}{variant}"
+    # The choice of the default settings' --tune is committed: the published runs use it.
+    tuned_path = (
+        Path("bench/results/long_horizon_tuned.json") if defaults else out / f"long_horizon_tuned{variant}.json"
+    )
     # The warm check of the default settings is the one the README cites: it is also written to bench/results.
     cited = defaults and args.warm_only and args.out == parser.get_default("out")
     committed = Path(f"bench/results/long_horizon_warm_check_{args.split}.json")
     try:  # every output is checked before the (long) warm start and runs
-        for directory in {out, results.parent, *([committed.parent] if cited else [])}:
+        for directory in {out, results.parent, tuned_path.parent, *([committed.parent] if cited else [])}:
             check_writable(directory)
     except OutputError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -901,18 +959,25 @@ def main(argv: list[str] | None = None) -> int:
             committed.write_text(json.dumps(record, indent=1) + "\n")
             print(f"wrote {committed}", flush=True)
         return 0
+    tuned = {} if args.tune else read_tuned(tuned_path, settings)
+    if args.tune:
+        runs = runs.with_name(runs.name + "_tune")
+    points = list(enumerate(TUNE_GRID)) if args.tune else [(None, None)]
     jobs = []
     for seed in args.seeds:
         for arm in args.arms:
-            run_dir = runs / f"{arm}_s{seed}"
-            done = run_dir / "run.json"
-            if done.is_file() and json.loads(done.read_text())["settings"] == run_settings(settings, arm):
-                print(f"{arm} seed {seed}: done already ({done})", flush=True)
-                continue
-            jobs.append({
-                "arm": arm, "seed": seed, "settings": settings, "run_dir": str(run_dir), "warm_dir": str(warm_dir),
-                "paths": {k: str(v) for k, v in paths.items()}, "bm25": str(out / "bm25"), "device": args.device,
-            })  # fmt: skip
+            for point, tune_settings in points:
+                name = f"{arm}_s{seed}" if point is None else f"{arm}_g{point}_s{seed}"
+                run_dir, key = runs / name, run_settings(settings, arm, tune_settings or tuned.get(arm))
+                done = run_dir / "run.json"
+                if done.is_file() and json.loads(done.read_text())["settings"] == key:
+                    print(f"{name}: done already ({done})", flush=True)
+                    continue
+                jobs.append({
+                    "arm": arm, "seed": seed, "tune_point": point, "key": key, "settings": settings,
+                    "run_dir": str(run_dir), "warm_dir": str(warm_dir), "paths": {k: str(v) for k, v in paths.items()},
+                    "bm25": str(out / "bm25"), "device": args.device,
+                })  # fmt: skip
     if args.jobs > 1 and len(jobs) > 1:
         with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:
             for _ in pool.imap_unordered(run_one, jobs):
@@ -921,9 +986,24 @@ def main(argv: list[str] | None = None) -> int:
         for job in jobs:
             run_one(job)
     records = [json.loads(p.read_text()) for p in sorted(runs.glob("*/run.json"))]
-    records = [r for r in records if r["settings"] == run_settings(settings, r["arm"])]
+    command = "python bench/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.tune:
+        records = [
+            r for r in records
+            if r["arm"] in args.arms and r["seed"] in args.seeds
+            and r["settings"] == run_settings(settings, r["arm"], TUNE_GRID[r["tune_point"]])
+        ]  # fmt: skip
+        choice = {
+            "arms": tune_choice(records, TUNE_GRID), "grid": TUNE_GRID, "seeds": args.seeds, "settings": settings,
+            "command": command, "versions": _versions(), "machine": _machine(),
+        }  # fmt: skip
+        tuned_path.write_text(json.dumps(choice, indent=1) + "\n")
+        for arm, chosen in choice["arms"].items():
+            print(f"{arm}: {chosen['choice']} (validation EM per point {chosen['scores']})", flush=True)
+        print(f"wrote {tuned_path}", flush=True)
+        return 0
+    records = [r for r in records if r["settings"] == run_settings(settings, r["arm"], tuned.get(r["arm"]))]
     if records:
-        command = "python bench/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
         summary = summarize(records, command)
         results.write_text(json.dumps(summary, indent=2))
         plot(summary, results.with_suffix(".png"))

@@ -3,6 +3,7 @@
 import doctest
 import json
 import re
+import statistics
 from pathlib import Path
 
 import long_horizon
@@ -155,6 +156,32 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys, monkeypatch):
     assert "K=4: EM memory" in out_text and "validation names: " in out_text and "nats (first token)" in out_text
 
 
+@pytest.mark.slow
+def test_tune_gives_every_arm_the_same_validation_grid_and_later_runs_use_its_choice(tmp_path, capsys, monkeypatch):
+    grid = ({"learning_rate": 1e-4}, {"learning_rate": 3e-3})
+    monkeypatch.setattr(long_horizon, "TUNE_GRID", grid)
+    out, arms = tmp_path / "lh", ["outcome_only", "outcome_only_dynamic"]
+    committed = BENCH / "results" / "long_horizon_tuned.json"
+    before = committed.read_bytes() if committed.is_file() else None
+    assert long_horizon.main(["--quick", "--tune", "--out", str(out), "--arms", *arms]) == 0
+    assert (committed.read_bytes() if committed.is_file() else None) == before  # only the default --tune writes it
+    tuned = json.loads((out / "long_horizon_tuned.json").read_text())
+    assert sorted(tuned["arms"]) == arms and tuned["settings"]["split"] == "validation"
+    runs = sorted(p.parent.name for p in (out / "runs" / "validation_tune").glob("*/run.json"))
+    assert runs == sorted(f"{arm}_g{i}_s0" for arm in arms for i in range(2))  # the same grid and seed for each arm
+    for arm in arms:
+        records = [json.loads((out / "runs" / "validation_tune" / f"{arm}_g{i}_s0" / "run.json").read_text())
+                   for i in range(2)]  # fmt: skip
+        scores = [statistics.fmean(cell["em"] for cell in r["after"].values()) for r in records]
+        assert tuned["arms"][arm]["scores"] == pytest.approx(scores)
+        assert tuned["arms"][arm]["choice"] == grid[scores.index(max(scores))]
+    assert records[0]["settings"]["arm"] == {"learning_rate": 1e-4, **long_horizon.ARMS["outcome_only_dynamic"]}
+    assert not (out / "runs" / "test").exists()  # tuning never touches the test split
+    assert long_horizon.main(["--quick", "--out", str(out), "--arms", "outcome_only"]) == 0
+    run = json.loads((out / "runs" / "test" / "outcome_only_s0" / "run.json").read_text())
+    assert run["settings"]["arm"] == {**tuned["arms"]["outcome_only"]["choice"], "memory_coef": 0.0}
+
+
 def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
     module = long_horizon
     assert module.main(["--quick", "--out", str(tmp_path / "x"), "--set", "no_such_field=1"]) == 2
@@ -216,11 +243,11 @@ def test_quick_mode_with_wiki_length_passages_and_a_context_budget(tmp_path):
     assert min(len(p["contents"].split("\n", 1)[1].split()) for p in corpus) >= 100
     run = json.loads((variant / "runs" / "test_max_context_tokens_600" / "mempo_s0" / "run.json").read_text())
     settings = long_horizon.experiment_settings(True, "test", {"max_context_tokens": 600}, 100)
-    assert run["settings"] == {**settings, "arm": long_horizon.ARMS["mempo"]}
+    assert run["settings"] == long_horizon.run_settings(settings, "mempo")
     summary = json.loads((variant / "long_horizon_max_context_tokens_600.json").read_text())
     assert sorted(summary["horizons"]) == ["1", "4"]
     for cells in summary["horizons"].values():
-        assert sorted(cells) == ["full_history", "mempo", "outcome_only"]
+        assert sorted(cells) == sorted(long_horizon.ARMS)
         assert all(0.0 <= cell["context_overflow"] <= 1.0 for cell in cells.values())
 
 
