@@ -300,15 +300,15 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         rewards_per_func, rewards = self._outcome_rewards(inputs, episodes)
         dropped = torch.zeros_like(rewards, dtype=torch.bool)
         if mode == "train" and self.args.dynamic_sampling != "keep":
-            inputs, episodes, rewards_per_func, rewards, dropped = self._dynamic_sampling(
+            episodes, rewards_per_func, rewards, dropped = self._dynamic_sampling(
                 inputs, episodes, timings, rewards_per_func, rewards
             )
-        batch = self._round_batch(episodes, mode, dropped)
+        local_dropped = dropped[self.accelerator.process_index * len(episodes) :][: len(episodes)].tolist()
+        batch = self._round_batch(episodes, mode, local_dropped)
         scoring_start = time.perf_counter()
         with profiling_context(self, "memory_scoring"):
             score_memory = self.protocol.context_mode == "memory" and self.args.memory_coef != 0.0
             scored = self._memory_rewards(episodes) if score_memory else {}
-            local_dropped = dropped[self.accelerator.process_index * len(episodes) :][: len(episodes)].tolist()
             scored = {key: value for key, value in scored.items() if not local_dropped[key[0]]}
             advantages = self._advantages(batch, scored, rewards.masked_fill(dropped, torch.nan), mode)
         if mode == "train":
@@ -381,10 +381,10 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         return rewards_per_func, rewards
 
-    def _round_batch(self, episodes: list[Episode], mode: str, dropped: torch.Tensor) -> RoundBatch:
+    def _round_batch(self, episodes: list[Episode], mode: str, dropped: list[bool]) -> RoundBatch:
         """The batch of one training row per round, padded with placeholder rows (one pad token, completion fully
         masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``. The rows
-        of episodes whose trajectory is ``dropped`` ((N,) over all processes) get a fully masked completion."""
+        of the episodes that are ``dropped`` (one flag per episode) get a fully masked completion."""
         device = self.accelerator.device
         rows = [(e, t) for e, ep in enumerate(episodes) for t in range(len(ep.rounds))]
         per_step = self.args.steps_per_generation if mode == "train" else 1
@@ -398,8 +398,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         if self.mask_truncated_completions:
             truncated = torch.tensor([r.truncated for r in records] + [False] * num_dummy, device=device)
             completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
-        local_dropped = dropped[self.accelerator.process_index * len(episodes) :][: len(episodes)].tolist()
-        kept = torch.tensor([not local_dropped[e] for e, _ in rows] + [True] * num_dummy, device=device)
+        kept = torch.tensor([not dropped[e] for e, _ in rows] + [True] * num_dummy, device=device)
         completion_mask = completion_mask * kept.unsqueeze(1).int()
         tensors = {
             "prompt_ids": pad(prompts, padding_value=pad_id, padding_side="left").to(device),
@@ -417,7 +416,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         ``episodes`` this process's ``n`` (global rows ``rank * n ... rank * n + n - 1``). Each refill round plays the
         whole batch again, on one fresh prompt per group slot (the same draw on every process), and a slot whose group
         is all-equal takes the round's group if that one is not (`refillable_groups`); trajectories, rewards and the
-        ``log_extra`` columns of reward functions are swapped in place. Returns the new ``inputs``, ``episodes``,
+        ``log_extra`` columns of reward functions are swapped in place. Returns the new ``episodes``,
         ``rewards_per_func``, ``rewards`` and the ``(N,)`` bool of the trajectories to drop (their groups are still
         all-equal), and logs the ``dynamic_sampling/*`` metrics.
         """
@@ -441,7 +440,6 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             rewards = torch.where(rows, new_rewards, rewards)
             rewards_per_func = torch.where(rows.unsqueeze(1), new_per_func, rewards_per_func)
             local_take = [bool(take[k]) for k in slots]
-            inputs = [new if t else old for old, new, t in zip(inputs, new_inputs, local_take)]
             episodes = [new if t else old for old, new, t in zip(episodes, new_episodes, local_take)]
             for column in set(extra_logs) | set(self._pending_extra_logs):
                 old = extra_logs.get(column, [None] * n_local)
@@ -457,7 +455,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         metrics["dynamic_sampling/groups_dropped"].append(float(zero_std.sum().item()))
         metrics["dynamic_sampling/groups_refilled"].append(float(refilled.sum().item()))
         metrics["dynamic_sampling/refill_rounds"].append(float(rounds))
-        return inputs, episodes, rewards_per_func, rewards, zero_std.repeat_interleave(size)
+        return episodes, rewards_per_func, rewards, zero_std.repeat_interleave(size)
 
     def _advantages(self, batch: RoundBatch, scored, rewards: torch.Tensor, mode: str) -> MemPOAdvantages:
         """`mempo_advantages` on the rounds of all processes, returned for this process's rows.
