@@ -10,8 +10,11 @@ of the warm rows with a forgetful memory (`WARM["mem_drop"]`; fresh names and va
 `WARM`); every arm then trains from it with the same budget on the RL rows (all K mixed):
 
 - `mempo`: memory context + memory advantage (divided by the batch's std: `ARMS`); `outcome_only`: memory context,
-  `memory_coef: 0`;
-- `full_history`: full-history GRPO (`context_mode: full_history`, evaluated in that mode).
+  `memory_coef: 0`; `outcome_only_dynamic`: outcome-only with dynamic sampling (`dynamic_sampling: refill`);
+- `full_history`: full-history GRPO (`context_mode: full_history`).
+
+RL episodes search the corpus without the passages that name a validation or test entity (`rl_corpus`), evaluation
+the whole corpus; every trained policy is evaluated in both context modes (`after_by_mode`; ``after`` is its own).
 
 Each run is evaluated greedily per K on one split (`--split test` for published numbers, touched only by the
 published command; `--split validation` for choosing settings) before and after training. Resumable: a run writes
@@ -22,10 +25,17 @@ runs/long_horizon`); the published configuration (no `--set`, `--split test`, no
 `--outcome_reward`)
 writes its summary and figure to `bench/results/long_horizon.json` / `.png`, any other next to its runs.
 
+    python bench/long_horizon.py --tune --seeds 0 1                  # each arm's settings, chosen on validation
     python bench/long_horizon.py --seeds 0 1 2 3 4 --jobs 2          # the published experiment (resumable)
     python bench/long_horizon.py --split validation --set learning_rate=3e-4   # choosing a setting
     python bench/long_horizon.py --quick --out outputs/long_horizon_quick      # CI smoke: tiny world, 1 step
     python bench/long_horizon.py --warm_only --split validation   # can the warm start play it? (no RL)
+
+``--tune`` gives every arm the same validation budget before the test split is touched: it trains each arm at every
+`TUNE_GRID` point (with the given seeds) on the validation split, into ``runs/validation_tune/``, and writes each arm's
+point of best validation EM (mean over K and seeds) with every point's score to
+``bench/results/long_horizon_tuned.json`` (default settings; any other next to its runs). Later runs of the same
+settings, on either split, train each arm at its chosen point (`read_tuned`); without that file, at `BUDGET`'s.
 
 ``--warm_only`` builds the world and the warm start, evaluates the warm model per K in both context modes and
 measures what a remembered fact is worth to it (`memory_signal`), and writes ``<out>/warm_check_<split>.json``; with
@@ -70,6 +80,7 @@ from pathlib import Path
 import learning
 from learning import _versions, parse_overrides
 
+from mempo_trl.context import CONTEXT_MODES
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
 
 
@@ -118,11 +129,31 @@ part's share (`mempo_outcome_reward`)."""
 CHECKPOINT_EVERY = 10
 """RL steps between the checkpoints of a run (the newest kept): a stopped run resumes from the newest one."""
 
-ARMS = {**learning.ARMS, "mempo": {"memory_scale_rewards": "batch"}}
+ARMS = {
+    **learning.ARMS,
+    "mempo": {"memory_scale_rewards": "batch"},
+    "outcome_only_dynamic": {"memory_coef": 0.0, "dynamic_sampling": "refill"},
+}
 """The arms: MemPOConfig overrides of `BUDGET`. MemPO divides its memory advantage by the batch's std instead of each
 question's (`memory_scale_rewards`), chosen on validation: with the per-question std, seed 0 stopped answering
-(docs/learning.md, "The long-horizon experiment"). A run is keyed by `run_settings`, so changing one arm redoes only
-its runs."""
+(docs/learning.md, "The long-horizon experiment"). ``outcome_only_dynamic`` is outcome-only with DAPO's dynamic
+sampling (`MemPOConfig.dynamic_sampling`): its all-equal groups are replaced by groups of further RL prompts, so that
+a step where every answer scores the same still trains; it is the fair baseline for MemPO's claim that the memory
+advantage gives a gradient there. A run is keyed by `run_settings`, so changing one arm redoes only its runs."""
+
+COMPARED_ARMS = ("mempo", "outcome_only", "full_history")
+"""The arms `targets` compares."""
+
+HELD_OUT_SPLITS = ("validation", "test")
+"""The splits whose entities RL episodes cannot retrieve (`rl_corpus`)."""
+
+TUNE_GRID = ({"learning_rate": 1e-4}, {"learning_rate": 3e-4}, {"learning_rate": 1e-3})
+"""``--tune``: the settings every arm is tried at on the validation split, the same grid and seeds for each arm, so
+each gets the same validation budget; the arm's own settings (`ARMS`) hold on top of each point."""
+
+RL_CORPUS = "corpus without the passages that name a validation or test entity"
+"""What RL episodes search (`rl_corpus`); part of every run's key (`run_settings`). Evaluation searches the whole
+corpus."""
 
 BUDGET = {
     "max_steps": 60,
@@ -206,6 +237,7 @@ def evaluate_horizons(model, tokenizer, rows: list[dict], retriever, budget: dic
         per_k[source.removeprefix("horizon_")] = {
             "rows": len(pairs),
             "em": m["em"],
+            "all_parts_em": statistics.fmean(float(rec["em"] == 1.0) for _, rec in pairs),
             "f1": m["f1"],
             "format_valid": m["format_valid"],
             "turns": m["turns_per_question"],
@@ -317,6 +349,7 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     import hashlib
 
     from mempo_trl.checkpoints import newest_complete_checkpoint
+    from mempo_trl.data import read_jsonl
     from mempo_trl.kit.demo_world import HORIZON_SPLITS, _write_jsonl
     from mempo_trl.kit.induction import induction_pretrain
     from mempo_trl.kit.learner import LEARNER_SIZE
@@ -345,8 +378,6 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     key = {"size": size, "warm": warm, "data_sha256": digest, "vocabulary": "corpus without asked-about names"}
     warm_marker = warm_dir / WARM_START_FILE
     if not (warm_marker.is_file() and json.loads(warm_marker.read_text()).get("horizon") == key):
-        from mempo_trl.data import read_jsonl
-
         # A stopped warm start resumes from its newest checkpoint, unless that was made for another key.
         started = warm_dir / "horizon_key.json"
         if not (started.is_file() and json.loads(started.read_text()) == key):
@@ -373,6 +404,11 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
         print(f"warm start: {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
               f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
         warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))
+    # not in `paths` above: the warm start's key covers the world's own files only
+    pools = json.loads(marker.read_text())["pools"]
+    paths["corpus_rl"] = world_dir / "corpus_rl.jsonl"
+    held_out = [name for split in HELD_OUT_SPLITS for name in pools[split]]
+    _write_jsonl(paths["corpus_rl"], rl_corpus(read_jsonl(paths["corpus"]), held_out))
     return paths, warm_dir
 
 
@@ -581,9 +617,57 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
     return check
 
 
-def run_settings(settings: dict, arm: str) -> dict:
-    """What one run of ``arm`` depends on, and is keyed by: the experiment's ``settings`` and the arm's overrides."""
-    return {**settings, "arm": ARMS[arm]}
+def run_settings(settings: dict, arm: str, tuned: dict | None = None) -> dict:
+    """What one run of ``arm`` depends on, and is keyed by: the experiment's ``settings``, what RL searches
+    (`RL_CORPUS`) and the arm's settings: ``tuned`` (a `TUNE_GRID` point), then its overrides (`ARMS`)."""
+    return {**settings, "rl_corpus": RL_CORPUS, "arm": {**(tuned or {}), **ARMS[arm]}}
+
+
+def read_tuned(path: Path, settings: dict) -> dict:
+    """Each arm's `TUNE_GRID` point chosen by ``--tune`` for ``settings`` (any split), from ``path``; ``{}`` when
+    there is none (no file, or one written for other settings): every arm then runs at `BUDGET`'s values."""
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    if {**record["settings"], "split": settings["split"]} != settings:
+        print(f"{path} was tuned for other settings: not used", flush=True)
+        return {}
+    return {arm: chosen["choice"] for arm, chosen in record["arms"].items()}
+
+
+def tune_choice(records: list[dict], grid: tuple[dict, ...]) -> dict:
+    """Per arm, the `TUNE_GRID` point whose runs (``record["tune_point"]``: its index) have the best validation EM,
+    averaged over K and seeds (the first point wins a tie), with every point's score.
+
+    Example:
+        >>> runs = [{"arm": "a", "tune_point": i, "after": {"1": {"em": em}, "4": {"em": 0.0}}}
+        ...         for i, em in enumerate([0.25, 0.5, 0.5])]
+        >>> tune_choice(runs, ({"lr": 1}, {"lr": 2}, {"lr": 3}))
+        {'a': {'choice': {'lr': 2}, 'scores': [0.125, 0.25, 0.25]}}
+    """
+    chosen = {}
+    for arm in dict.fromkeys(r["arm"] for r in records):
+        scores = [
+            statistics.fmean(
+                cell["em"] for r in records if r["arm"] == arm and r["tune_point"] == i for cell in r["after"].values()
+            )
+            for i in range(len(grid))
+        ]
+        chosen[arm] = {"choice": grid[scores.index(max(scores))], "scores": scores}
+    return chosen
+
+
+def rl_corpus(passages: list[dict], held_out_names: list[str]) -> list[dict]:
+    """The passages RL episodes search: every passage that names none of ``held_out_names`` (as a whole word, in its
+    title or text), so that training cannot read a fact about an entity the evaluation asks about.
+
+    Example:
+        >>> rl_corpus([{"contents": "Kisek was born in Ulm."}, {"contents": "Bor met Kisekian."}], ["Kisek"])
+        [{'contents': 'Bor met Kisekian.'}]
+    """
+    names = sorted(held_out_names, key=len, reverse=True)
+    pattern = re.compile(r"\b(?:" + "|".join(re.escape(n) for n in names) + r")\b")
+    return [p for p in passages if not pattern.search(p["contents"])]
 
 
 def run_one(job: dict) -> dict:
@@ -599,7 +683,7 @@ def run_one(job: dict) -> dict:
 
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and runs share the machine
     arm, seed, settings, run_dir = job["arm"], job["seed"], job["settings"], Path(job["run_dir"])
-    key = run_settings(settings, arm)
+    key = job["key"]
     budget, cuda = {**settings["budget"], **key["arm"]}, job["device"] == "cuda"
     context_mode = budget.get("context_mode", "memory")
     retriever = BM25Retriever.from_corpus(job["paths"]["corpus"], cache_dir=job["bm25"])
@@ -621,8 +705,9 @@ def run_one(job: dict) -> dict:
         disable_tqdm=True,
     )  # fmt: skip
     reward = getattr(mempo_trl.rewards, OUTCOME_REWARDS[settings.get("outcome_reward", "each_part")])
+    rl_retriever = BM25Retriever.from_corpus(job["paths"]["corpus_rl"], cache_dir=job["bm25"])
     trainer = MemPOTrainer(
-        model, retriever, args=config, reward_funcs=[reward], train_dataset=load_qa(job["paths"]["rl"]),
+        model, rl_retriever, args=config, reward_funcs=[reward], train_dataset=load_qa(job["paths"]["rl"]),
         processing_class=tokenizer,
     )  # fmt: skip
     # A stopped run resumes from its newest checkpoint, unless that was made with other settings.
@@ -635,11 +720,15 @@ def run_one(job: dict) -> dict:
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     seconds = time.perf_counter() - start
-    after = evaluate_horizons(trainer.model, tokenizer, rows, retriever, budget, context_mode)
+    # the trained policy in both context modes: its own (``after``) and the other one
+    after_by_mode = {
+        mode: evaluate_horizons(trainer.model, tokenizer, rows, retriever, budget, mode) for mode in CONTEXT_MODES
+    }
+    after = after_by_mode[context_mode]
     log = [e for e in trainer.state.log_history if "episode/em" in e]
     record = {
-        "arm": arm, "seed": seed, "settings": key, "seconds": seconds, "resumed_from": resume and resume.name,
-        "before": before, "after": after,
+        "arm": arm, "seed": seed, "tune_point": job["tune_point"], "settings": key, "seconds": seconds, "resumed_from": resume and resume.name,
+        "before": before, "after": after, "after_by_mode": after_by_mode,
         "train_em": [e["episode/em"] for e in log], "train_reward": [e.get("reward") for e in log],
     }  # fmt: skip
     (run_dir / "run.json").write_text(json.dumps(record, indent=1))
@@ -668,6 +757,7 @@ def summarize(records: list[dict], command: str) -> dict:
                 continue
             finals = [r["after"][k] for r in runs]
             em, em_std = _mean_std([f["em"] for f in finals])
+            all_parts, all_parts_std = _mean_std([f.get("all_parts_em") for f in finals])
             f1, f1_std = _mean_std([f["f1"] for f in finals])
             kinds = finals[0]["failures"]
             horizons[k][arm] = {
@@ -676,6 +766,16 @@ def summarize(records: list[dict], command: str) -> dict:
                 "warm_f1": runs[0]["before"][k]["f1"],
                 "warm_tokens_per_question": runs[0]["before"][k]["tokens_per_question"],
                 "final_em_mean": em, "final_em_std": em_std, "final_f1_mean": f1, "final_f1_std": f1_std,
+                "final_em_per_seed": [f["em"] for f in finals],
+                "final_all_parts_em_mean": all_parts, "final_all_parts_em_std": all_parts_std,
+                "final_all_parts_em_per_seed": [f.get("all_parts_em") for f in finals],
+                "by_context_mode": {
+                    mode: {
+                        "em_per_seed": [r["after_by_mode"][mode][k]["em"] for r in runs],
+                        "all_parts_em_per_seed": [r["after_by_mode"][mode][k]["all_parts_em"] for r in runs],
+                    }
+                    for mode in CONTEXT_MODES if all("after_by_mode" in r for r in runs)
+                },
                 "tokens_per_question": _mean_std([f["tokens_per_question"] for f in finals])[0],
                 "peak_context_tokens": _mean_std([f["peak_context_tokens"] for f in finals])[0],
                 "turns": _mean_std([f["turns"] for f in finals])[0],
@@ -690,7 +790,11 @@ def summarize(records: list[dict], command: str) -> dict:
         "horizons": horizons,
         "targets": targets(horizons),
         "settings": {k: v for k, v in records[0]["settings"].items() if k != "arm"} if records else {},
-        "arms": {arm: ARMS[arm] for arm in ARMS if any(r["arm"] == arm for r in records)},
+        "arms": {
+            arm: next(r["settings"]["arm"] for r in records if r["arm"] == arm)
+            for arm in ARMS
+            if any(r["arm"] == arm for r in records)
+        },
         "command": command,
         "versions": _versions(),
         "machine": _machine(),
@@ -703,13 +807,13 @@ def _machine() -> dict:
 
 
 def targets(horizons: dict) -> dict:
-    """At every reported K >= 4 with all three arms: MemPO's tokens per question over full history's (target <= 0.5
+    """At every reported K >= 4 with the three `COMPARED_ARMS`: MemPO's tokens per question over full history's (target <= 0.5
     at equal or better EM), MemPO - full-history EM, and MemPO - outcome-only EM against the larger seed std (target:
     above it); ``gap_grows_with_k``: the MemPO - full-history EM gap is larger at each larger reported K."""
     checked, gaps = {}, []
     for k in (str(k) for k in REPORTED_HORIZONS):
         arms = horizons.get(k, {})
-        if int(k) < 4 or not all(a in arms for a in ARMS):
+        if int(k) < 4 or not all(a in arms for a in COMPARED_ARMS):
             continue
         mem, out, full = arms["mempo"], arms["outcome_only"], arms["full_history"]
         ratio = mem["tokens_per_question"] / full["tokens_per_question"]
@@ -785,6 +889,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="tiny world, 1 step, 1 seed: a smoke run")
     parser.add_argument("--warm_only", action="store_true", help="build and check the warm start, no RL")
+    parser.add_argument("--tune", action="store_true",
+                        help="on the validation split, train every arm at each TUNE_GRID point and write each arm's "
+                             "best point, which later runs of these settings use")  # fmt: skip
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override BUDGET entries (MemPOConfig fields, JSON values); an arm's own "
                              "settings (ARMS) win")  # fmt: skip
@@ -795,6 +902,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="pad every passage to ~N words (wiki-length); world, warm start and runs go to "
                              "<out>/passage_words_N")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.tune:
+        args.split = "validation"
     try:
         overrides = parse_overrides(args.overrides)
         if args.jobs < 1:
@@ -817,11 +926,15 @@ def main(argv: list[str] | None = None) -> int:
     variant = budget_suffix(budget) + ("" if args.outcome_reward == "each_part" else f"_{args.outcome_reward}")
     results = Path("bench/results/long_horizon.json") if published else out / f"long_horizon{variant}.json"
     runs = out / "runs" / f"{args.split}{variant}"
+    # The choice of the default settings' --tune is committed: the published runs use it.
+    tuned_path = (
+        Path("bench/results/long_horizon_tuned.json") if defaults else out / f"long_horizon_tuned{variant}.json"
+    )
     # The warm check of the default settings is the one the README cites: it is also written to bench/results.
     cited = defaults and args.warm_only and args.out == parser.get_default("out")
     committed = Path(f"bench/results/long_horizon_warm_check_{args.split}.json")
     try:  # every output is checked before the (long) warm start and runs
-        for directory in {out, results.parent, *([committed.parent] if cited else [])}:
+        for directory in {out, results.parent, tuned_path.parent, *([committed.parent] if cited else [])}:
             check_writable(directory)
     except OutputError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -846,18 +959,25 @@ def main(argv: list[str] | None = None) -> int:
             committed.write_text(json.dumps(record, indent=1) + "\n")
             print(f"wrote {committed}", flush=True)
         return 0
+    tuned = {} if args.tune else read_tuned(tuned_path, settings)
+    if args.tune:
+        runs = runs.with_name(runs.name + "_tune")
+    points = list(enumerate(TUNE_GRID)) if args.tune else [(None, None)]
     jobs = []
     for seed in args.seeds:
         for arm in args.arms:
-            run_dir = runs / f"{arm}_s{seed}"
-            done = run_dir / "run.json"
-            if done.is_file() and json.loads(done.read_text())["settings"] == run_settings(settings, arm):
-                print(f"{arm} seed {seed}: done already ({done})", flush=True)
-                continue
-            jobs.append({
-                "arm": arm, "seed": seed, "settings": settings, "run_dir": str(run_dir), "warm_dir": str(warm_dir),
-                "paths": {k: str(v) for k, v in paths.items()}, "bm25": str(out / "bm25"), "device": args.device,
-            })  # fmt: skip
+            for point, tune_settings in points:
+                name = f"{arm}_s{seed}" if point is None else f"{arm}_g{point}_s{seed}"
+                run_dir, key = runs / name, run_settings(settings, arm, tune_settings or tuned.get(arm))
+                done = run_dir / "run.json"
+                if done.is_file() and json.loads(done.read_text())["settings"] == key:
+                    print(f"{name}: done already ({done})", flush=True)
+                    continue
+                jobs.append({
+                    "arm": arm, "seed": seed, "tune_point": point, "key": key, "settings": settings,
+                    "run_dir": str(run_dir), "warm_dir": str(warm_dir), "paths": {k: str(v) for k, v in paths.items()},
+                    "bm25": str(out / "bm25"), "device": args.device,
+                })  # fmt: skip
     if args.jobs > 1 and len(jobs) > 1:
         with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:
             for _ in pool.imap_unordered(run_one, jobs):
@@ -866,9 +986,24 @@ def main(argv: list[str] | None = None) -> int:
         for job in jobs:
             run_one(job)
     records = [json.loads(p.read_text()) for p in sorted(runs.glob("*/run.json"))]
-    records = [r for r in records if r["settings"] == run_settings(settings, r["arm"])]
+    command = "python bench/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.tune:
+        records = [
+            r for r in records
+            if r["arm"] in args.arms and r["seed"] in args.seeds
+            and r["settings"] == run_settings(settings, r["arm"], TUNE_GRID[r["tune_point"]])
+        ]  # fmt: skip
+        choice = {
+            "arms": tune_choice(records, TUNE_GRID), "grid": TUNE_GRID, "seeds": args.seeds, "settings": settings,
+            "command": command, "versions": _versions(), "machine": _machine(),
+        }  # fmt: skip
+        tuned_path.write_text(json.dumps(choice, indent=1) + "\n")
+        for arm, chosen in choice["arms"].items():
+            print(f"{arm}: {chosen['choice']} (validation EM per point {chosen['scores']})", flush=True)
+        print(f"wrote {tuned_path}", flush=True)
+        return 0
+    records = [r for r in records if r["settings"] == run_settings(settings, r["arm"], tuned.get(r["arm"]))]
     if records:
-        command = "python bench/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
         summary = summarize(records, command)
         results.write_text(json.dumps(summary, indent=2))
         plot(summary, results.with_suffix(".png"))

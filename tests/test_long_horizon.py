@@ -3,6 +3,7 @@
 import doctest
 import json
 import re
+import statistics
 from pathlib import Path
 
 import long_horizon
@@ -86,21 +87,43 @@ def test_targets_are_computed_from_the_arms():
 
 @pytest.mark.slow
 def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys, monkeypatch):
+    from mempo_trl import MemPOTrainer
+
     module = long_horizon
     out = tmp_path / "lh"
+    searched = []  # what each run's RL episodes search
+    train = MemPOTrainer.train
+    monkeypatch.setattr(MemPOTrainer, "train", lambda self, **kw: searched.append(self.retriever) or train(self, **kw))
     assert module.main(["--quick", "--out", str(out)]) == 0
     summary = json.loads((out / "long_horizon.json").read_text())
     assert sorted(summary["horizons"]) == ["1", "4"]
     for cells in summary["horizons"].values():
-        assert sorted(cells) == ["full_history", "mempo", "outcome_only"]
+        assert sorted(cells) == ["full_history", "mempo", "outcome_only", "outcome_only_dynamic"]
         assert cells["full_history"]["memory_recall"] is None  # no memory to measure
         assert "context_overflow" not in cells["mempo"]  # reported only with a context budget
         assert all(cell["seeds"] == [0] for cell in cells.values())
+        for cell in cells.values():  # per seed, share and all-parts EM, in both context modes
+            assert len(cell["final_em_per_seed"]) == len(cell["final_all_parts_em_per_seed"]) == 1
+            assert 0.0 <= cell["final_all_parts_em_mean"] <= cell["final_em_mean"] <= 1.0
+            assert sorted(cell["by_context_mode"]) == ["full_history", "memory"]
+    assert summary["arms"]["outcome_only_dynamic"] == {"memory_coef": 0.0, "dynamic_sampling": "refill"}
+    assert summary["settings"]["rl_corpus"] == module.RL_CORPUS
+    dynamic = json.loads((out / "runs" / "test" / "outcome_only_dynamic_s0" / "run.json").read_text())
+    assert dynamic["after"] == dynamic["after_by_mode"]["memory"]
+    # RL searches no passage about a validation or test entity; evaluation searches the whole corpus
+    pools = json.loads((out / "world" / "world.json").read_text())["pools"]
+    held_out = pools["validation"] + pools["test"]
+    naming = re.compile(r"\b(?:" + "|".join(held_out) + r")\b")
+    assert len(searched) == 4
+    for retriever in searched:
+        found = [p for ps in retriever.search(held_out, 3) for p in ps]
+        assert found and not any(naming.search(p.title + "\n" + p.text) for p in found)
+    monkeypatch.undo()
     assert summary["command"].startswith("python bench/long_horizon.py --quick")
     assert (out / "long_horizon.png").is_file()
     capsys.readouterr()
     assert module.main(["--quick", "--out", str(out)]) == 0
-    assert capsys.readouterr().out.count("done already") == 3
+    assert capsys.readouterr().out.count("done already") == 4
     # A run stopped after its last checkpoint (no run.json) resumes from it instead of starting over.
     mempo_dir = out / "runs" / "test" / "mempo_s0"
     (mempo_dir / "run.json").unlink()
@@ -110,7 +133,7 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(module.ARMS, "mempo", {"memory_scale_rewards": "none"})
     capsys.readouterr()
     assert module.main(["--quick", "--out", str(out)]) == 0
-    assert capsys.readouterr().out.count("done already") == 2
+    assert capsys.readouterr().out.count("done already") == 3
     redone = json.loads((mempo_dir / "run.json").read_text())
     assert redone["settings"]["arm"] == {"memory_scale_rewards": "none"} and redone["resumed_from"] is None
     summary = json.loads((out / "long_horizon.json").read_text())
@@ -131,6 +154,32 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys, monkeypatch):
     assert check["value_copy_nll"]["rows_from_memory"] == 2 and check["value_copy_nll"]["from_memory"] > 0.0
     out_text = capsys.readouterr().out
     assert "K=4: EM memory" in out_text and "validation names: " in out_text and "nats (first token)" in out_text
+
+
+@pytest.mark.slow
+def test_tune_gives_every_arm_the_same_validation_grid_and_later_runs_use_its_choice(tmp_path, capsys, monkeypatch):
+    grid = ({"learning_rate": 1e-4}, {"learning_rate": 3e-3})
+    monkeypatch.setattr(long_horizon, "TUNE_GRID", grid)
+    out, arms = tmp_path / "lh", ["outcome_only", "outcome_only_dynamic"]
+    committed = BENCH / "results" / "long_horizon_tuned.json"
+    before = committed.read_bytes() if committed.is_file() else None
+    assert long_horizon.main(["--quick", "--tune", "--out", str(out), "--arms", *arms]) == 0
+    assert (committed.read_bytes() if committed.is_file() else None) == before  # only the default --tune writes it
+    tuned = json.loads((out / "long_horizon_tuned.json").read_text())
+    assert sorted(tuned["arms"]) == arms and tuned["settings"]["split"] == "validation"
+    runs = sorted(p.parent.name for p in (out / "runs" / "validation_tune").glob("*/run.json"))
+    assert runs == sorted(f"{arm}_g{i}_s0" for arm in arms for i in range(2))  # the same grid and seed for each arm
+    for arm in arms:
+        records = [json.loads((out / "runs" / "validation_tune" / f"{arm}_g{i}_s0" / "run.json").read_text())
+                   for i in range(2)]  # fmt: skip
+        scores = [statistics.fmean(cell["em"] for cell in r["after"].values()) for r in records]
+        assert tuned["arms"][arm]["scores"] == pytest.approx(scores)
+        assert tuned["arms"][arm]["choice"] == grid[scores.index(max(scores))]
+    assert records[0]["settings"]["arm"] == {"learning_rate": 1e-4, **long_horizon.ARMS["outcome_only_dynamic"]}
+    assert not (out / "runs" / "test").exists()  # tuning never touches the test split
+    assert long_horizon.main(["--quick", "--out", str(out), "--arms", "outcome_only"]) == 0
+    run = json.loads((out / "runs" / "test" / "outcome_only_s0" / "run.json").read_text())
+    assert run["settings"]["arm"] == {**tuned["arms"]["outcome_only"]["choice"], "memory_coef": 0.0}
 
 
 def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
@@ -194,11 +243,11 @@ def test_quick_mode_with_wiki_length_passages_and_a_context_budget(tmp_path):
     assert min(len(p["contents"].split("\n", 1)[1].split()) for p in corpus) >= 100
     run = json.loads((variant / "runs" / "test_max_context_tokens_600" / "mempo_s0" / "run.json").read_text())
     settings = long_horizon.experiment_settings(True, "test", {"max_context_tokens": 600}, 100)
-    assert run["settings"] == {**settings, "arm": long_horizon.ARMS["mempo"]}
+    assert run["settings"] == long_horizon.run_settings(settings, "mempo")
     summary = json.loads((variant / "long_horizon_max_context_tokens_600.json").read_text())
     assert sorted(summary["horizons"]) == ["1", "4"]
     for cells in summary["horizons"].values():
-        assert sorted(cells) == ["full_history", "mempo", "outcome_only"]
+        assert sorted(cells) == sorted(long_horizon.ARMS)
         assert all(0.0 <= cell["context_overflow"] <= 1.0 for cell in cells.values())
 
 
@@ -229,6 +278,31 @@ def test_bad_option_values_fail_before_any_work(tmp_path, capsys, option, messag
     assert long_horizon.main(["--quick", "--out", str(tmp_path / "x"), *option]) == 2
     assert one_error_line(capsys).startswith(message)
     assert not (tmp_path / "x").exists()
+
+
+def test_rl_episodes_cannot_retrieve_a_passage_about_a_held_out_entity(world, tmp_path):
+    """The RL retriever's corpus (`rl_corpus`) has no passage naming a validation or test entity, whatever the query
+    (the held-out rows' own searches, the names themselves), while the whole corpus, which evaluation searches,
+    returns them; the RL entities keep their passages."""
+    from mempo_trl.retrieval import BM25Retriever
+
+    held_out = [name for split in long_horizon.HELD_OUT_SPLITS for name in world.pools[split]]
+    retrievers = {}
+    for name, passages in (("full", world.passages), ("rl", long_horizon.rl_corpus(world.passages, held_out))):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(p) + "\n" for p in passages))
+        retrievers[name] = BM25Retriever.from_corpus(str(path), cache_dir=str(tmp_path / "bm25"))
+    rows = world.splits["validation"] + world.splits["test"]
+    queries = [q for row in rows for q in row["hop_queries"]] + held_out
+    naming = re.compile(r"\b(?:" + "|".join(held_out) + r")\b")
+
+    def named(retriever):
+        return {naming.search(p.title + "\n" + p.text) is not None for ps in retriever.search(queries, 10) for p in ps}
+
+    assert named(retrievers["full"]) == {True, False}  # the leak the RL corpus closes
+    assert named(retrievers["rl"]) == {False}
+    found = retrievers["rl"].search(list(world.pools["rl"]), 3)
+    assert all(any(p.title == name for p in ps) for name, ps in zip(world.pools["rl"], found))
 
 
 def test_fresh_name_rows_rename_every_made_up_word_and_keep_the_episode_playable(world, tmp_path):

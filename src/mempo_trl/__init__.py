@@ -34,6 +34,7 @@ _EXPORTS = {
     "memory_reward": "mempo_trl.memory",
     "group_outcome_advantages": "mempo_trl.advantages",
     "mempo_advantages": "mempo_trl.advantages",
+    "zero_std_groups": "mempo_trl.dynamic_sampling",
     "Passage": "mempo_trl.retrieval",
     "BM25Retriever": "mempo_trl.retrieval",
     "HttpRetriever": "mempo_trl.retrieval",

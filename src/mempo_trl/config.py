@@ -13,6 +13,7 @@ from mempo_trl.context import (
     field_type_problems,
     instruction_problems,
 )
+from mempo_trl.dynamic_sampling import DYNAMIC_SAMPLING
 
 
 TOKEN_LEVEL_LOSSES = ("dapo", "bnpo", "cispo", "vespo")
@@ -91,6 +92,28 @@ class MemPOConfig(GRPOConfig):
             tokens) per sequence. `"auto"`: `shared_prefix` when
             the model's attention allows it, else `batched`.
 
+        > Parameters that control dynamic sampling (DAPO)
+
+        dynamic_sampling (`str`, *optional*, defaults to `"keep"`):
+            What happens to a training group whose outcome rewards are all equal (within `dynamic_sampling_tolerance`),
+            which has outcome advantage 0 on every row. `"keep"`: nothing (TRL's behaviour). `"drop"`: its rows leave
+            the loss: their completion mask and advantage (outcome and memory) are zeroed, so they contribute nothing
+            and the token-level normalisation does not count their tokens (nor does a `"batch"` std). `"refill"`
+            (DAPO's dynamic sampling; verl's `filter_groups`): first play the whole generation batch again on fresh
+            prompts, drawn from `train_dataset` with a generator seeded by `seed` and the step (the same draw on
+            every process), and put each of its informative groups in place of the all-equal group that held the
+            same rows, up to `dynamic_sampling_max_rounds` rounds; groups still all-equal are then dropped. The
+            batch keeps its shape and every process its rows, so no data moves between processes, and each round
+            costs one generation batch, like verl's `max_num_gen_batches`. Needs a retriever (not
+            `environment_factory`). Evaluation always keeps every group. Logged:
+            `dynamic_sampling/frac_reward_zero_std_before` (the first generation's all-equal share) and `_after`
+            (the final batch's, before the drop), `dynamic_sampling/groups_dropped`, `dynamic_sampling/groups_refilled`,
+            `dynamic_sampling/refill_rounds`. For MemPO, a dropped group also loses its memory advantage.
+        dynamic_sampling_tolerance (`float`, *optional*, defaults to `1e-6`):
+            Rewards of a group are all equal when they span (max - min) at most this much.
+        dynamic_sampling_max_rounds (`int`, *optional*, defaults to `3`):
+            With `"refill"`: extra generation rounds per batch at most.
+
     Why a token-level `loss_type`: each turn is its own row and episodes have different numbers of turns, so rows
     are padded with fully masked placeholder rows to keep every process in step. `"dapo"` (the default) and
     `"bnpo"` average over real completion tokens, so placeholders change nothing; `"grpo"` would average per row
@@ -166,6 +189,21 @@ class MemPOConfig(GRPOConfig):
         },
     )
 
+    dynamic_sampling: str = field(
+        default="keep",
+        metadata={
+            "help": "Groups whose rewards are all equal: `keep` (TRL), `drop` them from the loss, or `refill` the "
+            "batch with groups of fresh prompts (DAPO dynamic sampling), up to `dynamic_sampling_max_rounds` rounds.",
+            "choices": list(DYNAMIC_SAMPLING),
+        },
+    )
+    dynamic_sampling_tolerance: float = field(
+        default=1e-6, metadata={"help": "A group's rewards are all equal when they span at most this much."}
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=3, metadata={"help": "With `refill`: extra generation rounds per batch at most."}
+    )
+
     # TRL's GRPOConfig turns checkpointing on through `gradient_checkpointing`, a name transformers 5 deprecates (a
     # FutureWarning on every run); the same default under the current name, and an explicit old name still wins.
     activation_checkpointing: bool | None = field(
@@ -226,6 +264,12 @@ class MemPOConfig(GRPOConfig):
             )
         if self.memory_scoring_batch_size < 1:
             problems.append(f"memory_scoring_batch_size must be >= 1, got {self.memory_scoring_batch_size}.")
+        if self.dynamic_sampling not in DYNAMIC_SAMPLING:
+            problems.append(f"dynamic_sampling must be one of {DYNAMIC_SAMPLING}, got {self.dynamic_sampling!r}.")
+        if self.dynamic_sampling_tolerance < 0:
+            problems.append(f"dynamic_sampling_tolerance must be >= 0, got {self.dynamic_sampling_tolerance}.")
+        if self.dynamic_sampling_max_rounds < 1:
+            problems.append(f"dynamic_sampling_max_rounds must be >= 1, got {self.dynamic_sampling_max_rounds}.")
         if self.multi_objective_aggregation != "sum_then_normalize":
             problems.append("MemPOTrainer supports multi_objective_aggregation='sum_then_normalize' only.")
         if problems:

@@ -20,6 +20,7 @@ from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
 from mempo_trl.config import MemPOConfig
 from mempo_trl.context import TurnProtocol
 from mempo_trl.data import validate_qa_rows
+from mempo_trl.dynamic_sampling import refillable_groups, zero_std_groups
 from mempo_trl.environments import environment_reward_funcs
 from mempo_trl.grpo_mirror import GRPOMirror
 from mempo_trl.interruptions import check_finite
@@ -146,6 +147,11 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             args = MemPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-MemPO")
         if not isinstance(args, MemPOConfig):
             raise TypeError(f"MemPOTrainer needs a MemPOConfig, got {type(args).__name__}.")
+        if args.dynamic_sampling == "refill" and environment_factory is not None:
+            raise ValueError(
+                "dynamic_sampling='refill' plays further prompts with the retriever; with `environment_factory` use "
+                "dynamic_sampling='drop'."
+            )
         if args.remove_unused_columns:
             raise ValueError(
                 "MemPOTrainer reads the `question`/`golden_answers` columns: set remove_unused_columns=False."
@@ -298,13 +304,20 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         episodes, timings = self._play_episodes(inputs)
         self._warn_no_memory_target(episodes)
-        batch = self._round_batch(episodes, mode)
         rewards_per_func, rewards = self._outcome_rewards(inputs, episodes)
+        dropped = torch.zeros_like(rewards, dtype=torch.bool)
+        if mode == "train" and self.args.dynamic_sampling != "keep":
+            episodes, rewards_per_func, rewards, dropped = self._dynamic_sampling(
+                inputs, episodes, timings, rewards_per_func, rewards
+            )
+        local_dropped = dropped[self.accelerator.process_index * len(episodes) :][: len(episodes)].tolist()
+        batch = self._round_batch(episodes, mode, local_dropped)
         scoring_start = time.perf_counter()
         with profiling_context(self, "memory_scoring"):
             score_memory = self.protocol.context_mode == "memory" and self.args.memory_coef != 0.0
             scored = self._memory_rewards(episodes) if score_memory else {}
-            advantages = self._advantages(batch, scored, rewards, mode)
+            scored = {key: value for key, value in scored.items() if not local_dropped[key[0]]}
+            advantages = self._advantages(batch, scored, rewards.masked_fill(dropped, torch.nan), mode)
         if mode == "train":
             check_finite("advantage", advantages.advantages, self.state.global_step + 1, self.accelerator)
         scoring_seconds = time.perf_counter() - scoring_start
@@ -375,9 +388,10 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         return rewards_per_func, rewards
 
-    def _round_batch(self, episodes: list[Episode], mode: str) -> RoundBatch:
+    def _round_batch(self, episodes: list[Episode], mode: str, dropped: list[bool]) -> RoundBatch:
         """The batch of one training row per round, padded with placeholder rows (one pad token, completion fully
-        masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``."""
+        masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``. The rows
+        of the episodes that are ``dropped`` (one flag per episode) get a fully masked completion."""
         device = self.accelerator.device
         rows = [(e, t) for e, ep in enumerate(episodes) for t in range(len(ep.rounds))]
         per_step = self.args.steps_per_generation if mode == "train" else 1
@@ -391,6 +405,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         if self.mask_truncated_completions:
             truncated = torch.tensor([r.truncated for r in records] + [False] * num_dummy, device=device)
             completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
+        kept = torch.tensor([not dropped[e] for e, _ in rows] + [True] * num_dummy, device=device)
+        completion_mask = completion_mask * kept.unsqueeze(1).int()
         tensors = {
             "prompt_ids": pad(prompts, padding_value=pad_id, padding_side="left").to(device),
             "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device),
@@ -399,6 +415,54 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
         }
         return RoundBatch(mode, episodes, rows, records, tensors)
+
+    def _dynamic_sampling(self, inputs, episodes, timings, rewards_per_func, rewards):
+        """`MemPOConfig.dynamic_sampling` on a training batch: refill its all-equal groups, then say which to drop.
+
+        ``rewards_per_func`` ``(N, F)`` and ``rewards`` ``(N,)`` cover all processes' trajectories, ``inputs`` and
+        ``episodes`` this process's ``n`` (global rows ``rank * n ... rank * n + n - 1``). Each refill round plays the
+        whole batch again, on one fresh prompt per group slot (the same draw on every process), and a slot whose group
+        is all-equal takes the round's group if that one is not (`refillable_groups`); trajectories, rewards and the
+        ``log_extra`` columns of reward functions are swapped in place. Returns the new ``episodes``,
+        ``rewards_per_func``, ``rewards`` and the ``(N,)`` bool of the trajectories to drop (their groups are still
+        all-equal), and logs the ``dynamic_sampling/*`` metrics.
+        """
+        args, size = self.args, self.num_generations
+        zero_std = zero_std_groups(rewards, size, args.dynamic_sampling_tolerance)
+        before = zero_std.float().mean().item()
+        refilled = torch.zeros_like(zero_std)
+        n_local, rank = len(episodes), self.accelerator.process_index
+        slots = [(rank * n_local + i) // size for i in range(n_local)]
+        rounds = 0
+        while args.dynamic_sampling == "refill" and zero_std.any() and rounds < args.dynamic_sampling_max_rounds:
+            rounds += 1
+            generator = torch.Generator().manual_seed(args.seed * 1_000_003 + self._step * 1_009 + rounds)
+            prompts = torch.randint(len(self.train_dataset), (zero_std.numel(),), generator=generator).tolist()
+            new_inputs = [self.train_dataset[prompts[k]] for k in slots]
+            extra_logs = {column: list(values) for column, values in self._pending_extra_logs.items()}
+            new_episodes, new_timings = self._play_episodes(new_inputs)
+            new_per_func, new_rewards = self._outcome_rewards(new_inputs, new_episodes)
+            take = refillable_groups(zero_std, zero_std_groups(new_rewards, size, args.dynamic_sampling_tolerance))
+            rows = take.repeat_interleave(size)
+            rewards = torch.where(rows, new_rewards, rewards)
+            rewards_per_func = torch.where(rows.unsqueeze(1), new_per_func, rewards_per_func)
+            local_take = [bool(take[k]) for k in slots]
+            episodes = [new if t else old for old, new, t in zip(episodes, new_episodes, local_take)]
+            for column in set(extra_logs) | set(self._pending_extra_logs):
+                old = extra_logs.get(column, [None] * n_local)
+                new = self._pending_extra_logs[column][len(extra_logs.get(column, [])) :]
+                new = new if len(new) == n_local else [None] * n_local
+                self._pending_extra_logs[column] = [b if t else a for a, b, t in zip(old, new, local_take)]
+            timings.generation += new_timings.generation
+            timings.retrieval += new_timings.retrieval
+            zero_std, refilled = zero_std & ~take, refilled | take
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/frac_reward_zero_std_before"].append(before)
+        metrics["dynamic_sampling/frac_reward_zero_std_after"].append(zero_std.float().mean().item())
+        metrics["dynamic_sampling/groups_dropped"].append(float(zero_std.sum().item()))
+        metrics["dynamic_sampling/groups_refilled"].append(float(refilled.sum().item()))
+        metrics["dynamic_sampling/refill_rounds"].append(float(rounds))
+        return episodes, rewards_per_func, rewards, zero_std.repeat_interleave(size)
 
     def _advantages(self, batch: RoundBatch, scored, rewards: torch.Tensor, mode: str) -> MemPOAdvantages:
         """`mempo_advantages` on the rounds of all processes, returned for this process's rows.
