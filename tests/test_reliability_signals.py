@@ -133,3 +133,27 @@ def test_a_kill_during_the_final_save_is_detected_and_resume_finishes_it(tmp_pat
     assert f"mempo-trl: the final save in {out} was cut short: saving {out / 'checkpoint-2'} again." in resumed.output
     assert not (out / FINAL_SAVE_MARKER).exists() and (out / "mempo_metrics.json").is_file()
     assert main(ask) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_a_two_process_launch_saves_a_checkpoint_and_ends_in_one_line(tmp_path, tiny_model_dir):
+    from helpers import free_port
+
+    args = train_args(tmp_path, tiny_model_dir, max_steps=50, per_device_train_batch_size=2, num_generations=2)
+    run = Run(
+        [*args, "--accelerate_config", "cpu_ddp", "--num_processes", "2", "--main_process_port", str(free_port())]
+    )
+    run.wait_for("step 1/50", timeout=600)
+    run.process.send_signal(signal.SIGTERM)  # the top process only, as a scheduler signals a job's first process
+    assert run.finish() == 2, run.output[-6000:]
+    (error,) = run.errors()
+    assert "ChildFailedError" not in run.output and "failed (exitcode" not in run.output, run.output[-6000:]
+    step = int(error.split("after step ")[1].split("/")[0])
+    checkpoint = tmp_path / "out" / f"checkpoint-{step}"
+    assert error == (
+        f"error: training stopped by SIGTERM after step {step}/50. Saved {checkpoint}; rerun with "
+        f"--resume_from_checkpoint {checkpoint} to continue."
+    )
+    assert validate_checkpoint(checkpoint)["global_step"] == step
+    assert (checkpoint / "rng_state_1.pth").is_file()  # saved by both processes
