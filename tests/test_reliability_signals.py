@@ -30,10 +30,10 @@ HELDOUT = {"heldout_questions": 50, "max_turns": 3, "max_completion_length": 32}
 class Run:
     """A `mempo-trl` subprocess whose output lines are collected as they come."""
 
-    def __init__(self, args: list[str], cwd: Path | None = None):
+    def __init__(self, args: list[str], new_session: bool = False):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "mempo_trl", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONPATH": SRC, "PYTHONUNBUFFERED": "1"}, cwd=cwd,
+            env={**os.environ, "PYTHONPATH": SRC, "PYTHONUNBUFFERED": "1"}, start_new_session=new_session,
         )  # fmt: skip
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.process.stdout.readline, "")))
@@ -137,15 +137,20 @@ def test_a_kill_during_the_final_save_is_detected_and_resume_finishes_it(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sigterm_to_a_two_process_launch_saves_a_checkpoint_and_ends_in_one_line(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("target", ["top", "group"])
+def test_sigterm_to_a_two_process_launch_saves_a_checkpoint_and_ends_in_one_line(tmp_path, tiny_model_dir, target):
+    """SIGTERM to `mempo-trl train` alone (`kill PID`, a container's PID 1) or to all its processes (Slurm, a
+    terminal's process group)."""
     from helpers import free_port
 
     args = train_args(tmp_path, tiny_model_dir, max_steps=50, per_device_train_batch_size=2, num_generations=2)
-    run = Run(
-        [*args, "--accelerate_config", "cpu_ddp", "--num_processes", "2", "--main_process_port", str(free_port())]
-    )
+    launch = ["--accelerate_config", "cpu_ddp", "--num_processes", "2", "--main_process_port", str(free_port())]
+    run = Run([*args, *launch], new_session=True)  # a process group of its own
     run.wait_for("step 1/50", timeout=600)
-    run.process.send_signal(signal.SIGTERM)  # the top process only, as a scheduler signals a job's first process
+    if target == "top":
+        run.process.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(run.process.pid, signal.SIGTERM)
     assert run.finish() == 2, run.output[-6000:]
     (error,) = run.errors()
     assert "ChildFailedError" not in run.output and "failed (exitcode" not in run.output, run.output[-6000:]
