@@ -47,7 +47,7 @@ def test_the_repository_configs_are_the_packaged_ones():
 
 def test_launch_command_runs_the_packaged_module_in_every_process():
     cmd = launch_command({"--accelerate_config": "zero3", "--num_processes": "8"}, ["--config", "r.yaml"], False)
-    assert cmd[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
+    assert cmd[1:4] == ["-m", "mempo_trl.commands.launch", "--config_file"]
     assert Path(cmd[4]) == packaged_accelerate_configs()["zero3"]
     assert cmd[5:] == ["--num_processes", "8", "--module", "mempo_trl", "train", "--config", "r.yaml"]
     # --num_processes alone: DDP, on the CPU for a use_cpu recipe.

@@ -167,16 +167,20 @@ class HeldOutEvalCallback(TrainerCallback):
     between) and after training, on the main process: greedy episodes of ``protocol`` (a `TurnProtocol`; the
     trainer's is ``trainer.protocol``) by `mempo_trl.evaluation.evaluate_model`, summed up by
     `mempo_trl.evaluation.heldout_metrics` with ``row_metric`` (default: EM and F1). ``curve`` holds ``{"step", **metrics, "eval_seconds"}`` per evaluation; ``on_result`` (if given) is called
-    with the curve after each one."""
+    with the curve after each one. With ``at_end=False`` training's end does not evaluate: the caller does, with
+    `evaluate` (`mempo-trl train` saves the model first)."""
 
     def __init__(
-        self, tokenizer, rows, retriever, protocol=None, eval_every: int = 0, on_result=None, row_metric=None
-    ):
+        self, tokenizer, rows, retriever, protocol=None, eval_every: int = 0, on_result=None, row_metric=None,
+        at_end: bool = True,
+    ):  # fmt: skip
         self.tokenizer, self.rows, self.retriever, self.protocol = tokenizer, list(rows), retriever, protocol
         self.eval_every, self.on_result, self.row_metric = eval_every, on_result, row_metric
+        self.at_end = at_end
         self.curve: list[dict] = []
 
-    def _evaluate(self, step: int, model) -> None:
+    def evaluate(self, step: int, model) -> None:
+        """Evaluate ``model`` at ``step`` and append the result to ``curve`` (once per step)."""
         from mempo_trl.evaluation import evaluate_model, exact_match_f1, heldout_metrics
 
         if self.curve and self.curve[-1]["step"] == step:
@@ -212,15 +216,15 @@ class HeldOutEvalCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if state.is_world_process_zero:
-            self._evaluate(state.global_step, model)
+            self.evaluate(state.global_step, model)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.eval_every and state.global_step % self.eval_every == 0 and state.is_world_process_zero:
-            self._evaluate(state.global_step, model)
+            self.evaluate(state.global_step, model)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
-        if state.is_world_process_zero:
-            self._evaluate(state.global_step, model)
+        if self.at_end and state.is_world_process_zero:
+            self.evaluate(state.global_step, model)
 
 
 class HeldOutProgressCallback(TrainerCallback):
@@ -230,20 +234,24 @@ class HeldOutProgressCallback(TrainerCallback):
 
         held-out evaluation before training: 100 questions, greedy ...
         held-out evaluation at step 0: EM 0.285 | format 0.670 | memory recall 0.105 (38 s)
+
+    With ``at_end=False`` (the evaluating callback's ``at_end``) the caller announces the evaluation after training.
     """
 
-    def __init__(self, questions: int):
-        self.questions = questions
+    def __init__(self, questions: int, at_end: bool = True):
+        self.questions, self.at_end = questions, at_end
 
-    def _announce(self, state, when: str) -> None:
-        if state.is_world_process_zero:
-            tqdm.write(f"held-out evaluation {when} training: {self.questions} questions, greedy ...")
+    def announce(self, when: str) -> None:
+        """Print that the evaluation ``when`` ("before" or "after") training starts."""
+        tqdm.write(f"held-out evaluation {when} training: {self.questions} questions, greedy ...")
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._announce(state, "before")
+        if state.is_world_process_zero:
+            self.announce("before")
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._announce(state, "after")
+        if self.at_end and state.is_world_process_zero:
+            self.announce("after")
 
     def report(self, curve: list[dict]) -> None:
         tqdm.write(format_heldout_result(curve[-1]))

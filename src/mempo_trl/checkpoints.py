@@ -18,6 +18,9 @@ import zipfile
 from pathlib import Path
 
 
+FINAL_SAVE_MARKER = "mempo_save_incomplete.json"
+"""Written into `output_dir` before the final save and removed once the model, metrics and card are all written: a
+directory that holds it was cut short while saving (`check_final_save`)."""
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 RNG_PATTERN = re.compile(r"^rng_state_(\d+)\.pth$")
 TRAINER_STATE = "trainer_state.json"
@@ -348,7 +351,8 @@ def check_checkpoint_model(
 def prepare_resume(training_args, model_name_or_path: str | None = None, revision: str | None = None) -> str | None:
     """Resolve and validate `training_args.resume_from_checkpoint` in place (before any model is loaded): its files,
     and that it holds `model_name_or_path` (`check_checkpoint_model`). Return `finished_message` when that checkpoint
-    already ends the run, else None."""
+    already ends the run, else None (also when the run's final save was cut short: training then loads the
+    checkpoint and saves the model again)."""
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     training_args.resume_from_checkpoint = resume
     if resume is None:
@@ -361,7 +365,12 @@ def prepare_resume(training_args, model_name_or_path: str | None = None, revisio
             f"mempo-trl: WARNING: {resume} was saved by {saved} process(es), this run has {training_args.world_size}: "
             "training continues from its weights and optimizer, but the sampling RNG does not continue exactly."
         )
-    return finished_message(resume, read_trainer_state(resume), training_args.max_steps)
+    finished = finished_message(resume, read_trainer_state(resume), training_args.max_steps)
+    if finished and Path(training_args.output_dir, FINAL_SAVE_MARKER).is_file():
+        if training_args.process_index == 0:
+            print(f"mempo-trl: the final save in {training_args.output_dir} was cut short: saving {resume} again.")
+        return None
+    return finished
 
 
 def check_room_to_save(trainer) -> None:
@@ -431,3 +440,41 @@ def save_model_or_rescue(trainer, output_dir: str) -> None:
             f"saving the trained model to {output_dir} failed ({reason}); it was saved to {rescue} instead. Move it "
             "where it belongs (the metrics and model card were not written)."
         ) from err
+
+
+def begin_final_save(output_dir: str | os.PathLike, step: int) -> None:
+    """Write `FINAL_SAVE_MARKER` (to disk, before the final save writes anything); `end_final_save` removes it."""
+    path = Path(output_dir, FINAL_SAVE_MARKER)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        json.dump({"step": step}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def end_final_save(output_dir: str | os.PathLike) -> None:
+    """Remove `FINAL_SAVE_MARKER`: everything of the final save is written."""
+    Path(output_dir, FINAL_SAVE_MARKER).unlink(missing_ok=True)
+
+
+def check_final_save(model_dir: str | os.PathLike) -> None:
+    """Raise `CheckpointError` when `model_dir` holds a final save cut short (`FINAL_SAVE_MARKER`), saying how to
+    finish it.
+
+    Example:
+        >>> check_final_save("out")  # killed while saving its trained model
+        Traceback (most recent call last):
+        mempo_trl.checkpoints.CheckpointError: out holds an incomplete final save (the run was stopped while ...
+    """
+    if not Path(model_dir, FINAL_SAVE_MARKER).is_file():
+        return
+    newest = newest_complete_checkpoint(model_dir)
+    fix = (
+        f"rerun the training command with --resume_from_checkpoint true to save it again from {newest}"
+        if newest
+        else "no checkpoint was saved to finish it from: train again"
+    )
+    raise CheckpointError(
+        f"{model_dir} holds an incomplete final save (the run was stopped while saving the trained model, "
+        f"{FINAL_SAVE_MARKER} is still there): {fix}."
+    )

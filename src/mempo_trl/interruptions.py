@@ -1,15 +1,18 @@
 """Training that stops before `max_steps` and keeps its work: preemption signals and non-finite values.
 
-`SaveOnSignalCallback`: on SIGTERM (what cluster schedulers send before preempting a job) or SIGINT (Ctrl-C), the
-current step finishes, every process agrees to stop at the same step, a complete checkpoint is saved and training
-ends; `mempo-trl train` then prints how to resume and exits 2. A repeat of the signal within
-`REPEAT_GRACE_SECONDS` (a launcher forwarding the one the terminal already sent) is ignored; a later one ends the
-process at once, as without the callback.
+`SaveOnSignalCallback`: on SIGTERM (what cluster schedulers send before preempting a job), SIGINT (Ctrl-C) or SIGHUP
+(the terminal closed), the current step finishes, every process agrees to stop at the same step, a complete
+checkpoint is saved and training ends; `mempo-trl train` then prints how to resume and exits 2. A repeat of the
+signal within `REPEAT_GRACE_SECONDS` (a launcher forwarding the one the terminal already sent) is ignored; a later one
+ends the process at once, as without the callback. After training, `mempo-trl train` keeps the handlers while it
+saves the final model (a signal then waits for the save), and stops the evaluation after training at once
+(`interruptible`): the saved model is kept.
 
 `check_finite`: a non-finite advantage or loss stops training before the optimizer applies it, with
 `NonFiniteError` naming the step; the weights keep their last finite values.
 """
 
+import contextlib
 import signal
 import time
 
@@ -18,11 +21,15 @@ from transformers import TrainerCallback
 
 
 REPEAT_GRACE_SECONDS = 5.0
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 
 
 class TrainingStopped(RuntimeError):
     """Training ended before `max_steps`; the message says why, and `mempo-trl train` adds the checkpoint."""
+
+
+class StoppedBySignal(TrainingStopped):
+    """A stop signal arrived inside `SaveOnSignalCallback.interruptible`; the message is the signal's name."""
 
 
 class NonFiniteError(TrainingStopped):
@@ -51,35 +58,62 @@ def check_finite(name: str, values: torch.Tensor, step: int, accelerator=None) -
 
 
 class SaveOnSignalCallback(TrainerCallback):
-    """On SIGTERM or SIGINT: finish the step, save a checkpoint on every process, stop (see the module docstring).
+    """On SIGTERM, SIGINT or SIGHUP: finish the step, save a checkpoint on every process, stop (see the module
+    docstring).
 
     Holds the trainer for its accelerator: the processes agree through a gather at every step end, so that all of
     them stop (and save) at the same step even if only one received the signal. `received` is the name of the
-    signal that stopped training, or None.
+    signal that stopped training, or None; `pending` the name of any signal received so far, or None. With
+    ``keep_handlers`` the handlers stay after training until `restore` (else training's end restores them).
     """
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, keep_handlers: bool = False):
         self.trainer = trainer
+        self.keep_handlers = keep_handlers
         self.received: str | None = None
         self._pending = 0
         self._first_at = 0.0
         self._previous = {}
+        self._training = False
+        self._interrupting = False
+
+    @property
+    def pending(self) -> str | None:
+        return signal.Signals(self._pending).name if self._pending else None
 
     def _handle(self, signum, frame):
         if self._pending and time.monotonic() - self._first_at > REPEAT_GRACE_SECONDS:
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)  # asked twice: stop now, as without this callback
             return
-        if not self._pending:
-            self._pending, self._first_at = signum, time.monotonic()
-            if self.trainer.is_world_process_zero():
-                print(
-                    f"mempo-trl: {signal.Signals(signum).name} received: finishing step "
-                    f"{self.trainer.state.global_step + 1}, then saving a checkpoint and stopping.",
-                    flush=True,
-                )
+        if self._pending:
+            return
+        self._pending, self._first_at = signum, time.monotonic()
+        if self._interrupting:
+            raise StoppedBySignal(self.pending)
+        if self.trainer.is_world_process_zero():
+            doing = (
+                f"finishing step {self.trainer.state.global_step + 1}, then saving a checkpoint"
+                if self._training
+                else "finishing the final save"
+            )
+            with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone
+                print(f"mempo-trl: {self.pending} received: {doing} and stopping.", flush=True)
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """Within, a stop signal raises `StoppedBySignal` at once (also one received before entering), instead of
+        waiting for the step to end: for work after training that may be cut short, such as the final evaluation."""
+        if self._pending:
+            raise StoppedBySignal(self.pending)
+        self._interrupting = True
+        try:
+            yield
+        finally:
+            self._interrupting = False
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self._training = True
         for signum in STOP_SIGNALS:
             try:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -98,10 +132,12 @@ class SaveOnSignalCallback(TrainerCallback):
             control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.restore()
+        self._training = False
+        if not self.keep_handlers:
+            self.restore()
 
     def restore(self) -> None:
-        """Give SIGTERM and SIGINT back their handlers from before training (also when training raised)."""
+        """Give the stop signals back their handlers from before training (also when training raised)."""
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}

@@ -28,6 +28,9 @@ def check_model_path(path: str) -> None:
     if local.is_file():
         raise FileNotFoundError(f"model path {path} is a file, not a model directory. {fix}")
     if local.is_dir():
+        from mempo_trl.checkpoints import check_final_save
+
+        check_final_save(local)
         if not (local / "config.json").is_file():
             raise FileNotFoundError(f"model path {path} is not a model directory (no config.json). {fix}")
         check_model_files(local)

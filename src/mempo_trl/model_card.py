@@ -26,7 +26,8 @@ HELDOUT_METRICS = ("em", "f1", "format_valid", "memory_recall")
 
 def heldout_summary(callbacks) -> dict[str, float] | None:
     """``heldout/*`` metrics from a held-out evaluation callback (one with ``curve`` and ``rows``, e.g. the kit's
-    `HeldOutEvalCallback`): the question count and, before and after training, the step and `HELDOUT_METRICS`.
+    `HeldOutEvalCallback`): the question count and, before and after training, the step and `HELDOUT_METRICS`
+    ("after" only when a second evaluation ran: none when the evaluation after training was stopped).
 
     Example:
         >>> class Evaluated:
@@ -38,7 +39,7 @@ def heldout_summary(callbacks) -> dict[str, float] | None:
         curve, rows = getattr(callback, "curve", None), getattr(callback, "rows", None)
         if curve and rows is not None:
             summary: dict[str, float] = {"heldout/questions": len(rows)}
-            for when, point in (("before", curve[0]), ("after", curve[-1])):
+            for when, point in (("before", curve[0]), ("after", curve[-1]))[: min(len(curve), 2)]:
                 summary[f"heldout/step_{when}"] = point["step"]
                 summary.update({f"heldout/{k}_{when}": point[k] for k in HELDOUT_METRICS if k in point})
             return summary
@@ -127,18 +128,22 @@ def training_section(
         "",
     ]
     if heldout:
-        n = int(heldout["heldout/questions"])
-        before, after = int(heldout["heldout/step_before"]), int(heldout["heldout/step_after"])
+        n, before = int(heldout["heldout/questions"]), int(heldout["heldout/step_before"])
+        if "heldout/step_after" in heldout:
+            when = f"before (step {before}) and after (step {int(heldout['heldout/step_after'])}) training:"
+            columns = ("before", "after")
+        else:
+            when = f"before training (step {before}) only (the evaluation after training was stopped):"
+            columns = ("before",)
         lines += [
             "### Held-out evaluation",
             "",
-            f"Greedy, on {n} held-out questions never trained on, before (step {before}) and after (step {after}) "
-            "training:",
+            f"Greedy, on {n} held-out questions never trained on, {when}",
             "",
-            "| metric | before | after |",
-            "| --- | --- | --- |",
+            f"| metric | {' | '.join(columns)} |",
+            "| --- |" + " --- |" * len(columns),
             *[
-                f"| {k} | {heldout[f'heldout/{k}_before']:.3f} | {heldout[f'heldout/{k}_after']:.3f} |"
+                f"| {k} | " + " | ".join(f"{heldout[f'heldout/{k}_{c}']:.3f}" for c in columns) + " |"
                 for k in HELDOUT_METRICS
                 if f"heldout/{k}_before" in heldout
             ],

@@ -31,7 +31,8 @@ PROBE_PREFIX = ".mempo-write-probe-"
 RUN_RECORD = "_mempo_outputs.json"
 """The entries runs wrote into an output directory (`_` keeps it off the Hub, as TRL's `push_to_hub` skips `_*`)."""
 RUN_MARKERS = re.compile(
-    r"checkpoint-\d+|mempo_metrics\.json|mempo_agent\.json|results\.json|trajectories\.jsonl|" + re.escape(RUN_RECORD)
+    r"checkpoint-\d+|mempo_metrics\.json|mempo_agent\.json|mempo_save_incomplete\.json|results\.json|"
+    r"trajectories\.jsonl|" + re.escape(RUN_RECORD)
 )
 """Names only a mempo-trl run writes: a directory holding one is a run's output directory."""
 RUN_FILES = re.compile(

@@ -8,9 +8,17 @@
 `--num_processes` alone picks `cpu_ddp` for a `use_cpu` recipe and `multi_gpu` otherwise. The recipe and the output
 directory are checked in this process first (a bad input ends in one `error:` line, exit 2, before any process
 starts); then `accelerate launch` runs `python -m mempo_trl train` in each process with the remaining arguments.
+
+Stop signals reach every process and end the run as a single process ends it: SIGTERM, SIGINT or SIGHUP to
+`mempo-trl train` is forwarded to the launcher, which forwards it to the processes it started (`run_launcher`, the
+launcher run as ``python -m mempo_trl.commands.launch``); they save a checkpoint and exit 2, rank 0 having printed
+the one `error:` line that names it, and `mempo-trl train` exits 2 once they have. A run whose processes end in
+`error:` lines (exit 2) exits 2 without the launcher's `ChildFailedError` report; any other failure keeps it.
 """
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from importlib import resources
@@ -78,7 +86,8 @@ def resolve_accelerate_config(name: str) -> Path:
 
 
 def launch_command(launch: dict[str, str], train_argv: list[str], use_cpu: bool) -> list[str]:
-    """The `accelerate launch` command that runs `python -m mempo_trl train train_argv` in every process.
+    """The `accelerate launch` command (through `run_launcher`) that runs `python -m mempo_trl train train_argv` in
+    every process.
 
     Example:
         >>> cmd = launch_command({"--num_processes": "2"}, ["--config", "r.yaml"], use_cpu=True)
@@ -91,7 +100,7 @@ def launch_command(launch: dict[str, str], train_argv: list[str], use_cpu: bool)
     return [
         sys.executable,
         "-m",
-        "accelerate.commands.launch",
+        "mempo_trl.commands.launch",
         "--config_file",
         str(resolve_accelerate_config(config)),
         *options,
@@ -143,4 +152,81 @@ def launch(argv: list[str]) -> int:
     if Path(cmd[4]).name.startswith("cpu_"):  # DeepSpeed's accelerator, named: no "Setting accelerator to CPU" warning
         env.setdefault("DS_ACCELERATOR", "cpu")
     print(f"mempo-trl: launching {' '.join(cmd[3:])}", flush=True)
-    return subprocess.run(cmd, env=env).returncode
+    process = subprocess.Popen(cmd, env=env)
+    with forwarded_stop_signals(lambda: [process]):
+        return process.wait()
+
+
+@contextlib.contextmanager
+def forwarded_stop_signals(targets):
+    """Within, each stop signal this process receives (`mempo_trl.interruptions.STOP_SIGNALS`) is sent on to the
+    processes ``targets()`` returns (objects with ``send_signal``), and this process goes on waiting for them. Main
+    thread only; elsewhere signals keep their meaning."""
+    import threading
+
+    from mempo_trl.interruptions import STOP_SIGNALS
+
+    def forward(signum, frame):
+        for process in targets():
+            with contextlib.suppress(OSError):  # it has just ended
+                process.send_signal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def reported_by_ranks(exitcodes: list[int]) -> bool:
+    """Whether the failed processes of a run (their exit codes) ended as `mempo-trl` reports an error: at least one
+    exited 2 (after its `error:` line), and the others too, or were ended by the launcher's stop signal once it had.
+
+    Example:
+        >>> reported_by_ranks([2, 2]), reported_by_ranks([2, -15]), reported_by_ranks([1, 2]), reported_by_ranks([-9])
+        (True, True, False, False)
+    """
+    from mempo_trl.commands import USAGE_EXIT
+    from mempo_trl.interruptions import STOP_SIGNALS
+
+    stopped = {-int(signum) for signum in STOP_SIGNALS}
+    return USAGE_EXIT in exitcodes and all(code == USAGE_EXIT or code in stopped for code in exitcodes)
+
+
+def run_launcher(argv: list[str]) -> int:
+    """`accelerate launch argv`, run in this process with stop signals forwarded to the processes it starts (and not
+    handled by torchrun's agent, which would end them after 30 s, mid-save). A run whose processes end as
+    `reported_by_ranks` exits 2 quietly: they printed the `error:` line (rank 0 only, for a stop). Anything else keeps
+    the launcher's report."""
+    import logging
+
+    import psutil
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from mempo_trl.commands import USAGE_EXIT
+
+    os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGQUIT"  # torchrun's `--signals_to_handle`: the stop signals are ours
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: not record.getMessage().startswith(f"failed (exitcode: {USAGE_EXIT})")
+    )
+    args = launch_command_parser().parse_args(argv)
+    with forwarded_stop_signals(psutil.Process().children):
+        try:
+            launch_command(args)
+        except ChildFailedError as err:
+            if not reported_by_ranks([failure.exitcode for failure in err.failures.values()]):
+                raise
+            return USAGE_EXIT
+        except subprocess.CalledProcessError as err:  # a single process, started by accelerate's simple launcher
+            if err.returncode != USAGE_EXIT:
+                raise
+            return USAGE_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_launcher(sys.argv[1:]))

@@ -165,7 +165,7 @@ def add_callbacks(trainer, script_args: ScriptArguments, training_args, retrieve
     from mempo_trl.interruptions import SaveOnSignalCallback
 
     trainer.add_callback(LaunchBannerCallback(trainer))
-    trainer.add_callback(SaveOnSignalCallback(trainer))
+    trainer.add_callback(SaveOnSignalCallback(trainer, keep_handlers=True))  # `train` saves and evaluates under them
     use_step_summary(trainer)
     if script_args.heldout_questions > 0 and training_args.world_size > 1:
         # The held-out evaluation generates on the main process alone: under ZeRO-3 that forward is a collective the
@@ -181,13 +181,14 @@ def add_callbacks(trainer, script_args: ScriptArguments, training_args, retrieve
             row_metric = import_object(script_args.heldout_row_metric, "heldout_row_metric")(retriever)
         heldout = load_dataset(script_args, script_args.dataset_test_split)
         rows = list(heldout.select(range(min(script_args.heldout_questions, len(heldout)))))
-        progress = HeldOutProgressCallback(len(rows))
+        progress = HeldOutProgressCallback(len(rows), at_end=False)  # `train` evaluates after saving the model
         trainer.add_callback(progress)
         trainer.add_callback(
             HeldOutEvalCallback(
-                tokenizer, rows, retriever, trainer.protocol, on_result=progress.report, row_metric=row_metric
+                tokenizer, rows, retriever, trainer.protocol, on_result=progress.report, row_metric=row_metric,
+                at_end=False,
             )
-        )
+        )  # fmt: skip
 
 
 def build_trainer(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments):
@@ -248,23 +249,43 @@ def release_process_groups(trainer) -> None:
 
 
 def train(trainer, training_args, dataset_name: str | None = None) -> dict:
-    """Train, save the model, the metrics and the model card (and push). Returns the final metrics.
+    """Train, save the model, evaluate it on the held-out rows, write the metrics and the model card (and push).
+    Returns the final metrics.
 
     First checks that the disk has room for the final model and a checkpoint. Training that stops early keeps its
-    work: on SIGTERM/SIGINT, a retriever that fails for the whole retry budget (`RetrieverOutage`) or answers
+    work: on a stop signal, a retriever that fails for the whole retry budget (`RetrieverOutage`) or answers
     wrongly, or a non-finite loss or advantage, a checkpoint of the last finished step is saved and the error is
     raised again naming it (`--resume_from_checkpoint ...`); so does any other error of a single-process run after
-    a step. A final save that fails keeps the model in a temporary directory named in the error
-    (`save_model_or_rescue`).
+    a step. A final save that fails keeps the model in a temporary directory named in the error (`save_model_or_rescue`). The final save is marked incomplete until the metrics
+    and card are written (`mempo_trl.checkpoints.begin_final_save`). A stop signal during that save waits for it and
+    skips the evaluation after training; one during that evaluation stops it at once. Either way the metrics and
+    card are written without it, nothing is pushed, and `TrainingStopped` says that the model is saved.
     """
-    from mempo_trl.checkpoints import check_room_to_save, disk_full_error, is_disk_full, save_model_or_rescue
+    from mempo_trl.interruptions import SaveOnSignalCallback
+
+    stop = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SaveOnSignalCallback)), None)
+    try:
+        return _train_and_save(trainer, training_args, dataset_name, stop)
+    finally:
+        if stop is not None:
+            stop.restore()
+
+
+def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> dict:
+    from mempo_trl.checkpoints import (
+        begin_final_save,
+        check_room_to_save,
+        disk_full_error,
+        end_final_save,
+        is_disk_full,
+        save_model_or_rescue,
+    )
     from mempo_trl.commands import error_message
-    from mempo_trl.interruptions import NonFiniteError, SaveOnSignalCallback, TrainingStopped
+    from mempo_trl.interruptions import NonFiniteError, TrainingStopped
     from mempo_trl.model_card import heldout_summary
     from mempo_trl.retrieval import RetrievalError, RetrieverOutage
 
     check_room_to_save(trainer)
-    stop = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SaveOnSignalCallback)), None)
     try:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except (RetrievalError, NonFiniteError) as err:
@@ -291,9 +312,6 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
                   file=sys.stderr, flush=True)  # fmt: skip
             raise
         raise TrainingStopped(f"training stopped: {str(err).rstrip('.')}. {resume}") from err
-    finally:
-        if stop is not None:
-            stop.restore()
     if stop is not None and stop.received and trainer.state.global_step < trainer.state.max_steps:
         release_process_groups(trainer)  # the checkpoint was saved by every process at the last step
         checkpoint = Path(training_args.output_dir, f"checkpoint-{trainer.state.global_step}")
@@ -301,15 +319,50 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
             f"training stopped by {stop.received} after step {trainer.state.global_step}/{trainer.state.max_steps}. "
             f"Saved {checkpoint}; rerun with --resume_from_checkpoint {checkpoint} to continue."
         )
+    if trainer.is_world_process_zero():
+        begin_final_save(training_args.output_dir, trainer.state.global_step)
     save_model_or_rescue(trainer, training_args.output_dir)
+    stopped_by = evaluate_after_training(trainer, stop)
     metrics = {**result.metrics, **trainer.final_metrics()}
     metrics.update(heldout_summary(trainer.callback_handler.callbacks) or {})
     if trainer.is_world_process_zero():
         Path(training_args.output_dir, "mempo_metrics.json").write_text(json.dumps(metrics, indent=2))
         trainer.create_model_card(dataset_name=dataset_name)
+        end_final_save(training_args.output_dir)
+    if stopped_by:  # the held-out evaluation runs in single-process runs only: nothing to release
+        raise TrainingStopped(
+            f"training finished and the model is saved in {training_args.output_dir}; the evaluation after "
+            f"training was stopped by {stopped_by} (the metrics and model card leave it out)."
+        )
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=dataset_name)
     return metrics
+
+
+def heldout_callback(trainer):
+    """The recipe's `HeldOutEvalCallback` of `trainer`, or None."""
+    from mempo_trl.callbacks import HeldOutEvalCallback
+
+    return next((c for c in trainer.callback_handler.callbacks if isinstance(c, HeldOutEvalCallback)), None)
+
+
+def evaluate_after_training(trainer, stop) -> str | None:
+    """The held-out evaluation after training (with ``heldout_questions``), once the model is saved; a stop signal
+    during it (or received before) ends it at once. Returns that signal's name, or None."""
+    from mempo_trl.callbacks import HeldOutProgressCallback
+    from mempo_trl.interruptions import StoppedBySignal
+
+    heldout = heldout_callback(trainer)
+    if heldout is None or heldout.at_end or not trainer.is_world_process_zero():
+        return None
+    progress = next(c for c in trainer.callback_handler.callbacks if isinstance(c, HeldOutProgressCallback))
+    try:
+        with stop.interruptible():
+            progress.announce("after")
+            heldout.evaluate(trainer.state.global_step, trainer.model)
+    except StoppedBySignal as stopped:
+        return str(stopped)
+    return None
 
 
 def save_checkpoint_and_release(trainer) -> Path:

@@ -74,9 +74,16 @@ def check_output_dir_early(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from mempo_trl.commands import recipe
+    """`recipe.main`; a stopped run's line (which names the checkpoint every process saved) is left to rank 0."""
+    from mempo_trl.commands import USAGE_EXIT, recipe
+    from mempo_trl.interruptions import TrainingStopped
 
-    return recipe.main(*parse_args(argv))
+    try:
+        return recipe.main(*parse_args(argv))
+    except TrainingStopped:
+        if int(os.environ.get("RANK", "0")) == 0 or os.environ.get("MEMPO_DEBUG"):
+            raise
+        return USAGE_EXIT
 
 
 def leave_launched_process(rc: int) -> None:
