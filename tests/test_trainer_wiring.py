@@ -16,7 +16,7 @@ from helpers import EchoRetriever, cpu_config, scripted_scorers
 
 from mempo_trl import MemPOTrainer
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.scoring import memory_scoring_items
+from mempo_trl.rollout import memory_scoring_items
 
 
 def turn(mem, action, content):

@@ -17,7 +17,16 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from mempo_trl.context import ACTION_STOPS, TurnProtocol, render_prompt
+from mempo_trl.context import (
+    ACTION_STOPS,
+    MemoryScoringPair,
+    ScoringItem,
+    TurnProtocol,
+    gold_answer_tokens,
+    memory_context_ids,
+    render_prompt,
+    round_messages,
+)
 from mempo_trl.environments import (
     EnvironmentFactory,
     call_tool,
@@ -176,6 +185,33 @@ def cut_after_action(
     cut = min(ends)
     last = next(k for k, (start, end) in enumerate(offsets) if start < cut <= end)
     return completion_ids[: plain[last] + 1], text[:cut], False
+
+
+def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]:
+    """The (full, mem) scoring pair of every round t >= 2 of ``episode`` that wrote a well-formed ``<mem>``; none
+    when the episode has no gold answer (`Episode.golden_answers`). Contexts render the episode's tools, if any."""
+    golds = episode.golden_answers
+    if golds is None:
+        return []
+    answer_ids, answer_mask = gold_answer_tokens(tokenizer, golds, episode.row.get("sub_answers") or None)
+    base_ids = render_prompt(tokenizer, episode.base_messages, episode.tools)
+    history = episode.history()
+    pairs = []
+    for t, record in enumerate(episode.rounds):
+        if t == 0 or record.turn.mem_span is None or len(history) < t:
+            continue
+        full_messages = round_messages(episode.base_messages, history[:t], "full_history")
+        full_ids = render_prompt(tokenizer, full_messages, episode.tools)
+        start, end = record.turn.mem_span
+        mem_ids = memory_context_ids(tokenizer, base_ids, record.text[start:end])
+        pairs.append(
+            MemoryScoringPair(
+                round_index=t,
+                full=ScoringItem(full_ids, answer_ids, answer_mask),
+                mem=ScoringItem(mem_ids, answer_ids, answer_mask),
+            )
+        )
+    return pairs
 
 
 class RolloutEngine:

@@ -26,11 +26,10 @@ from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import answer_probability, memory_reward, quantile_threshold
 from mempo_trl.model_card import mempo_model_card
 from mempo_trl.rewards import mempo_outcome_reward
-from mempo_trl.rollout import Episode, RolloutEngine, RolloutTimings, RoundRecord
+from mempo_trl.rollout import Episode, RolloutEngine, RolloutTimings, RoundRecord, memory_scoring_items
 from mempo_trl.scoring import (
     SHARED_PREFIX_ATTENTION,
     answer_token_logps,
-    memory_scoring_items,
     pack_shared_prefix,
     shared_prefix_answer_logps,
 )
