@@ -60,6 +60,18 @@ class RoundBatch:
     tensors: dict[str, torch.Tensor]
 
 
+@dataclass
+class StepAccount:
+    """What this process did in the current optimizer step so far: the prompt and completion tokens of the rows it
+    generated (what ``num_tokens`` counts over all processes), and its seconds of generation, retrieval and memory
+    scoring (``time/other`` is the rest of TRL's ``step_time``)."""
+
+    tokens: int = 0
+    generation: float = 0.0
+    retrieval: float = 0.0
+    memory_scoring: float = 0.0
+
+
 class MemoryScores(NamedTuple):
     """P_full, P_mem and the memory reward of each of this process's rows, shape (rows,); NaN where not scored."""
 
@@ -215,6 +227,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             environment_factory=environment_factory,
         )
         self._warned_no_target = False
+        self._step_account = StepAccount()
 
     # ------------------------------------------------------------------ memory reward
 
@@ -320,13 +333,29 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         prompts = [ep.base_messages for ep in episodes]
         self._log_grpo_metrics(mode, batch.rows, rewards_per_func, rewards, advantages.outcome, prompts, trajectories)
         self._log_round_metrics(batch, scored, advantages.memory, timings, scoring_seconds)
+        if mode == "train":
+            self._step_account.tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in batch.rows)
+            self._step_account.generation += timings.generation
+            self._step_account.retrieval += timings.retrieval
+            self._step_account.memory_scoring += scoring_seconds
         return output
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """GRPOTrainer's training step, then `check_finite` on its loss: a NaN or infinite loss raises
-        `NonFiniteError` before the optimizer step, so the weights keep their last finite values."""
+        `NonFiniteError` before the optimizer step, so the weights keep their last finite values.
+
+        At the end of an optimizer step (where TRL logs ``step_time``), this process's ``tokens_per_second`` (the
+        prompt and completion tokens of the rows it generated in the step over ``step_time``) and ``time/other``
+        (``step_time`` less its generation, retrieval and memory scoring) are logged."""
         loss = super().training_step(model, inputs, num_items_in_batch)
         check_finite("loss", loss, self.state.global_step + 1, self.accelerator)
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            metrics, account = self._metrics["train"], self._step_account
+            step_time = metrics["step_time"][-1]
+            metrics["tokens_per_second"].append(account.tokens / step_time if step_time > 0 else 0.0)
+            parts = account.generation + account.retrieval + account.memory_scoring
+            metrics["time/other"].append(step_time - parts)
+            self._step_account = StepAccount()
         return loss
 
     def _play_episodes(self, inputs: list[dict]) -> tuple[list[Episode], RolloutTimings]:
