@@ -232,14 +232,14 @@ def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]
 class TrainingRow:
     """One round of one episode as a training row: what the rollout hands to every later stage of a training step.
 
-    ``episode`` indexes this process's episodes and ``round`` is 0-based (metric names count rounds from 1);
+    ``episode_index`` indexes this process's episodes and ``round_index`` is 0-based (metric names count from 1);
     ``mem_span`` is the inclusive token span of the ``<mem>`` block in ``completion_ids`` and ``memory`` its text;
     ``scoring`` holds the two contexts and the gold answer of the memory reward (`memory_scoring_items`), None for a
     round that is not scored.
     """
 
-    episode: int
-    round: int
+    episode_index: int
+    round_index: int
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None
@@ -259,8 +259,8 @@ def training_rows(episodes: Sequence[Episode], tokenizer, score_memory: bool) ->
             span = record.turn.mem_span
             rows.append(
                 TrainingRow(
-                    episode=e,
-                    round=t,
+                    episode_index=e,
+                    round_index=t,
                     prompt_ids=tuple(record.prompt_ids),
                     completion_ids=tuple(record.completion_ids),
                     logprobs=None if record.logprobs is None else tuple(record.logprobs),

@@ -262,7 +262,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
             # Shared-prefix scoring packs the contexts of one trajectory together: its full contexts are prefixes of
             # each other, and its mem contexts start with the same system and user messages.
-            group_keys = [rows[i].episode for i in scored] if self.shared_prefix_scoring else None
+            group_keys = [rows[i].episode_index for i in scored] if self.shared_prefix_scoring else None
             if args.memory_full_from_reference:
                 full_logps, full_mask = self._score_items([p.full for p in pairs], True, group_keys)
                 mem_logps, mem_mask = self._score_items([p.mem for p in pairs], False, group_keys)
@@ -439,7 +439,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         """
         rank, n_local = self.accelerator.process_index, len(batch.episodes)
         local = [
-            (rank * n_local + row.episode, row.round, None if math.isnan(reward) else reward, row.mem_span)
+            (rank * n_local + row.episode_index, row.round_index, None if math.isnan(reward) else reward, row.mem_span)
             for row, reward in zip(batch.rows, memory_rewards.tolist())
         ]
         per_process = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
@@ -482,8 +482,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 for name, column in columns.items():
                     values[f"memory/{name}"].append(column[i])
                 values["memory/advantage"].append(adv)
-                values[f"memory/reward/round_{row.round + 1}"].append(columns["reward"][i])
-                values[f"memory/advantage/round_{row.round + 1}"].append(adv)
+                values[f"memory/reward/round_{row.round_index + 1}"].append(columns["reward"][i])
+                values[f"memory/advantage/round_{row.round_index + 1}"].append(adv)
         values["memory/scored_rounds"].append(float(sum(not math.isnan(r) for r in columns["reward"])))
         names = [*ROUND_METRICS]
         for t in range(2, self.protocol.max_turns + 1):
