@@ -25,16 +25,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from mempo_trl.environments import ENVIRONMENT_INSTRUCTION, TOOL_STOPS
-from mempo_trl.protocol import render_gold_answer
+from mempo_trl.environments import ENVIRONMENT_INSTRUCTION
+from mempo_trl.protocol import ACTION_STOPS, TOOL_STOPS, render_gold_answer
 
 
 ContextMode = Literal["memory", "full_history"]
 CONTEXT_MODES = ("memory", "full_history")
 CONTEXT_OVERFLOWS = ("end_episode", "truncate_information")
 
-ACTION_STOPS = ("</search>", "</answer>")
-"""The strings that end a search-task turn (an environment's are `mempo_trl.environments.TOOL_STOPS`)."""
 
 PROTOCOL_FILE = "mempo_agent.json"
 

@@ -18,7 +18,6 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from mempo_trl.context import (
-    ACTION_STOPS,
     MemoryScoringPair,
     ScoringItem,
     TurnProtocol,
@@ -36,6 +35,7 @@ from mempo_trl.environments import (
     tool_schemas,
 )
 from mempo_trl.protocol import (
+    ACTION_STOPS,
     SEARCH_ACTIONS,
     TOOL_ACTIONS,
     Turn,
