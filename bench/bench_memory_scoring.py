@@ -34,10 +34,9 @@ from mempo_trl.data import read_jsonl
 from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.memory import answer_probability
 from mempo_trl.retrieval import BM25Retriever
-from mempo_trl.rollout import RolloutEngine
+from mempo_trl.rollout import RolloutEngine, memory_scoring_items
 from mempo_trl.scoring import (
     answer_token_logps,
-    memory_scoring_items,
     pack_shared_prefix,
     shared_prefix_answer_logps,
 )
@@ -297,7 +296,8 @@ def probe(spec: dict) -> dict:
     episodes = play_episodes(tokenizer, retriever, rows, spec["rounds"], spec["turn_tokens"], spec["mem_tokens"])
     keys, full, mem = [], [], []
     for e, ep in enumerate(episodes):
-        for pair in scoring.memory_scoring_items(ep, tokenizer):
+        # Since the rollout builds the scoring items, a revision's scoring module may not have them.
+        for pair in getattr(scoring, "memory_scoring_items", memory_scoring_items)(ep, tokenizer):
             keys.append(e)
             full.append(pair.full)
             mem.append(pair.mem)

@@ -104,11 +104,11 @@ def warm_start(env: str, warm_dir: Path, settings: dict) -> dict:
     import torch
 
     from mempo_trl.context import TurnProtocol
-    from mempo_trl.environments import TOOL_STOPS
     from mempo_trl.generation import HFGenerator
     from mempo_trl.kit.envs import KIT_ENVIRONMENTS, ORACLES, OracleGenerator
     from mempo_trl.kit.tiny import build_tiny_model, load_tiny
     from mempo_trl.padding import pad_ids
+    from mempo_trl.protocol import TOOL_STOPS
     from mempo_trl.rollout import RolloutEngine
 
     record_path = warm_dir / "warm_start.json"

@@ -130,7 +130,8 @@ def stage_scoring(work: Path, cpu: bool) -> dict:
 def _agreement(model, tokenizer, episodes) -> dict:
     """Answer log-probs of every P_full item, batched vs shared-prefix: same mask, within bf16 rounding."""
     from mempo_trl.memory import answer_probability
-    from mempo_trl.scoring import answer_token_logps, memory_scoring_items, shared_prefix_answer_logps
+    from mempo_trl.rollout import memory_scoring_items
+    from mempo_trl.scoring import answer_token_logps, shared_prefix_answer_logps
 
     keys, items = [], []
     for e, ep in enumerate(episodes):

@@ -242,7 +242,7 @@ class _ReadsMemory(torch.nn.Module):
 
 
 def test_memory_signal_measures_what_each_remembered_fact_adds_to_p_gold(any_tokenizer):
-    from mempo_trl.scoring import gold_answer_tokens
+    from mempo_trl.context import gold_answer_tokens
 
     row = TWO_HOP
     facts = ["Tisdin Purbro: Sedo.", "Sedo: 634,400."]  # what `hop_facts` finds for this row

@@ -7,16 +7,13 @@ import warnings
 import pytest
 import torch
 
-from mempo_trl.context import TurnProtocol, render_prompt, round_messages
+from mempo_trl.context import ScoringItem, TurnProtocol, gold_answer_tokens, render_prompt, round_messages
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.memory import answer_probability
 from mempo_trl.retrieval import Passage
-from mempo_trl.rollout import RolloutEngine
+from mempo_trl.rollout import RolloutEngine, memory_scoring_items
 from mempo_trl.scoring import (
-    ScoringItem,
     answer_token_logps,
-    gold_answer_tokens,
-    memory_scoring_items,
     pack_shared_prefix,
     shared_prefix_answer_logps,
 )

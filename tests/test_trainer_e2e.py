@@ -49,6 +49,14 @@ def test_mempo_steps_change_weights_and_score_memory(warm_model_dir, demo_paths,
     assert max(_logged(trainer, "episode/format_valid")) > 0
     assert all(0.0 <= p <= 1.0 for p in _logged(trainer, "memory/p_mem") + _logged(trainer, "memory/p_full"))
     assert all(torch.isfinite(torch.tensor(_logged(trainer, "loss"))))
+    # Each step accounts for itself: its tokens over its seconds, and its seconds split into the logged parts.
+    steps, seen = [e for e in trainer.state.log_history if "step_time" in e], 0
+    assert len(steps) == 2
+    for entry in steps:
+        tokens, seen = entry["num_tokens"] - seen, entry["num_tokens"]
+        assert tokens > 0 and entry["tokens_per_second"] == pytest.approx(tokens / entry["step_time"])
+        parts = [entry[f"time/{part}"] for part in ("generation", "retrieval", "memory_scoring", "other")]
+        assert min(parts) > 0 and sum(parts) == pytest.approx(entry["step_time"])
 
 
 @pytest.mark.slow

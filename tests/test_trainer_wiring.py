@@ -16,7 +16,6 @@ from helpers import EchoRetriever, cpu_config, scripted_scorers
 
 from mempo_trl import MemPOTrainer
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.scoring import memory_scoring_items
 
 
 def turn(mem, action, content):
@@ -208,23 +207,24 @@ def test_memory_scoring_uses_untempered_log_probs(scoring, tiny_model_dir, tmp_p
     seen = {}
     memory_rewards = trainer._memory_rewards
 
-    def spy(episodes):
-        seen["episodes"], seen["scored"] = episodes, memory_rewards(episodes)
+    def spy(rows):
+        seen["rows"], seen["scored"] = rows, memory_rewards(rows)
         return seen["scored"]
 
     monkeypatch.setattr(trainer, "_memory_rewards", spy)
     play(trainer)
-    assert len(seen["scored"]) == 6
+    scored = [i for i, row in enumerate(seen["rows"]) if row.scoring is not None]
+    assert len(scored) == 6 and (~seen["scored"].reward.isnan()).nonzero().flatten().tolist() == scored
     model = trainer.model
-    for e, episode in enumerate(seen["episodes"]):
-        for pair in memory_scoring_items(episode, trainer.processing_class):
-            for item, key in ((pair.full, "p_full"), (pair.mem, "p_mem")):
-                ids = torch.tensor([item.context_ids + item.answer_ids])
-                with torch.no_grad():
-                    logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
-                start = len(item.context_ids) - 1
-                answer = torch.tensor(item.answer_ids)
-                token_logps = logps[start : start + len(answer)].gather(-1, answer[:, None])[:, 0]
-                gold = torch.tensor(item.answer_mask, dtype=torch.bool)
-                expected = token_logps[gold].mean().exp().item()
-                assert seen["scored"][(e, pair.round_index)][key] == pytest.approx(expected, rel=1e-4), (e, key)
+    for i in scored:
+        pair = seen["rows"][i].scoring
+        for item, key in ((pair.full, "p_full"), (pair.mem, "p_mem")):
+            ids = torch.tensor([item.context_ids + item.answer_ids])
+            with torch.no_grad():
+                logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            start = len(item.context_ids) - 1
+            answer = torch.tensor(item.answer_ids)
+            token_logps = logps[start : start + len(answer)].gather(-1, answer[:, None])[:, 0]
+            gold = torch.tensor(item.answer_mask, dtype=torch.bool)
+            expected = token_logps[gold].mean().exp().item()
+            assert getattr(seen["scored"], key)[i].item() == pytest.approx(expected, rel=1e-4), (i, key)

@@ -16,6 +16,7 @@ _EXPORTS = {
     "load_environment": "mempo_trl.environments",
     "tool_schemas": "mempo_trl.environments",
     "Episode": "mempo_trl.rollout",
+    "TrainingRow": "mempo_trl.rollout",
     "initial_messages": "mempo_trl.context",
     "round_messages": "mempo_trl.context",
     "parse_turn": "mempo_trl.protocol",

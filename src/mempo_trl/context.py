@@ -28,15 +28,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from mempo_trl.environments import ENVIRONMENT_INSTRUCTION, TOOL_STOPS
+from mempo_trl.environments import ENVIRONMENT_INSTRUCTION
+from mempo_trl.protocol import ACTION_STOPS, TOOL_STOPS, render_gold_answer
 
 
 ContextMode = Literal["memory", "full_history"]
 CONTEXT_MODES = ("memory", "full_history")
 CONTEXT_OVERFLOWS = ("end_episode", "truncate_information")
 
-ACTION_STOPS = ("</search>", "</answer>")
-"""The strings that end a search-task turn (an environment's are `mempo_trl.environments.TOOL_STOPS`)."""
 
 PROTOCOL_FILE = "mempo_agent.json"
 
@@ -102,6 +101,42 @@ def render_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] |
         messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=True
     )
     return list(ids["input_ids"])
+
+
+@dataclass(frozen=True)
+class ScoringItem:
+    """A context and the answer continuation to score after it; ``answer_mask`` marks the GOLD tokens."""
+
+    context_ids: list[int]
+    answer_ids: list[int]
+    answer_mask: list[int]
+
+
+@dataclass(frozen=True)
+class MemoryScoringPair:
+    """The two scoring items of one round: ``round_index`` is 0-based (so always >= 1 here)."""
+
+    round_index: int
+    full: ScoringItem
+    mem: ScoringItem
+
+
+def gold_answer_tokens(tokenizer, golden_answers: Sequence[str], sub_answers=None) -> tuple[list[int], list[int]]:
+    """Token ids of ``<answer> GOLD </answer>`` and the 0/1 mask of the tokens that overlap GOLD.
+
+    Example:
+        >>> ids, mask = gold_answer_tokens(tokenizer, ["Paris"])  # doctest: +SKIP
+    """
+    text, (start, end) = render_gold_answer(golden_answers, sub_answers)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(s < end and e > start) for s, e in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), mask
+
+
+def memory_context_ids(tokenizer, base_ids: list[int], mem_block: str) -> list[int]:
+    """The context P_mem is scored after: ``system + user(question)`` (``base_ids``, rendered) + the ``<mem>`` block
+    as tokenized on its own (``<mem> ... </mem>``, no chat-template turn around it)."""
+    return base_ids + tokenizer(mem_block, add_special_tokens=False)["input_ids"]
 
 
 def stop_token_ids(

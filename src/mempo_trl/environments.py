@@ -30,9 +30,6 @@ ENVIRONMENT_INSTRUCTION = (
 )
 """The default instruction of an environment task: `MemPOConfig.instruction` when it is left at the search one."""
 
-TOOL_STOPS = ("</tool_call>", "</answer>")
-"""The strings that end an environment turn (the search task's are `mempo_trl.rollout.ACTION_STOPS`)."""
-
 EnvironmentFactory = Callable[[], Any]
 """A callable (usually the class itself) that returns a new environment instance."""
 

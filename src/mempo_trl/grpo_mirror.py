@@ -221,7 +221,7 @@ class GRPOMirror:
         """The metrics and completions-table rows `GRPOTrainer` logs for a batch.
 
         Args:
-            records: this process's real rows (`RoundRecord`: ``prompt_ids``, ``completion_ids``, ``truncated``).
+            records: this process's real rows (`TrainingRow`: ``prompt_ids``, ``completion_ids``, ``truncated``).
             rewards_per_func / rewards: ``(N, F)`` / ``(N,)`` rewards of the trajectories of all processes (NaN:
                 unscorable).
             advantages: ``(N,)`` outcome advantages of all processes' trajectories (the table's column).

@@ -35,6 +35,10 @@ SEARCH_ACTIONS = ("search", "answer")
 """The actions of the search task."""
 TOOL_ACTIONS = ("tool_call", "answer")
 """The actions of a TRL-style environment: a call of one of its tools, or the final answer."""
+ACTION_STOPS = tuple(f"</{action}>" for action in SEARCH_ACTIONS)
+"""The strings that end a search-task turn: ``</search>``, ``</answer>``."""
+TOOL_STOPS = tuple(f"</{action}>" for action in TOOL_ACTIONS)
+"""The strings that end an environment turn: ``</tool_call>``, ``</answer>``."""
 
 
 def _tag_re(actions: Sequence[str]) -> re.Pattern[str]:

@@ -17,7 +17,15 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from mempo_trl.context import ACTION_STOPS, TurnProtocol, render_prompt
+from mempo_trl.context import (
+    MemoryScoringPair,
+    ScoringItem,
+    TurnProtocol,
+    gold_answer_tokens,
+    memory_context_ids,
+    render_prompt,
+    round_messages,
+)
 from mempo_trl.data import DataError
 from mempo_trl.environments import (
     EnvironmentFactory,
@@ -28,10 +36,11 @@ from mempo_trl.environments import (
     tool_schemas,
 )
 from mempo_trl.protocol import (
+    ACTION_STOPS,
     SEARCH_ACTIONS,
     TOOL_ACTIONS,
     Turn,
-    locate_mem_span,
+    locate_char_span,
     parse_turn,
     render_information,
     token_char_offsets,
@@ -167,16 +176,102 @@ def cut_after_action(
         >>> qwen.decode(kept[-1:]), text[-9:]  # doctest: +SKIP
         ('><', '</search>')
     """
+    kept, text, truncated, _ = _cut_turn(completion_ids, tokenizer, eos_token_ids, stops)
+    return kept, text, truncated
+
+
+def _cut_turn(
+    completion_ids: list[int], tokenizer, eos_token_ids: Sequence[int], stops: Sequence[str]
+) -> tuple[list[int], str, bool, Callable[[int, int], tuple[int, int] | None]]:
+    """`cut_after_action`, plus a function that maps a ``[start, end)`` char span of the turn text to the inclusive
+    span of the kept ids that hold it (None when no token does): the turn is decoded once, for both."""
     special = _special_ids(tokenizer)
     plain = [i for i, token in enumerate(completion_ids) if token not in special]
     text, offsets = token_char_offsets([completion_ids[i] for i in plain], tokenizer)
+
+    def token_span(start: int, end: int) -> tuple[int, int] | None:
+        span = locate_char_span(offsets, start, end)
+        return None if span is None else (plain[span[0]], plain[span[1]])
+
     ends = [text.find(stop) + len(stop) for stop in stops if stop in text]
     if not ends:
         truncated = not completion_ids or completion_ids[-1] not in eos_token_ids
-        return completion_ids, text, truncated
+        return completion_ids, text, truncated, token_span
     cut = min(ends)
     last = next(k for k, (start, end) in enumerate(offsets) if start < cut <= end)
-    return completion_ids[: plain[last] + 1], text[:cut], False
+    return completion_ids[: plain[last] + 1], text[:cut], False, token_span
+
+
+def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]:
+    """The (full, mem) scoring pair of every round t >= 2 of ``episode`` that wrote a well-formed ``<mem>``; none
+    when the episode has no gold answer (`Episode.golden_answers`). Contexts render the episode's tools, if any."""
+    golds = episode.golden_answers
+    if golds is None:
+        return []
+    answer_ids, answer_mask = gold_answer_tokens(tokenizer, golds, episode.row.get("sub_answers") or None)
+    base_ids = episode.rounds[0].prompt_ids if episode.rounds else []  # round 1's context: system + user(question)
+    history = episode.history()
+    pairs = []
+    for t, record in enumerate(episode.rounds):
+        if t == 0 or record.turn.mem_span is None or len(history) < t:
+            continue
+        full_messages = round_messages(episode.base_messages, history[:t], "full_history")
+        full_ids = render_prompt(tokenizer, full_messages, episode.tools)
+        start, end = record.turn.mem_span
+        mem_ids = memory_context_ids(tokenizer, base_ids, record.text[start:end])
+        pairs.append(
+            MemoryScoringPair(
+                round_index=t,
+                full=ScoringItem(full_ids, answer_ids, answer_mask),
+                mem=ScoringItem(mem_ids, answer_ids, answer_mask),
+            )
+        )
+    return pairs
+
+
+@dataclass(frozen=True)
+class TrainingRow:
+    """One round of one episode as a training row: what the rollout hands to every later stage of a training step.
+
+    ``episode_index`` indexes this process's episodes and ``round_index`` is 0-based (metric names count from 1);
+    ``mem_span`` is the inclusive token span of the ``<mem>`` block in ``completion_ids`` and ``memory`` its text;
+    ``scoring`` holds the two contexts and the gold answer of the memory reward (`memory_scoring_items`), None for a
+    round that is not scored.
+    """
+
+    episode_index: int
+    round_index: int
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    truncated: bool
+    mem_span: tuple[int, int] | None
+    memory: str | None
+    scoring: MemoryScoringPair | None
+
+
+def training_rows(episodes: Sequence[Episode], tokenizer, score_memory: bool) -> tuple[TrainingRow, ...]:
+    """One `TrainingRow` per round of ``episodes``, in episode then round order; with ``score_memory``, the rounds
+    `memory_scoring_items` picks carry their scoring contexts."""
+    rows = []
+    for e, episode in enumerate(episodes):
+        pairs = {p.round_index: p for p in memory_scoring_items(episode, tokenizer)} if score_memory else {}
+        for t, record in enumerate(episode.rounds):
+            span = record.turn.mem_span
+            rows.append(
+                TrainingRow(
+                    episode_index=e,
+                    round_index=t,
+                    prompt_ids=tuple(record.prompt_ids),
+                    completion_ids=tuple(record.completion_ids),
+                    logprobs=None if record.logprobs is None else tuple(record.logprobs),
+                    truncated=record.truncated,
+                    mem_span=record.mem_span,
+                    memory=None if span is None else record.text[span[0] : span[1]],
+                    scoring=pairs.get(t),
+                )
+            )
+    return tuple(rows)
 
 
 class RolloutEngine:
@@ -382,7 +477,7 @@ class RolloutEngine:
         return episodes, timings
 
     def _make_record(self, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float] | None):
-        completion_ids, text, truncated = cut_after_action(
+        completion_ids, text, truncated, token_span = _cut_turn(
             list(completion_ids), self.tokenizer, self.eos_token_ids, self.protocol.stops
         )
         if logprobs is not None:
@@ -391,7 +486,7 @@ class RolloutEngine:
         if turn.valid and turn.action == "tool_call" and parse_tool_call(turn.content) is None:
             turn = Turn(False, "<tool_call> is not a JSON call {\"name\": ..., \"arguments\": {...}}", turn.mem,
                         None, None, None, turn.mem_span)  # fmt: skip
-        mem_span = locate_mem_span(completion_ids, self.tokenizer, self.actions) if turn.mem_span is not None else None
+        mem_span = token_span(*turn.mem_span) if turn.mem_span is not None else None
         return RoundRecord(
             prompt_ids=prompt_ids,
             completion_ids=completion_ids,

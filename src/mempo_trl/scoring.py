@@ -1,8 +1,8 @@
 """Teacher-forced scoring of the gold answer under the full-history and memory contexts
 (docs/algorithm.md, "Memory reward: P_full and P_mem").
 
-For every round t >= 2 whose output holds a well-formed ``<mem>`` block, `memory_scoring_items` builds two
-sequences that end with the same gold-answer continuation ``<answer> GOLD </answer>``:
+For every round t >= 2 whose output holds a well-formed ``<mem>`` block, the rollout
+(`mempo_trl.rollout.memory_scoring_items`) builds two sequences that end with the same gold-answer continuation ``<answer> GOLD </answer>``:
 
 - ``full``: the full-history context of round t (all earlier rounds and their results) + the answer;
 - ``mem``: ``system + user(question)`` + round t's ``<mem>`` block + the answer.
@@ -18,82 +18,16 @@ import inspect
 import os
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from mempo_trl.context import render_prompt, round_messages
+from mempo_trl.context import ScoringItem
 from mempo_trl.padding import pad_ids
-from mempo_trl.protocol import render_gold_answer
-from mempo_trl.rollout import Episode
 
 
 SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take the 4D masks of `shared_prefix_answer_logps`."""
-
-
-@dataclass(frozen=True)
-class ScoringItem:
-    """A context and the answer continuation to score after it; ``answer_mask`` marks the GOLD tokens."""
-
-    context_ids: list[int]
-    answer_ids: list[int]
-    answer_mask: list[int]
-
-
-@dataclass(frozen=True)
-class MemoryScoringPair:
-    """The two scoring items of one round: ``round_index`` is 0-based (so always >= 1 here)."""
-
-    round_index: int
-    full: ScoringItem
-    mem: ScoringItem
-
-
-def gold_answer_tokens(tokenizer, golden_answers: Sequence[str], sub_answers=None) -> tuple[list[int], list[int]]:
-    """Token ids of ``<answer> GOLD </answer>`` and the 0/1 mask of the tokens that overlap GOLD.
-
-    Example:
-        >>> ids, mask = gold_answer_tokens(tokenizer, ["Paris"])  # doctest: +SKIP
-    """
-    text, (start, end) = render_gold_answer(golden_answers, sub_answers)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(s < end and e > start) for s, e in encoded["offset_mapping"]]
-    return list(encoded["input_ids"]), mask
-
-
-def memory_context_ids(tokenizer, base_ids: list[int], mem_block: str) -> list[int]:
-    """The context P_mem is scored after: ``system + user(question)`` (``base_ids``, rendered) + the ``<mem>`` block
-    as tokenized on its own (``<mem> ... </mem>``, no chat-template turn around it)."""
-    return base_ids + tokenizer(mem_block, add_special_tokens=False)["input_ids"]
-
-
-def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]:
-    """The (full, mem) scoring pair of every round t >= 2 of ``episode`` that wrote a well-formed ``<mem>``; none
-    when the episode has no gold answer (`Episode.golden_answers`). Contexts render the episode's tools, if any."""
-    golds = episode.golden_answers
-    if golds is None:
-        return []
-    answer_ids, answer_mask = gold_answer_tokens(tokenizer, golds, episode.row.get("sub_answers") or None)
-    base_ids = render_prompt(tokenizer, episode.base_messages, episode.tools)
-    history = episode.history()
-    pairs = []
-    for t, record in enumerate(episode.rounds):
-        if t == 0 or record.turn.mem_span is None or len(history) < t:
-            continue
-        full_messages = round_messages(episode.base_messages, history[:t], "full_history")
-        full_ids = render_prompt(tokenizer, full_messages, episode.tools)
-        start, end = record.turn.mem_span
-        mem_ids = memory_context_ids(tokenizer, base_ids, record.text[start:end])
-        pairs.append(
-            MemoryScoringPair(
-                round_index=t,
-                full=ScoringItem(full_ids, answer_ids, answer_mask),
-                mem=ScoringItem(mem_ids, answer_ids, answer_mask),
-            )
-        )
-    return pairs
 
 
 def _pad_batch(items: Sequence[ScoringItem], pad_token_id: int) -> tuple[torch.Tensor, ...]:

@@ -5,9 +5,11 @@ import math
 import textwrap
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from accelerate.utils import gather_object, is_peft_model
@@ -27,11 +29,10 @@ from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import answer_probability, memory_reward, quantile_threshold
 from mempo_trl.model_card import mempo_model_card
 from mempo_trl.rewards import mempo_outcome_reward
-from mempo_trl.rollout import Episode, RolloutEngine, RolloutTimings, RoundRecord
+from mempo_trl.rollout import Episode, RolloutEngine, RolloutTimings, TrainingRow, training_rows
 from mempo_trl.scoring import (
     SHARED_PREFIX_ATTENTION,
     answer_token_logps,
-    memory_scoring_items,
     pack_shared_prefix,
     shared_prefix_answer_logps,
 )
@@ -48,17 +49,41 @@ ROUND_METRICS = (
 """The metrics `MemPOTrainer` adds to TRL's, averaged over processes (and ``memory/{reward,advantage}/round_<t>``)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundBatch:
-    """One training row per round of this process's episodes: ``rows[i] = (episode, round)``, ``records[i]`` its
-    `RoundRecord`, and ``tensors`` the padded batch (``prompt_ids``, ``prompt_mask``, ``completion_ids``,
-    ``completion_mask`` of shape (rows + placeholders, tokens), ``num_items_in_batch``)."""
+    """One training row per round of this process's episodes (`TrainingRow`, as the rollout emitted them) and
+    ``tensors``, the padded batch (``prompt_ids``, ``prompt_mask``, ``completion_ids``, ``completion_mask`` of shape
+    (rows + placeholders, tokens), ``num_items_in_batch``)."""
 
     mode: str
     episodes: list[Episode]
-    rows: list[tuple[int, int]]
-    records: list[RoundRecord]
+    rows: tuple[TrainingRow, ...]
     tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class StepAccount:
+    """What this process did in the current optimizer step so far: the prompt and completion tokens of the rows it
+    generated (what ``num_tokens`` counts over all processes), and its seconds of generation, retrieval and memory
+    scoring (``time/other`` is the rest of TRL's ``step_time``)."""
+
+    tokens: int = 0
+    generation: float = 0.0
+    retrieval: float = 0.0
+    memory_scoring: float = 0.0
+
+
+class MemoryScores(NamedTuple):
+    """P_full, P_mem and the memory reward of each of this process's rows, shape (rows,); NaN where not scored."""
+
+    p_full: torch.Tensor
+    p_mem: torch.Tensor
+    reward: torch.Tensor
+
+    @classmethod
+    def unscored(cls, num_rows: int) -> "MemoryScores":
+        """Scores of ``num_rows`` rows none of which is scored."""
+        return cls(*(torch.full((num_rows,), math.nan) for _ in cls._fields))
 
 
 class MemPOTrainer(GRPOMirror, GRPOTrainer):
@@ -215,6 +240,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 if rows is not None:
                     self.rollout_engine.check_first_contexts(rows, name)
         self._warned_no_target = False
+        self._step_account = StepAccount()
 
     # ------------------------------------------------------------------ memory reward
 
@@ -241,18 +267,15 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 return answer_token_logps(model, items, pad_id, bs, num_chunks)
             return shared_prefix_answer_logps(model, items, group_keys, pad_id, bs, num_chunks)
 
-    def _memory_rewards(self, episodes: list[Episode]) -> dict[tuple[int, int], dict[str, float]]:
-        """Step 4: P_full, P_mem and the memory reward of every scored round, keyed by (episode, round index)."""
-        keys, pairs = [], []
-        for e, episode in enumerate(episodes):
-            for pair in memory_scoring_items(episode, self._tokenizer):
-                keys.append((e, pair.round_index))
-                pairs.append(pair)
+    def _memory_rewards(self, rows: Sequence[TrainingRow]) -> MemoryScores:
+        """Step 4: P_full, P_mem and the memory reward of the rows that carry scoring contexts."""
+        scored = [i for i, row in enumerate(rows) if row.scoring is not None]
+        pairs = [rows[i].scoring for i in scored]
         args = self.args
         with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
             # Shared-prefix scoring packs the contexts of one trajectory together: its full contexts are prefixes of
             # each other, and its mem contexts start with the same system and user messages.
-            group_keys = [e for e, _ in keys] if self.shared_prefix_scoring else None
+            group_keys = [rows[i].episode_index for i in scored] if self.shared_prefix_scoring else None
             if args.memory_full_from_reference:
                 full_logps, full_mask = self._score_items([p.full for p in pairs], True, group_keys)
                 mem_logps, mem_mask = self._score_items([p.mem for p in pairs], False, group_keys)
@@ -268,21 +291,20 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             threshold = quantile_threshold(
                 values, torch.ones_like(values, dtype=torch.bool), args.memory_threshold_quantile
             )
+        scores = MemoryScores.unscored(len(rows))
         if not pairs:
-            return {}
-        p_full = answer_probability(full_logps, full_mask, threshold)
-        p_mem = answer_probability(mem_logps, mem_mask, threshold)
-        mem_lengths = torch.tensor(
-            [float(episodes[e].rounds[t].mem_span[1] - episodes[e].rounds[t].mem_span[0] + 1) for e, t in keys]
-        )
+            return scores
+        p_full = answer_probability(full_logps, full_mask, threshold).cpu()
+        p_mem = answer_probability(mem_logps, mem_mask, threshold).cpu()
+        mem_lengths = torch.tensor([float(rows[i].mem_span[1] - rows[i].mem_span[0] + 1) for i in scored])
         rewards = memory_reward(
-            p_mem.cpu(), p_full.cpu(), mode=args.memory_reward_type, eps=args.memory_reward_eps,
+            p_mem, p_full, mode=args.memory_reward_type, eps=args.memory_reward_eps,
             mem_lengths=mem_lengths, length_penalty=args.memory_length_penalty, max_mem_tokens=args.max_completion_length,
         )  # fmt: skip
-        return {
-            key: {"p_full": float(pf), "p_mem": float(pm), "reward": float(r)}
-            for key, pf, pm, r in zip(keys, p_full.tolist(), p_mem.tolist(), rewards.tolist())
-        }
+        index = torch.tensor(scored)
+        for column, values in zip(scores, (p_full, p_mem, rewards)):
+            column[index] = values.float()
+        return scores
 
     # ------------------------------------------------------------------ the override
 
@@ -294,7 +316,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         1. plays each row as a multi-turn episode, the context rebuilt every round (`RolloutEngine.run`);
         2. makes one training row per round (prompt = its context, completion = the turn), padded with fully masked
            placeholder rows to the same count on every process (`RoundBatch`);
-        3. scores each whole trajectory with the reward functions, gathered over processes (`_outcome_rewards`);
+        3. scores each whole trajectory with the reward functions, gathered over processes (`_outcome_rewards`),
+           and with `dynamic_sampling`, refills or drops the groups whose rewards are all equal (`_dynamic_sampling`);
         4. scores P_full / P_mem of the gold answer for rounds >= 2 and their memory reward (`_memory_rewards`);
         5. gathers the rounds of all processes and calls `mempo_advantages` for per-token advantages of shape
            (rows, completion tokens) instead of one scalar per completion (`_advantages`);
@@ -311,17 +334,19 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 inputs, episodes, timings, rewards_per_func, rewards
             )
         local_dropped = dropped[self.accelerator.process_index * len(episodes) :][: len(episodes)].tolist()
-        batch = self._round_batch(episodes, mode, local_dropped)
+        score_memory = self.protocol.context_mode == "memory" and self.args.memory_coef != 0.0
+        batch = self._round_batch(episodes, mode, score_memory, local_dropped)
         scoring_start = time.perf_counter()
         with profiling_context(self, "memory_scoring"):
-            score_memory = self.protocol.context_mode == "memory" and self.args.memory_coef != 0.0
-            scored = self._memory_rewards(episodes) if score_memory else {}
-            scored = {key: value for key, value in scored.items() if not local_dropped[key[0]]}
-            advantages = self._advantages(batch, scored, rewards.masked_fill(dropped, torch.nan), mode)
+            scored = self._memory_rewards(batch.rows) if score_memory else MemoryScores.unscored(len(batch.rows))
+            if any(local_dropped):  # a dropped group teaches nothing, its memory rounds included
+                gone = torch.tensor([local_dropped[row.episode_index] for row in batch.rows], dtype=torch.bool)
+                scored = MemoryScores(*(column.masked_fill(gone, math.nan) for column in scored))
+            advantages = self._advantages(batch, scored.reward, rewards.masked_fill(dropped, torch.nan), mode)
         if mode == "train":
             check_finite("advantage", advantages.advantages, self.state.global_step + 1, self.accelerator)
         scoring_seconds = time.perf_counter() - scoring_start
-        sampling_logps = [r.logprobs for r in batch.records]
+        sampling_logps = [r.logprobs for r in batch.rows]
         sampling_logps = sampling_logps if all(lp is not None for lp in sampling_logps) else None
         output = {**batch.tensors, "advantages": advantages.advantages}
         output.update(self._loss_log_probs(batch.tensors, sampling_logps, mode))
@@ -329,17 +354,31 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             "\n".join(r.text + ("\n" + r.information if r.information else "") for r in ep.rounds) for ep in episodes
         ]
         prompts = [ep.base_messages for ep in episodes]
-        self._log_grpo_metrics(
-            mode, batch.records, rewards_per_func, rewards, advantages.outcome, prompts, trajectories
-        )
+        self._log_grpo_metrics(mode, batch.rows, rewards_per_func, rewards, advantages.outcome, prompts, trajectories)
         self._log_round_metrics(batch, scored, advantages.memory, timings, scoring_seconds)
+        if mode == "train":
+            self._step_account.tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in batch.rows)
+            self._step_account.generation += timings.generation
+            self._step_account.retrieval += timings.retrieval
+            self._step_account.memory_scoring += scoring_seconds
         return output
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """GRPOTrainer's training step, then `check_finite` on its loss: a NaN or infinite loss raises
-        `NonFiniteError` before the optimizer step, so the weights keep their last finite values."""
+        `NonFiniteError` before the optimizer step, so the weights keep their last finite values.
+
+        At the end of an optimizer step (where TRL logs ``step_time``), this process's ``tokens_per_second`` (the
+        prompt and completion tokens of the rows it generated in the step over ``step_time``) and ``time/other``
+        (``step_time`` less its generation, retrieval and memory scoring) are logged."""
         loss = super().training_step(model, inputs, num_items_in_batch)
         check_finite("loss", loss, self.state.global_step + 1, self.accelerator)
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            metrics, account = self._metrics["train"], self._step_account
+            step_time = metrics["step_time"][-1]
+            metrics["tokens_per_second"].append(account.tokens / step_time if step_time > 0 else 0.0)
+            parts = account.generation + account.retrieval + account.memory_scoring
+            metrics["time/other"].append(step_time - parts)
+            self._step_account = StepAccount()
         return loss
 
     def _play_episodes(self, inputs: list[dict]) -> tuple[list[Episode], RolloutTimings]:
@@ -388,24 +427,24 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         return rewards_per_func, rewards
 
-    def _round_batch(self, episodes: list[Episode], mode: str, dropped: list[bool]) -> RoundBatch:
-        """The batch of one training row per round, padded with placeholder rows (one pad token, completion fully
-        masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``. The rows
-        of the episodes that are ``dropped`` (one flag per episode) get a fully masked completion."""
+    def _round_batch(self, episodes: list[Episode], mode: str, score_memory: bool, dropped: list[bool]) -> RoundBatch:
+        """The batch of one training row per round (`training_rows`), padded with placeholder rows (one pad token,
+        completion fully masked) so that every process has the same number of rows, a multiple of
+        ``steps_per_generation``. The rows of the episodes that are ``dropped`` (one flag per episode) get a fully
+        masked completion."""
         device = self.accelerator.device
-        rows = [(e, t) for e, ep in enumerate(episodes) for t in range(len(ep.rounds))]
+        rows = training_rows(episodes, self._tokenizer, score_memory)
         per_step = self.args.steps_per_generation if mode == "train" else 1
         num_dummy = math.ceil(self._global_max(len(rows)) / per_step) * per_step - len(rows)
-        records = [episodes[e].rounds[t] for e, t in rows]
         pad_id = self._tokenizer.pad_token_id
-        prompts = [torch.tensor(r.prompt_ids) for r in records] + [torch.tensor([pad_id])] * num_dummy
-        completions = [torch.tensor(r.completion_ids) for r in records] + [torch.tensor([pad_id])] * num_dummy
+        prompts = [torch.tensor(r.prompt_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
+        completions = [torch.tensor(r.completion_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
         masks = [torch.ones_like(c) for c in completions[: len(rows)]] + [torch.zeros(1, dtype=torch.long)] * num_dummy
         completion_mask = pad(masks, padding_value=0, padding_side="right").to(device)
         if self.mask_truncated_completions:
-            truncated = torch.tensor([r.truncated for r in records] + [False] * num_dummy, device=device)
+            truncated = torch.tensor([r.truncated for r in rows] + [False] * num_dummy, device=device)
             completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
-        kept = torch.tensor([not dropped[e] for e, _ in rows] + [True] * num_dummy, device=device)
+        kept = torch.tensor([not dropped[row.episode_index] for row in rows] + [True] * num_dummy, device=device)
         completion_mask = completion_mask * kept.unsqueeze(1).int()
         tensors = {
             "prompt_ids": pad(prompts, padding_value=pad_id, padding_side="left").to(device),
@@ -414,7 +453,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             "completion_mask": completion_mask,
             "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
         }
-        return RoundBatch(mode, episodes, rows, records, tensors)
+        return RoundBatch(mode, episodes, rows, tensors)
 
     def _dynamic_sampling(self, inputs, episodes, timings, rewards_per_func, rewards):
         """`MemPOConfig.dynamic_sampling` on a training batch: refill its all-equal groups, then say which to drop.
@@ -464,7 +503,9 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         metrics["dynamic_sampling/refill_rounds"].append(float(rounds))
         return episodes, rewards_per_func, rewards, zero_std.repeat_interleave(size)
 
-    def _advantages(self, batch: RoundBatch, scored, rewards: torch.Tensor, mode: str) -> MemPOAdvantages:
+    def _advantages(
+        self, batch: RoundBatch, memory_rewards: torch.Tensor, rewards: torch.Tensor, mode: str
+    ) -> MemPOAdvantages:
         """`mempo_advantages` on the rounds of all processes, returned for this process's rows.
 
         A trajectory's global index is ``process_index * len(episodes) + episode`` (the order in which
@@ -472,8 +513,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         """
         rank, n_local = self.accelerator.process_index, len(batch.episodes)
         local = [
-            (rank * n_local + e, t, scored.get((e, t), {}).get("reward"), record.mem_span)
-            for (e, t), record in zip(batch.rows, batch.records)
+            (rank * n_local + row.episode_index, row.round_index, None if math.isnan(reward) else reward, row.mem_span)
+            for row, reward in zip(batch.rows, memory_rewards.tolist())
         ]
         per_process = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
         start = sum(len(p) for p in per_process[:rank])
@@ -495,26 +536,29 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             memory_gate_on_outcome=args.memory_gate_on_outcome,
         )
 
-    def _log_round_metrics(self, batch: RoundBatch, scored, memory_adv, timings: RolloutTimings, scoring_seconds):
+    def _log_round_metrics(
+        self, batch: RoundBatch, scored: MemoryScores, memory_adv, timings: RolloutTimings, scoring_seconds
+    ):
         """Log the ``episode/*``, ``tokens/*``, ``memory/*`` and ``time/*`` metrics (docs/training.md), each
         averaged over all processes (``time/*``: the slowest process)."""
         values: dict[str, list[float]] = defaultdict(list)
         for ep in batch.episodes:
             for name, value in ep.metrics().items():
                 values[f"episode/{name}"].append(value)
-        for i, ((e, t), record) in enumerate(zip(batch.rows, batch.records)):
-            values["episode/truncated_turns"].append(float(record.truncated))
-            values["tokens/prompt_per_round"].append(float(len(record.prompt_ids)))
-            if record.mem_span is not None:
-                values["tokens/mem_length"].append(float(record.mem_span[1] - record.mem_span[0] + 1))
-            if (e, t) in scored:
-                s, adv = scored[(e, t)], float(memory_adv[i, record.mem_span[0]].item())
-                for name, value in (("p_full", s["p_full"]), ("p_mem", s["p_mem"]), ("reward", s["reward"])):
-                    values[f"memory/{name}"].append(value)
+        columns = {name: column.tolist() for name, column in scored._asdict().items()}
+        for i, row in enumerate(batch.rows):
+            values["episode/truncated_turns"].append(float(row.truncated))
+            values["tokens/prompt_per_round"].append(float(len(row.prompt_ids)))
+            if row.mem_span is not None:
+                values["tokens/mem_length"].append(float(row.mem_span[1] - row.mem_span[0] + 1))
+            if not math.isnan(columns["reward"][i]):
+                adv = float(memory_adv[i, row.mem_span[0]].item())
+                for name, column in columns.items():
+                    values[f"memory/{name}"].append(column[i])
                 values["memory/advantage"].append(adv)
-                values[f"memory/reward/round_{t + 1}"].append(s["reward"])
-                values[f"memory/advantage/round_{t + 1}"].append(adv)
-        values["memory/scored_rounds"].append(float(len(scored)))
+                values[f"memory/reward/round_{row.round_index + 1}"].append(columns["reward"][i])
+                values[f"memory/advantage/round_{row.round_index + 1}"].append(adv)
+        values["memory/scored_rounds"].append(float(sum(not math.isnan(r) for r in columns["reward"])))
         names = [*ROUND_METRICS]
         for t in range(2, self.protocol.max_turns + 1):
             names += [f"memory/reward/round_{t}", f"memory/advantage/round_{t}"]
@@ -527,7 +571,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 metrics[name].append(mean)
                 if name.startswith(("memory/reward", "memory/advantage")):
                     metrics[f"{name}_std"].append(math.sqrt(max(total_sq / count - mean * mean, 0.0)))
-        metrics["tokens/prompt_peak"].append(float(self._global_max(max(len(r.prompt_ids) for r in batch.records))))
+        metrics["tokens/prompt_peak"].append(float(self._global_max(max(len(r.prompt_ids) for r in batch.rows))))
         seconds = torch.tensor([timings.generation, timings.retrieval, scoring_seconds], device=device)
         slowest = self.accelerator.gather(seconds.unsqueeze(0)).max(dim=0).values.tolist()
         for name, value in zip(("generation", "retrieval", "memory_scoring"), slowest):

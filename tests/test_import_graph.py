@@ -1,0 +1,102 @@
+"""The import graph of `mempo_trl`: a step's data flows one way down the training chain, and nothing imports in a
+circle (docs/algorithm.md, "Module map").
+
+Every import statement counts, those inside functions too (they are how a cycle hides from an import-time check).
+"""
+
+import ast
+from pathlib import Path
+
+import mempo_trl
+
+
+PACKAGE = Path(mempo_trl.__file__).parent
+CHAIN = ("protocol", "context", "rollout", "scoring", "memory", "advantages", "trainer")
+"""The stages a training step's data goes through, in order; the turn format (`protocol`, `context`) is shared."""
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = ["mempo_trl", *path.relative_to(package).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the `mempo_trl` modules it imports (``from mempo_trl.x import y`` counts ``mempo_trl.x.y`` when
+    that is a module, else ``mempo_trl.x``)."""
+    modules = {module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                          for a in node.names}  # fmt: skip
+        graph[name] = {m for m in found if m in modules and m not in (name, "mempo_trl")}
+    return graph
+
+
+def chain_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports against the one-way chain: a stage imports only stages above it (importing a later one climbs back up),
+    and none but the trainer, which runs the rollout, imports the rollout: later stages take the plain rows it emits,
+    never its episodes."""
+    found = []
+    for i, stage in enumerate(CHAIN[:-1]):
+        allowed = {f"mempo_trl.{m}" for m in CHAIN[:i] if m != "rollout"}
+        for target in sorted(graph.get(f"mempo_trl.{stage}", ())):
+            short = target.removeprefix("mempo_trl.")
+            if short in CHAIN and target not in allowed:
+                found.append(f"{stage} -> {short}")
+    return found
+
+
+def cycles(graph: dict[str, set[str]], roots) -> list[list[str]]:
+    """Cycles among the modules reachable from ``roots`` (depth-first search; one per back edge)."""
+    found, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                found.append(stack[stack.index(target) :] + [target])
+            elif target not in state:
+                visit(target, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in roots:
+        if node not in state:
+            visit(node, [])
+    return found
+
+
+def test_the_chain_is_in_the_package():
+    graph = import_graph()
+    assert all(f"mempo_trl.{stage}" in graph for stage in CHAIN)
+    assert "mempo_trl.context" in graph["mempo_trl.rollout"]  # the walk sees real imports
+
+
+def test_data_flows_down_the_chain():
+    assert chain_violations(import_graph()) == []
+
+
+def test_no_import_cycles_in_the_training_core():
+    """The chain and everything it imports (the command layer and the retrieval package's lazy imports are apart)."""
+    assert cycles(import_graph(), [f"mempo_trl.{stage}" for stage in CHAIN]) == []
+
+
+def test_a_climb_and_a_cycle_are_caught(tmp_path):
+    """The checks fail on a stage that reopens the rollout and on two modules that import each other."""
+    package = tmp_path / "mempo_trl"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "rollout.py").write_text("from mempo_trl.context import render_prompt\n")
+    (package / "context.py").write_text("def f():\n    from mempo_trl.rollout import Episode\n")
+    (package / "scoring.py").write_text("import mempo_trl.rollout\n")
+    (package / "memory.py").write_text("from mempo_trl import advantages\n")
+    (package / "advantages.py").write_text("")
+    graph = import_graph(package)
+    assert chain_violations(graph) == ["context -> rollout", "scoring -> rollout", "memory -> advantages"]
+    assert cycles(graph, ["mempo_trl.scoring"]) == [["mempo_trl.rollout", "mempo_trl.context", "mempo_trl.rollout"]]
