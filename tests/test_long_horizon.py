@@ -270,7 +270,7 @@ def test_the_all_parts_reward_trains_every_arm_in_runs_of_its_own(tmp_path):
     [
         (["--passage_words", "0"], "error: --passage_words 0: expected >= 1"),
         (["--set", "max_context_tokens=0"], "error: max_context_tokens must be a positive integer"),
-        (["--set", "max_context_tokens=2.5"], "error: max_context_tokens must be a positive integer"),
+        (["--set", "max_context_tokens=2.5"], "error: max_context_tokens must be an integer"),
         (["--set", "context_overflow=drop"], "error: context_overflow must be one of"),
     ],
 )
