@@ -91,7 +91,9 @@ def main() -> None:
     rows = [dict(r) for r in load_qa(str(world / "test.jsonl")).select(range(args.questions))]
     retriever = BM25Retriever.from_corpus(world / "corpus.jsonl")
     load_before = machine()
-    results = [compare(m, rows, retriever, args.max_model_len) for m in [str(Path(args.learner) / "model"), *args.model]]
+    results = [
+        compare(m, rows, retriever, args.max_model_len) for m in [str(Path(args.learner) / "model"), *args.model]
+    ]
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "questions": args.questions,
