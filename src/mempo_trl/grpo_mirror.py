@@ -9,6 +9,9 @@ mirrors TRL 1.16.0, `trl/trainer/grpo_trainer.py`:
   the context length its backends take (``vllm_max_model_length`` or ``max_position_embeddings``);
 - `_generate_turns`: one turn per prompt with `_generate_single_turn` (lines 1763-1900: HF generate, transformers
   continuous batching, vLLM colocate or server), as `_generate` (2193-2322) calls it;
+- `_sync_vllm_by_reload`: where vLLM runs on the CPU, TRL's colocate weight sync (`VLLMGeneration.sync_weights`,
+  ``trl/generation/vllm_generation.py`` 481-517) goes through vLLM's layerwise ``reload_weights`` instead of the
+  model's ``load_weights``, which the CPU backend cannot take (see `reload_vllm_weights`);
 - `_rollout_context`: the ZeRO-3 parameter gather (`unwrap_model_for_generation`, 1786-1791) and the vLLM sleep-mode
   wake-up and weight sync (1767-1771), held for the whole rollout instead of once per round;
 - `_loss_log_probs`: old, sampling and reference log-probs and the vLLM importance-sampling ratio (2441-2470 and
@@ -36,8 +39,36 @@ from mempo_trl.generation import prompt_budget
 from mempo_trl.stopping import ContinuousBatchingStops, action_stopping_criteria
 
 
+def vllm_on_cpu(llm) -> bool:
+    """Whether a `vllm.LLM` runs on vLLM's CPU backend (False for anything without vLLM's engine config)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    return config is not None and config.device_config.device_type == "cpu"
+
+
+def reload_vllm_weights(generation) -> None:
+    """TRL's colocate weight sync through vLLM's layerwise reload: the training model's weights, as TRL's
+    `VLLMGeneration._iter_named_params` yields them (PEFT merged, DeepSpeed gathered), go to
+    ``collective_rpc("reload_weights", is_checkpoint_format=True)``, then the prefix cache is reset.
+
+    vLLM's CPU backend repacks every linear weight for oneDNN after loading and drops the parameter's
+    ``weight_loader``, so TRL's ``model.load_weights([(name, tensor)])`` fails there (``AttributeError: 'Parameter'
+    object has no attribute 'weight_loader'``); the reload restores the checkpoint-format layers, loads the new
+    tensors and repacks them.
+    """
+    weights = generation._iter_named_params()
+    generation.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    generation.llm.reset_prefix_cache()
+
+
 class GRPOMirror:
     """Mixin for a `GRPOTrainer` subclass that builds its own batches (see the module docstring)."""
+
+    def _sync_vllm_by_reload(self) -> None:
+        """On vLLM's CPU backend (colocate mode), make TRL's `sync_weights` use `reload_vllm_weights`; elsewhere
+        (GPUs, server mode) TRL's own sync runs unchanged."""
+        generation = getattr(self, "vllm_generation", None)
+        if self.use_vllm and self.vllm_mode == "colocate" and vllm_on_cpu(generation.llm):
+            generation.sync_weights = functools.partial(reload_vllm_weights, generation)
 
     def _stop_turns_on(self, stops: tuple[str, ...], stop_ids: list[int]) -> None:
         """Make TRL's HF generation end each sequence after one of ``stops``: as strings, per sequence (bound to

