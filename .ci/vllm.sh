@@ -11,9 +11,10 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISA
 export TOKENIZERS_PARALLELISM=false PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 export VLLM_CPU_KVCACHE_SPACE=1  # GiB of KV cache (vLLM's CPU default is a share of the machine's memory)
 
-# The environment is kept between CI runs on one machine, keyed by what decides its contents (pyproject.toml and this
-# script): a change to either, or a new machine, builds it anew (~5 min); otherwise only the package is reinstalled.
-key=$(cat pyproject.toml .ci/vllm.sh | sha256sum | cut -c1-16)
+# The environment is kept between CI runs on one machine, keyed by what decides its contents (pyproject.toml's
+# dependencies and this script): a change to either, or a new machine, builds it anew (~5 min); otherwise only this
+# clone's package is installed into it.
+key=$( (python3 -c 'import json, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(json.dumps([p["dependencies"], p["optional-dependencies"]]))'; cat .ci/vllm.sh) | sha256sum | cut -c1-16)
 VENV="${MEMPO_VLLM_VENV:-$HOME/.cache/mempo_trl/venv-vllm-$key}"
 if [ ! -f "$VENV/.complete" ]; then
   rm -rf "$VENV"
