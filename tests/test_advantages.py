@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mempo_trl.advantages as advantages
+from mempo_trl import MemoryRewardSettings
 from mempo_trl.advantages import combine_advantages, group_outcome_advantages, mempo_advantages
-from mempo_trl.settings import MemoryRewardSettings
 
 
 def test_doctests():

@@ -123,7 +123,7 @@ def test_turn_and_memory_settings_have_one_home(tmp_path):
 def test_the_trainer_leaves_the_callers_config_alone(tiny_model_dir, tmp_path):
     """The trainer changes `instruction` for an environment (and `generation_kwargs` with vLLM) on its own copy."""
     model, tokenizer = load_tiny(tiny_model_dir)
-    args = MemPOConfig(output_dir=str(tmp_path), **BASE)
+    args = MemPOConfig(output_dir=str(tmp_path), hub_token="hf_secret", **BASE)
     before = vars(args).copy()
     trainer = MemPOTrainer(
         model, environment_factory=KeyVaultEnv, args=args, train_dataset=Dataset.from_list(key_vault_rows(4)),
@@ -131,4 +131,5 @@ def test_the_trainer_leaves_the_callers_config_alone(tiny_model_dir, tmp_path):
     )  # fmt: skip
     assert trainer.args.instruction == ENVIRONMENT_INSTRUCTION
     assert args.instruction == DEFAULT_INSTRUCTION and trainer.args is not args
+    assert trainer.args.hub_token == "hf_secret"  # the copy keeps what pickling leaves out
     assert {k: v for k, v in vars(args).items() if k in before} == before

@@ -193,6 +193,12 @@ class MemPOConfig(GRPOConfig):
         """The `memory_*` fields as one `MemoryRewardSettings`."""
         return MemoryRewardSettings.from_config(self)
 
+    def __copy__(self) -> "MemPOConfig":
+        """A shallow copy of every field, `hub_token` included (`__getstate__` leaves it out of pickles only)."""
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        return clone
+
     def __getstate__(self) -> dict:
         """Pickled state (what `Trainer` saves as `training_args.bin`, pushed with the model) without `hub_token`.
 
