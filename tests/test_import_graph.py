@@ -6,6 +6,9 @@ Every import statement counts, those inside functions too (they are how a cycle 
 """
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mempo_trl
@@ -153,3 +156,19 @@ def test_an_upward_and_a_sideways_import_are_caught(tmp_path):
         "mempo_trl.data -> mempo_trl.commands.train",
         "mempo_trl.kit.__main__ -> mempo_trl.cli",
     ]
+
+
+def test_python_m_kit_runs_a_kit_command_without_the_top_level_cli(tmp_path):
+    """`python -m mempo_trl.kit build-demo` writes the demo world, and `mempo_trl.cli` is never loaded."""
+    code = (
+        "import runpy, sys; sys.argv = ['kit', 'build-demo', '--output_dir', sys.argv[1]]\n"
+        "try:\n    runpy.run_module('mempo_trl.kit', run_name='__main__')\n"
+        "except SystemExit as end:\n    print('rc', end.code, 'mempo_trl.cli' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "demo")], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})  # fmt: skip
+    assert result.stdout.strip().endswith("rc 0 False"), result.stderr
+    assert (tmp_path / "demo" / "corpus.jsonl").is_file()
+    usage = subprocess.run([sys.executable, "-m", "mempo_trl.kit"], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})  # fmt: skip
+    assert usage.returncode == 2 and "build-demo" in usage.stdout
