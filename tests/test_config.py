@@ -1,11 +1,13 @@
 """MemPOConfig / MemPOTrainer construction: defaults follow the paper, bad combinations fail with a clear message."""
 
+import doctest
 import math
 from dataclasses import fields
 
 import pytest
 from datasets import Dataset
 
+import mempo_trl.settings as settings_module
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.context import DEFAULT_INSTRUCTION, TurnProtocol
 from mempo_trl.data import DataError
@@ -133,3 +135,7 @@ def test_the_trainer_leaves_the_callers_config_alone(tiny_model_dir, tmp_path):
     assert args.instruction == DEFAULT_INSTRUCTION and trainer.args is not args
     assert trainer.args.hub_token == "hf_secret"  # the copy keeps what pickling leaves out
     assert {k: v for k, v in vars(args).items() if k in before} == before
+
+
+def test_settings_doctests():
+    assert doctest.testmod(settings_module).failed == 0
