@@ -145,14 +145,17 @@ def write_lines(path: Path, lines: list[str]) -> Path:
 
 
 class EchoRetriever:
-    """One passage per query, about the query; records the queries."""
+    """One passage per query, ``Passage(id=q, title="T q", text="about q")``; records the queries (``queries``, all of
+    them; ``calls``, one list per `search` call)."""
 
     def __init__(self):
         self.queries = []
+        self.calls = []
 
     def search(self, queries, topk):
         self.queries += queries
-        return [[Passage(id=q, title=f"T {q}", text=f"About {q}.")] for q in queries]
+        self.calls.append(list(queries))
+        return [[Passage(id=q, title=f"T {q}", text=f"about {q}")] for q in queries]
 
 
 def scripted_scorers(tokenizer, probability):

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mempo_trl.advantages as advantages
+from mempo_trl import MemoryRewardSettings
 from mempo_trl.advantages import combine_advantages, group_outcome_advantages, mempo_advantages
 
 
@@ -107,8 +108,10 @@ SPANS = [None, (0, 1), None, (1, 2), None, None, (1, 3), (2, 4)]
 
 
 def _run(**kwargs):
+    """`mempo_advantages` on the batch above; ``memory_*`` keywords are its `MemoryRewardSettings`."""
+    settings = MemoryRewardSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k.startswith("memory_")})
     defaults = dict(completion_mask=torch.ones(8, 5), local_rows=slice(0, 8), num_generations=2)
-    return mempo_advantages(REWARDS, TRAJECTORIES, ROUNDS, MEMORY, SPANS, **{**defaults, **kwargs})
+    return mempo_advantages(REWARDS, TRAJECTORIES, ROUNDS, MEMORY, SPANS, **{**defaults, **kwargs}, settings=settings)
 
 
 def test_memory_pools_per_question_and_per_question_round():
@@ -149,7 +152,7 @@ def test_memory_scale_divides_by_the_pool_std_the_batch_std_or_nothing():
     # A pool of one value keeps mean 0 and takes the batch's std.
     single = _run(memory_pooling="question_round", memory_scale_rewards="batch").memory
     assert single[6].tolist() == pytest.approx([0.0] + [0.5 / (batch_std + 1e-6)] * 3 + [0.0], abs=1e-6)
-    with pytest.raises(ValueError, match="scale must be"):
+    with pytest.raises(ValueError, match="memory_scale_rewards must be one of"):
         _run(memory_scale_rewards="question")
 
 
@@ -179,7 +182,7 @@ def test_mempo_advantages_validation():
         mempo_advantages(REWARDS, TRAJECTORIES, ROUNDS[:3], MEMORY, SPANS, torch.ones(8, 5), slice(0, 8), 2)
     with pytest.raises(ValueError, match="needs at least 8 rows"):
         _run(completion_mask=torch.ones(7, 5))
-    with pytest.raises(ValueError, match="memory_pooling must be"):
+    with pytest.raises(ValueError, match="memory_pooling must be one of"):
         _run(memory_pooling="round")
     with pytest.raises(ValueError, match="needs its <mem> span"):
         mempo_advantages(REWARDS, [0], [1], [0.5], [None], torch.ones(1, 5), slice(0, 1), 2)

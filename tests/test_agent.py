@@ -3,6 +3,7 @@
 import doctest
 import json
 import logging
+from dataclasses import fields
 
 import pytest
 from datasets import Dataset
@@ -137,3 +138,28 @@ def test_ask_without_question_is_one_error_line(trained_dir, capsys):
     assert main(["ask", "--model_name_or_path", str(trained_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: no question")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["--max_context_tokens", "0"], "error: max_context_tokens must be a positive integer (or null), got 0."),
+        (["--retrieval_topk", "0"], "error: retrieval_topk must be >= 1, got 0."),
+        (["--instruction", "no placeholder"], "error: instruction must contain the `{question}` placeholder."),
+        (["--context_overflow", "drop"], "invalid choice: 'drop' (choose from 'end_episode', 'truncate_information')"),
+    ],
+)
+def test_agent_overrides_follow_the_turn_protocols_rules(override, message, tmp_path, capsys):
+    """`ask`/`eval` take the protocol's overrides with `TurnProtocol`'s choices and checks, before loading anything."""
+    code = main(["ask", "q?", "--model_name_or_path", str(tmp_path / "missing"), *override])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_agent_override_help_is_the_protocols(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for name in ("max_turns", "context_overflow", "max_context_tokens"):
+        declared = next(f for f in fields(TurnProtocol) if f.name == name).metadata["help"]
+        assert f"{declared} (default: the saved value)" in help_text, name

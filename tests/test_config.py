@@ -1,14 +1,21 @@
 """MemPOConfig / MemPOTrainer construction: defaults follow the paper, bad combinations fail with a clear message."""
 
+import doctest
 import math
+from dataclasses import fields
 
 import pytest
 from datasets import Dataset
 
+import mempo_trl.settings as settings_module
 from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl.context import DEFAULT_INSTRUCTION, TurnProtocol
 from mempo_trl.data import DataError
+from mempo_trl.environments import ENVIRONMENT_INSTRUCTION
+from mempo_trl.kit.envs import KeyVaultEnv, key_vault_rows
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.retrieval import Passage
+from mempo_trl.settings import MemoryRewardSettings
 
 
 BASE = dict(use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4, num_generations=4)
@@ -93,3 +100,42 @@ def test_single_token_action_tags_stop_generation(tiny_model_dir, tmp_path):
     for tag in ("</search>", "</answer>"):
         assert tokenizer.convert_tokens_to_ids(tag) in trainer.eos_token_ids
         assert tokenizer.convert_tokens_to_ids(tag) in trainer.generation_config.eos_token_id
+
+
+def test_turn_and_memory_settings_have_one_home(tmp_path):
+    """`MemPOConfig`'s flat turn and `memory_*` fields take their default and help from `TurnProtocol` and
+    `MemoryRewardSettings`, and hand the objects out whole."""
+    args = MemPOConfig(output_dir=str(tmp_path), **BASE)
+    config_fields = {f.name: f for f in fields(MemPOConfig)}
+    for source in (TurnProtocol, MemoryRewardSettings):
+        for f in fields(source):
+            if f.name in ("action", "max_completion_length"):  # the rollout's own; GRPOConfig's field
+                continue
+            assert config_fields[f.name].default == f.default, f.name
+            assert config_fields[f.name].metadata["help"] == f.metadata["help"], f.name
+            assert config_fields[f.name].metadata.get("choices") == (list(f.metadata["choices"]) if "choices" in
+                                                                      f.metadata else None), f.name  # fmt: skip
+    assert args.memory_settings() == MemoryRewardSettings()
+    custom = MemPOConfig(output_dir=str(tmp_path), memory_pooling="question_round", max_turns=3, **BASE)
+    assert custom.memory_settings().memory_pooling == "question_round"
+    assert custom.turn_protocol().max_turns == 3
+    assert custom.turn_protocol(environment=True).action == "tool_call"
+
+
+def test_the_trainer_leaves_the_callers_config_alone(tiny_model_dir, tmp_path):
+    """The trainer changes `instruction` for an environment (and `generation_kwargs` with vLLM) on its own copy."""
+    model, tokenizer = load_tiny(tiny_model_dir)
+    args = MemPOConfig(output_dir=str(tmp_path), hub_token="hf_secret", **BASE)
+    before = vars(args).copy()
+    trainer = MemPOTrainer(
+        model, environment_factory=KeyVaultEnv, args=args, train_dataset=Dataset.from_list(key_vault_rows(4)),
+        processing_class=tokenizer,
+    )  # fmt: skip
+    assert trainer.args.instruction == ENVIRONMENT_INSTRUCTION
+    assert args.instruction == DEFAULT_INSTRUCTION and trainer.args is not args
+    assert trainer.args.hub_token == "hf_secret"  # the copy keeps what pickling leaves out
+    assert {k: v for k, v in vars(args).items() if k in before} == before
+
+
+def test_settings_doctests():
+    assert doctest.testmod(settings_module).failed == 0

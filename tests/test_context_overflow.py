@@ -8,7 +8,7 @@ import json
 import fake_vllm
 import pytest
 from datasets import Dataset
-from helpers import cpu_config
+from helpers import EchoRetriever, cpu_config
 
 from mempo_trl import MemPOAgent, MemPOTrainer
 from mempo_trl.context import (
@@ -142,11 +142,6 @@ BUDGET_TURNS = [
     "<mem>two</mem><think>t</think><search>beta</search>",
     "<mem>three</mem><think>t</think><answer>Paris</answer>",
 ]
-
-
-class EchoRetriever:
-    def search(self, queries, topk):
-        return [[Passage(id=q, title=f"T {q}", text=f"about {q}")] for q in queries]
 
 
 def scripted_turn(tokenizer, prompt_ids):

@@ -196,7 +196,7 @@ def test_token_counts_match_a_hand_count(tokenizer):
     rows = [{"question": question, "golden_answers": ["Vera Holt"]}]
     completions = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     assert [tokenizer.decode(c) for c in completions] == texts  # the rollout sees exactly these texts
-    info = [render_information([Passage(id=q, title=f"T {q}", text=f"About {q}.")]) for q in ("alpha", "beta")]
+    info = [render_information([Passage(id=q, title=f"T {q}", text=f"about {q}")]) for q in ("alpha", "beta")]
 
     base = initial_messages(question)
     turn1 = [{"role": "assistant", "content": texts[0]}, {"role": "tool", "content": info[0]}]

@@ -1,10 +1,14 @@
-"""The import graph of `mempo_trl`: a step's data flows one way down the training chain, and nothing imports in a
-circle (docs/algorithm.md, "Module map").
+"""The import graph of `mempo_trl`: a step's data flows one way down the training chain, the package's layers import
+only downwards (the command line, then the commands and the kit, then the library), and nothing imports in a circle
+(docs/algorithm.md, "Module map").
 
 Every import statement counts, those inside functions too (they are how a cycle hides from an import-time check).
 """
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mempo_trl
@@ -51,6 +55,32 @@ def chain_violations(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
+LAYERS = {"cli": 3, "commands": 2, "kit": 2, "library": 1}
+"""The package's layers, top first: `mempo_trl.cli` (and `python -m mempo_trl`), the `commands` and the offline `kit`,
+then the library (the training core and `retrieval`). The kit may use the command helpers to register `mempo-trl
+kit`; the commands never import the kit."""
+
+
+def layer(module: str) -> str:
+    """The layer of a `mempo_trl` module (`LAYERS`)."""
+    if module in ("mempo_trl.cli", "mempo_trl.__main__"):
+        return "cli"
+    area = module.split(".")[1] if "." in module else ""
+    return area if area in ("commands", "kit") else "library"
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a higher layer, or of another part of the same layer other than the kit's use of the commands."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            here, there = layer(module), layer(target)
+            if LAYERS[there] > LAYERS[here] or (LAYERS[there] == LAYERS[here] and here != there
+                                                 and (here, there) != ("kit", "commands")):  # fmt: skip
+                found.append(f"{module} -> {target}")
+    return found
+
+
 def cycles(graph: dict[str, set[str]], roots) -> list[list[str]]:
     """Cycles among the modules reachable from ``roots`` (depth-first search; one per back edge)."""
     found, state = [], {}
@@ -82,9 +112,17 @@ def test_data_flows_down_the_chain():
     assert chain_violations(import_graph()) == []
 
 
-def test_no_import_cycles_in_the_training_core():
-    """The chain and everything it imports (the command layer and the retrieval package's lazy imports are apart)."""
-    assert cycles(import_graph(), [f"mempo_trl.{stage}" for stage in CHAIN]) == []
+def test_no_import_cycles_in_the_package():
+    """Every module, `commands/`, `kit/` and `retrieval/` included, lazy (in-function) imports counted."""
+    graph = import_graph()
+    assert {"mempo_trl.cli", "mempo_trl.commands.train", "mempo_trl.kit.cli", "mempo_trl.retrieval.settings"} <= set(
+        graph
+    )
+    assert cycles(graph, sorted(graph)) == []
+
+
+def test_imports_go_down_the_layers():
+    assert layer_violations(import_graph()) == []
 
 
 def test_a_climb_and_a_cycle_are_caught(tmp_path):
@@ -100,3 +138,37 @@ def test_a_climb_and_a_cycle_are_caught(tmp_path):
     graph = import_graph(package)
     assert chain_violations(graph) == ["context -> rollout", "scoring -> rollout", "memory -> advantages"]
     assert cycles(graph, ["mempo_trl.scoring"]) == [["mempo_trl.rollout", "mempo_trl.context", "mempo_trl.rollout"]]
+
+
+def test_an_upward_and_a_sideways_import_are_caught(tmp_path):
+    package = tmp_path / "mempo_trl"
+    for folder in (package, package / "kit", package / "commands"):
+        folder.mkdir()
+        (folder / "__init__.py").write_text("")
+    (package / "cli.py").write_text("from mempo_trl.commands import train\nfrom mempo_trl.kit import cli\n")
+    (package / "kit" / "__main__.py").write_text("from mempo_trl.cli import main\n")
+    (package / "kit" / "cli.py").write_text("from mempo_trl.commands import parse\n")
+    (package / "commands" / "train.py").write_text("def f():\n    from mempo_trl.kit import tiny\n")
+    (package / "kit" / "tiny.py").write_text("import mempo_trl.data\n")
+    (package / "data.py").write_text("def g():\n    import mempo_trl.commands.train\n")
+    assert layer_violations(import_graph(package)) == [
+        "mempo_trl.commands.train -> mempo_trl.kit.tiny",
+        "mempo_trl.data -> mempo_trl.commands.train",
+        "mempo_trl.kit.__main__ -> mempo_trl.cli",
+    ]
+
+
+def test_python_m_kit_runs_a_kit_command_without_the_top_level_cli(tmp_path):
+    """`python -m mempo_trl.kit build-demo` writes the demo world, and `mempo_trl.cli` is never loaded."""
+    code = (
+        "import runpy, sys; sys.argv = ['kit', 'build-demo', '--output_dir', sys.argv[1]]\n"
+        "try:\n    runpy.run_module('mempo_trl.kit', run_name='__main__')\n"
+        "except SystemExit as end:\n    print('rc', end.code, 'mempo_trl.cli' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "demo")], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})  # fmt: skip
+    assert result.stdout.strip().endswith("rc 0 False"), result.stderr
+    assert (tmp_path / "demo" / "corpus.jsonl").is_file()
+    usage = subprocess.run([sys.executable, "-m", "mempo_trl.kit"], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})  # fmt: skip
+    assert usage.returncode == 2 and "build-demo" in usage.stdout

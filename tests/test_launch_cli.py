@@ -3,6 +3,7 @@ the output-directory refusal that comes before torch and TRL are imported."""
 
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from mempo_trl.commands.launch import (
     resolve_accelerate_config,
     split_launch_args,
 )
+from mempo_trl.context import TurnProtocol
+from mempo_trl.settings import MemoryRewardSettings
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +94,8 @@ def test_help_is_short_lists_mempo_fields_first_and_imports_neither_torch_nor_tr
     assert text.index("--max_turns") < text.index("--dataset_name") < text.index("--corpus")
     assert text.index("--memory_coef") < text.index("  --accelerate_config")
     assert "(default: 8)" in text and text.count("--max_turns") == 1
+    for source, name in ((TurnProtocol, "max_turns"), (MemoryRewardSettings, "memory_pooling")):  # where declared
+        assert next(f for f in fields(source) if f.name == name).metadata["help"] in text, name
     assert "mempo-trl train --help_all" in text
 
 

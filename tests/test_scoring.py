@@ -6,22 +6,17 @@ import warnings
 
 import pytest
 import torch
+from helpers import EchoRetriever
 
 from mempo_trl.context import ScoringItem, TurnProtocol, gold_answer_tokens, render_prompt, round_messages
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.memory import answer_probability
-from mempo_trl.retrieval import Passage
 from mempo_trl.rollout import RolloutEngine, memory_scoring_items
 from mempo_trl.scoring import (
     answer_token_logps,
     pack_shared_prefix,
     shared_prefix_answer_logps,
 )
-
-
-class EchoRetriever:
-    def search(self, queries, topk):
-        return [[Passage(id=q, title=q.title(), text=f"{q} is in the north")] for q in queries]
 
 
 def scripted_episodes(tokenizer, scripts, golds):

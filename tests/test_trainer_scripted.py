@@ -13,25 +13,13 @@ from contextlib import contextmanager
 import pytest
 import torch
 from datasets import Dataset
-from helpers import cpu_config
+from helpers import EchoRetriever, cpu_config
 from transformers import Qwen2ForCausalLM
 
 from mempo_trl import MemPOTrainer
 from mempo_trl.context import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
-from mempo_trl.retrieval import Passage
-
-
-class EchoRetriever:
-    """Returns one passage whose text repeats the query, and records the calls."""
-
-    def __init__(self):
-        self.calls = []
-
-    def search(self, queries, topk):
-        self.calls.append(list(queries))
-        return [[Passage(id=q, title=f"T {q}", text=f"about {q}")] for q in queries]
 
 
 def turn(mem, action, content):

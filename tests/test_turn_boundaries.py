@@ -8,6 +8,7 @@ invalid because of what the model wrote after its action.
 import doctest
 
 import pytest
+from helpers import EchoRetriever
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +16,6 @@ import mempo_trl.kit.qwen as qwen_module
 from mempo_trl.context import TurnProtocol, gold_answer_tokens, render_prompt, round_messages
 from mempo_trl.kit.tiny import qwen2_5_chat_template
 from mempo_trl.protocol import MEMPO_TAGS, locate_mem_span, parse_turn
-from mempo_trl.retrieval import Passage
 from mempo_trl.rollout import RolloutEngine, cut_after_action, memory_scoring_items
 
 
@@ -164,11 +164,6 @@ def test_fuzz_any_text_after_the_action_under_qwen(qwen_tokenizer, turn, after):
 
 
 # ------------------------------------------------------------------ rollout, context rebuild, scoring items, masks
-
-
-class EchoRetriever:
-    def search(self, queries, topk):
-        return [[Passage(id=q, title=q.title(), text=f"{q} is in the north")] for q in queries]
 
 
 SCRIPT = [

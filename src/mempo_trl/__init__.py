@@ -35,6 +35,7 @@ _EXPORTS = {
     "memory_reward": "mempo_trl.memory",
     "group_outcome_advantages": "mempo_trl.advantages",
     "mempo_advantages": "mempo_trl.advantages",
+    "MemoryRewardSettings": "mempo_trl.settings",
     "zero_std_groups": "mempo_trl.dynamic_sampling",
     "Passage": "mempo_trl.retrieval",
     "BM25Retriever": "mempo_trl.retrieval",

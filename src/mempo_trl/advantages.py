@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from mempo_trl.memory import normalize_memory_rewards, scatter_span_values
+from mempo_trl.settings import MemoryRewardSettings
 
 
 def group_outcome_advantages(
@@ -94,10 +95,7 @@ def mempo_advantages(
     local_rows: slice,
     num_generations: int,
     scale_rewards: str | bool = "group",
-    memory_coef: float = 1.0,
-    memory_pooling: str = "question",
-    memory_gate_on_outcome: bool = False,
-    memory_scale_rewards: str = "group",
+    settings: MemoryRewardSettings = MemoryRewardSettings(),
 ) -> MemPOAdvantages:
     """Per-token advantages of the rounds ``local_rows`` of a batch of N trajectories played as R rounds (rows).
 
@@ -112,16 +110,15 @@ def mempo_advantages(
             placeholder rows and get 0.
         local_rows: which of the R rows this call returns (a process's own rows; the pools use all R).
         scale_rewards: GRPO's outcome scaling (`group_outcome_advantages`).
-        memory_coef: weight of the memory advantage.
-        memory_pooling: ``"question"`` pools the memory rewards of all rounds of a question's G trajectories;
-            ``"question_round"`` pools per (question, round index).
-        memory_gate_on_outcome: keep the memory advantage only on rows whose outcome advantage is ``>= 0``.
-        memory_scale_rewards: the memory rewards' std: of their pool (``"group"``), of the batch, or ``"none"``
-            (`normalize_memory_rewards`).
+        settings: the memory advantage's settings; it reads ``memory_coef`` (its weight), ``memory_pooling``
+            (``"question"`` pools the memory rewards of all rounds of a question's G trajectories,
+            ``"question_round"`` per (question, round index)), ``memory_scale_rewards`` (the memory rewards' std: of
+            their pool, of the batch, or ``"none"``; `normalize_memory_rewards`) and ``memory_gate_on_outcome`` (keep
+            the memory advantage only on rows whose outcome advantage is ``>= 0``).
 
     Returns:
         `MemPOAdvantages`: ``advantages`` ``(B, T)`` = outcome advantage of the row's trajectory on every completion
-        token + ``memory_coef`` x ``memory`` ``(B, T)`` (the pooled-normalised memory reward on the ``<mem>``
+        token + ``settings.memory_coef`` x ``memory`` ``(B, T)`` (the pooled-normalised memory reward on the ``<mem>``
         tokens), masked; ``outcome`` ``(N,)``.
 
     >>> out = mempo_advantages(torch.tensor([1.0, 0.0]), [0, 0, 1], [0, 1, 0], [None, 0.3, None],
@@ -136,8 +133,6 @@ def mempo_advantages(
         raise ValueError(
             f"row_trajectories, row_rounds, memory_rewards and mem_spans need one entry per row ({num_rows})"
         )
-    if memory_pooling not in ("question", "question_round"):
-        raise ValueError(f"memory_pooling must be 'question' or 'question_round', got {memory_pooling!r}")
     rows = range(num_rows)[local_rows]
     if completion_mask.dim() != 2 or completion_mask.shape[0] < len(rows):
         raise ValueError(f"completion_mask {tuple(completion_mask.shape)} needs at least {len(rows)} rows")
@@ -148,10 +143,10 @@ def mempo_advantages(
     normalized = normalize_memory_rewards(
         [t // num_generations for t in row_trajectories],
         scored,
-        [[t] * len(v) for t, v in zip(row_rounds, scored)] if memory_pooling == "question_round" else None,
-        memory_scale_rewards,
+        [[t] * len(v) for t, v in zip(row_rounds, scored)] if settings.memory_pooling == "question_round" else None,
+        settings.memory_scale_rewards,
     )
-    if memory_gate_on_outcome:
+    if settings.memory_gate_on_outcome:
         normalized = [v if outcome[t] >= 0 else [0.0] * len(v) for t, v in zip(row_trajectories, normalized)]
     placeholders = [[]] * (completion_mask.shape[0] - len(rows))
     spans = [[mem_spans[i]] if scored[i] else [] for i in rows] + placeholders
@@ -163,5 +158,5 @@ def mempo_advantages(
     ).to(completion_mask.device)
     index = torch.tensor([row_trajectories[i] for i in rows], dtype=torch.long, device=outcome.device)
     row_outcome = torch.cat([outcome[index], outcome.new_zeros(len(placeholders))]).to(completion_mask.device)
-    advantages = combine_advantages(row_outcome, memory, completion_mask, memory_coef)
+    advantages = combine_advantages(row_outcome, memory, completion_mask, settings.memory_coef)
     return MemPOAdvantages(advantages, outcome, memory)

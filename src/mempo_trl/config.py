@@ -1,19 +1,12 @@
 """`MemPOConfig`: `GRPOConfig` plus the fields of the MemPO search loop and memory advantage."""
 
-import math
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from mempo_trl.context import (
-    CONTEXT_MODES,
-    CONTEXT_OVERFLOWS,
-    DEFAULT_INSTRUCTION,
-    DEFAULT_SYSTEM_PROMPT,
-    field_type_problems,
-    instruction_problems,
-)
+from mempo_trl.context import TurnProtocol, field_type_problems
 from mempo_trl.dynamic_sampling import DYNAMIC_SAMPLING
+from mempo_trl.settings import MemoryRewardSettings, flat_field
 
 
 TOKEN_LEVEL_LOSSES = ("dapo", "bnpo", "cispo", "vespo")
@@ -120,74 +113,27 @@ class MemPOConfig(GRPOConfig):
     (placeholders dilute it) and `"dr_grpo"` divides by rows x `max_completion_length`. Those are rejected.
     """
 
-    max_turns: int = field(default=8, metadata={"help": "Rounds per episode at most."})
-    retrieval_topk: int = field(default=3, metadata={"help": "Passages returned for each search."})
-    context_mode: str = field(
-        default="memory",
-        metadata={"help": "`memory` (MemPO) or `full_history` (Search-R1 baseline).", "choices": list(CONTEXT_MODES)},
-    )
-    system_prompt: str = field(default=DEFAULT_SYSTEM_PROMPT, metadata={"help": "System message of every context."})
-    instruction: str = field(
-        default=DEFAULT_INSTRUCTION, metadata={"help": "User message template with a `{question}` placeholder."}
-    )
-    context_overflow: str = field(
-        default="end_episode",
-        metadata={
-            "help": "A context longer than the generation backend takes: `end_episode` or `truncate_information`.",
-            "choices": list(CONTEXT_OVERFLOWS),
-        },
-    )
-    max_context_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Longest context (prompt tokens) a round may have; longer: `context_overflow`. None: no budget."
-        },
-    )
-    memory_coef: float = field(default=1.0, metadata={"help": "Weight of the memory advantage on `<mem>` tokens."})
-    memory_threshold: float | None = field(
-        default=math.log(0.5),
-        metadata={"help": "Keep answer tokens with log p above it when computing P; None keeps all."},
-    )
-    memory_threshold_quantile: float | None = field(
-        default=None, metadata={"help": "Use this quantile of the batch's answer-token log-probs as the threshold."}
-    )
-    memory_reward_type: str = field(
-        default="diff", metadata={"help": "`diff` (P_mem - P_full) or `log_ratio`.", "choices": ["diff", "log_ratio"]}
-    )
-    memory_reward_eps: float = field(default=1e-6, metadata={"help": "eps of the log-ratio memory reward."})
-    memory_length_penalty: float = field(
-        default=0.0, metadata={"help": "lambda of the `<mem>` length penalty (0 = off)."}
-    )
-    memory_pooling: str = field(
-        default="question",
-        metadata={
-            "help": "`question` or `question_round` normalisation pool.",
-            "choices": ["question", "question_round"],
-        },
-    )
-    memory_scale_rewards: str = field(
-        default="group",
-        metadata={
-            "help": "Std the memory rewards are divided by: `group` (their pool's), `batch` or `none`.",
-            "choices": ["group", "batch", "none"],
-        },
-    )
-    memory_gate_on_outcome: bool = field(
-        default=False, metadata={"help": "Memory advantage only where the outcome advantage is >= 0."}
-    )
-    memory_full_from_reference: bool = field(
-        default=False, metadata={"help": "Score P_full with the reference model."}
-    )
-    memory_scoring_batch_size: int = field(default=8, metadata={"help": "Sequences per memory-scoring forward."})
-    memory_scoring: str = field(
-        default="auto",
-        metadata={
-            "help": "`batched`: every context scored as its own sequence. `shared_prefix`: the contexts of a "
-            "trajectory share one forward of their common part (same values, fewer tokens; needs sdpa/eager). `auto`: "
-            "shared_prefix with sdpa/eager attention, else batched.",
-            "choices": ["auto", "batched", "shared_prefix"],
-        },
-    )
+    # The turn protocol's and the memory reward's settings, declared (default, help, choices, bounds) and validated
+    # where they live: `TurnProtocol` and `MemoryRewardSettings`.
+    max_turns: int = flat_field(TurnProtocol, "max_turns")
+    retrieval_topk: int = flat_field(TurnProtocol, "retrieval_topk")
+    context_mode: str = flat_field(TurnProtocol, "context_mode")
+    system_prompt: str = flat_field(TurnProtocol, "system_prompt")
+    instruction: str = flat_field(TurnProtocol, "instruction")
+    context_overflow: str = flat_field(TurnProtocol, "context_overflow")
+    max_context_tokens: int | None = flat_field(TurnProtocol, "max_context_tokens")
+    memory_coef: float = flat_field(MemoryRewardSettings, "memory_coef")
+    memory_threshold: float | None = flat_field(MemoryRewardSettings, "memory_threshold")
+    memory_threshold_quantile: float | None = flat_field(MemoryRewardSettings, "memory_threshold_quantile")
+    memory_reward_type: str = flat_field(MemoryRewardSettings, "memory_reward_type")
+    memory_reward_eps: float = flat_field(MemoryRewardSettings, "memory_reward_eps")
+    memory_length_penalty: float = flat_field(MemoryRewardSettings, "memory_length_penalty")
+    memory_pooling: str = flat_field(MemoryRewardSettings, "memory_pooling")
+    memory_scale_rewards: str = flat_field(MemoryRewardSettings, "memory_scale_rewards")
+    memory_gate_on_outcome: bool = flat_field(MemoryRewardSettings, "memory_gate_on_outcome")
+    memory_full_from_reference: bool = flat_field(MemoryRewardSettings, "memory_full_from_reference")
+    memory_scoring_batch_size: int = flat_field(MemoryRewardSettings, "memory_scoring_batch_size")
+    memory_scoring: str = flat_field(MemoryRewardSettings, "memory_scoring")
 
     dynamic_sampling: str = field(
         default="keep",
@@ -222,48 +168,12 @@ class MemPOConfig(GRPOConfig):
         if problems:
             raise ValueError("Invalid MemPOConfig:\n- " + "\n- ".join(problems))
         super().__post_init__()
-        if self.max_turns < 1:
-            problems.append(f"max_turns must be >= 1, got {self.max_turns}.")
-        if self.retrieval_topk < 1:
-            problems.append(f"retrieval_topk must be >= 1, got {self.retrieval_topk}.")
-        if self.context_mode not in CONTEXT_MODES:
-            problems.append(f"context_mode must be one of {CONTEXT_MODES}, got {self.context_mode!r}.")
-        if self.context_overflow not in CONTEXT_OVERFLOWS:
-            problems.append(
-                f"context_overflow must be 'end_episode' or 'truncate_information', got {self.context_overflow!r}."
-            )
-        if self.max_context_tokens is not None and self.max_context_tokens < 1:
-            problems.append(
-                f"max_context_tokens must be a positive integer (or null: no budget), got {self.max_context_tokens}."
-            )
-        problems += instruction_problems(self.instruction)
+        problems += TurnProtocol.problems(self) + MemoryRewardSettings.problems(self)
         if self.loss_type not in TOKEN_LEVEL_LOSSES:
             problems.append(
                 f"loss_type={self.loss_type!r} does not work with one row per turn; use one of {TOKEN_LEVEL_LOSSES} "
                 "(see the MemPOConfig docstring)."
             )
-        if self.memory_threshold is not None and self.memory_threshold_quantile is not None:
-            problems.append(
-                "Set memory_threshold or memory_threshold_quantile, not both (use memory_threshold: null)."
-            )
-        if self.memory_threshold_quantile is not None and not 0.0 <= self.memory_threshold_quantile <= 1.0:
-            problems.append(f"memory_threshold_quantile must be in [0, 1], got {self.memory_threshold_quantile}.")
-        if self.memory_reward_type not in ("diff", "log_ratio"):
-            problems.append(f"memory_reward_type must be 'diff' or 'log_ratio', got {self.memory_reward_type!r}.")
-        if self.memory_length_penalty < 0:
-            problems.append(f"memory_length_penalty must be >= 0, got {self.memory_length_penalty}.")
-        if self.memory_pooling not in ("question", "question_round"):
-            problems.append(f"memory_pooling must be 'question' or 'question_round', got {self.memory_pooling!r}.")
-        if self.memory_scale_rewards not in ("group", "batch", "none"):
-            problems.append(
-                f"memory_scale_rewards must be 'group', 'batch' or 'none', got {self.memory_scale_rewards!r}."
-            )
-        if self.memory_scoring not in ("auto", "batched", "shared_prefix"):
-            problems.append(
-                f"memory_scoring must be 'auto', 'batched' or 'shared_prefix', got {self.memory_scoring!r}."
-            )
-        if self.memory_scoring_batch_size < 1:
-            problems.append(f"memory_scoring_batch_size must be >= 1, got {self.memory_scoring_batch_size}.")
         if self.dynamic_sampling not in DYNAMIC_SAMPLING:
             problems.append(f"dynamic_sampling must be one of {DYNAMIC_SAMPLING}, got {self.dynamic_sampling!r}.")
         if self.dynamic_sampling_tolerance < 0:
@@ -274,6 +184,20 @@ class MemPOConfig(GRPOConfig):
             problems.append("MemPOTrainer supports multi_objective_aggregation='sum_then_normalize' only.")
         if problems:
             raise ValueError("Invalid MemPOConfig:\n- " + "\n- ".join(problems))
+
+    def turn_protocol(self, environment: bool = False) -> TurnProtocol:
+        """The turn protocol these fields set (`TurnProtocol.from_config`); ``environment``: its tool-call form."""
+        return TurnProtocol.from_config(self, environment=environment)
+
+    def memory_settings(self) -> MemoryRewardSettings:
+        """The `memory_*` fields as one `MemoryRewardSettings`."""
+        return MemoryRewardSettings.from_config(self)
+
+    def __copy__(self) -> "MemPOConfig":
+        """A shallow copy of every field, `hub_token` included (`__getstate__` leaves it out of pickles only)."""
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        return clone
 
     def __getstate__(self) -> dict:
         """Pickled state (what `Trainer` saves as `training_args.bin`, pushed with the model) without `hub_token`.

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from mempo_trl.environments import ENVIRONMENT_INSTRUCTION
 from mempo_trl.protocol import ACTION_STOPS, TOOL_STOPS, render_gold_answer
+from mempo_trl.settings import setting, setting_problems
 
 
 ContextMode = Literal["memory", "full_history"]
@@ -179,15 +180,29 @@ class TurnProtocol:
         (('</search>', '</answer>'), ('</tool_call>', '</answer>'))
     """
 
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    instruction: str = DEFAULT_INSTRUCTION
-    max_turns: int = 8
-    retrieval_topk: int = 3
-    context_mode: ContextMode = "memory"
-    max_completion_length: int = 512
-    max_context_tokens: int | None = None
-    context_overflow: Literal["end_episode", "truncate_information"] = "end_episode"
-    action: Literal["search", "tool_call"] = "search"
+    system_prompt: str = setting(DEFAULT_SYSTEM_PROMPT, "System message of every context.")
+    instruction: str = setting(DEFAULT_INSTRUCTION, "User message template with a `{question}` placeholder.")
+    max_turns: int = setting(8, "Rounds per episode at most.", minimum=1)
+    retrieval_topk: int = setting(3, "Passages returned for each search.", minimum=1)
+    context_mode: ContextMode = setting(
+        "memory", "`memory` (MemPO) or `full_history` (Search-R1 baseline).", choices=CONTEXT_MODES
+    )
+    max_completion_length: int = setting(512, "Tokens per turn at most.", minimum=1)
+    max_context_tokens: int | None = setting(
+        None,
+        "Longest context (prompt tokens) a round may have; longer: `context_overflow`. None: no budget.",
+        minimum=1,
+    )
+    context_overflow: Literal["end_episode", "truncate_information"] = setting(
+        "end_episode",
+        "A context longer than the generation backend takes: `end_episode` or `truncate_information`.",
+        choices=CONTEXT_OVERFLOWS,
+    )
+    action: Literal["search", "tool_call"] = setting(
+        "search",
+        "`search` (the search task) or `tool_call` (a TRL-style environment).",
+        choices=("search", "tool_call"),
+    )
 
     def __post_init__(self):
         """Refuse values a protocol cannot be played with, with the rules of `MemPOConfig` (types first)."""
@@ -195,25 +210,18 @@ class TurnProtocol:
         for name in ("system_prompt", "instruction"):
             if not isinstance(getattr(self, name), str):
                 problems.append(f"{name} must be a string, got {getattr(self, name)!r}.")
-        if isinstance(self.instruction, str):
-            problems += instruction_problems(self.instruction)
-        if not problems:
-            for name in ("max_turns", "retrieval_topk", "max_completion_length"):
-                if getattr(self, name) < 1:
-                    problems.append(f"{name} must be >= 1, got {getattr(self, name)}.")
-            if self.max_context_tokens is not None and self.max_context_tokens < 1:
-                problems.append(
-                    f"max_context_tokens must be a positive integer (or None: no budget), got {self.max_context_tokens}."
-                )
-        for name, allowed in (
-            ("context_mode", CONTEXT_MODES),
-            ("context_overflow", CONTEXT_OVERFLOWS),
-            ("action", ("search", "tool_call")),
-        ):
-            if getattr(self, name) not in allowed:
-                problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+        problems += self.problems(self)
         if problems:
             raise ValueError(" ".join(problems))
+
+    @classmethod
+    def problems(cls, values: Any) -> list[str]:
+        """Why ``values`` (a protocol, a `MemPOConfig` or the overrides of an agent: the fields it has) cannot be
+        played: choices, bounds and the instruction template."""
+        problems = setting_problems(cls, values)
+        if isinstance(getattr(values, "instruction", None), str):
+            problems += instruction_problems(values.instruction)
+        return problems
 
     def context_limit(self, backend_limit: int | None) -> int | None:
         """The longest context (tokens) a round may have: ``backend_limit`` (what the generation backend takes; None:

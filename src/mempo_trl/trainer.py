@@ -1,5 +1,6 @@
 """`MemPOTrainer`: TRL's `GRPOTrainer` with a multi-turn search rollout and the MemPO memory advantage."""
 
+import copy
 import logging
 import math
 import textwrap
@@ -20,7 +21,6 @@ from trl.trainer.utils import pad, use_adapter
 
 from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
 from mempo_trl.config import MemPOConfig
-from mempo_trl.context import TurnProtocol
 from mempo_trl.data import validate_qa_rows
 from mempo_trl.dynamic_sampling import refillable_groups, zero_std_groups
 from mempo_trl.environments import environment_reward_funcs
@@ -90,8 +90,11 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
     """
     Trainer for MemPO (Self-Memory Policy Optimization, arXiv 2603.00680) search agents.
 
-    What changes w.r.t. [`~trl.GRPOTrainer`] is `_generate_and_score_completions` only; the loss, the sampler,
-    PEFT, DeepSpeed/FSDP, vLLM weight sync and logging are inherited unchanged:
+    It overrides five methods of [`~trl.GRPOTrainer`]: `_generate_and_score_completions` (the MemPO step below),
+    `training_step` (adds the step's time split and tokens/s to the logs), `_save` (also writes the turn protocol,
+    `mempo_agent.json`), `create_model_card` (MemPO's card) and `__init__` (MemPO's own arguments, then TRL's). The
+    loss, the sampler, PEFT, DeepSpeed/FSDP, vLLM weight sync and logging are inherited unchanged.
+    `_generate_and_score_completions`:
 
     - each question is played as a multi-turn search episode (`mempo_trl.rollout.RolloutEngine`) whose context is
       rebuilt every round from the question, the previous turn and its search result (`context_mode="memory"`),
@@ -119,9 +122,12 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             (the row's `golden_answers` or the environment's attribute of that name); episodes without one get the
             outcome advantage only (with a warning). A search-task `instruction` is replaced by
             `ENVIRONMENT_INSTRUCTION`.
-        processing_class, callbacks, optimizers, peft_config, quantization_config: as for `GRPOTrainer`.
-        tools: not supported (a `ValueError` says so rather than ignoring it): tools are `retriever` (search) or the
-            methods of `environment_factory`.
+        **kwargs: the other arguments of `GRPOTrainer` (``processing_class``, ``callbacks``, ``optimizers``,
+            ``peft_config``, ``quantization_config``, ...), passed on as they are. ``tools`` and ``rollout_func`` are
+            not supported (a `ValueError` says so rather than ignoring them): tools are `retriever` (search) or the
+            methods of `environment_factory`, and the rollout is MemPO's.
+
+    The trainer works on a copy of ``args`` (``trainer.args``): the caller's config is never changed.
 
     Reward functions get `GRPOTrainer`'s keyword arguments, `log_metric` and `log_extra` included; what they log
     reaches the logs and the completions table as in `GRPOTrainer`.
@@ -150,21 +156,19 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         args: MemPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
-        processing_class=None,
-        callbacks=None,
-        optimizers=(None, None),
-        peft_config=None,
-        quantization_config=None,
+        *,
         environment_factory=None,
-        tools=None,
+        **kwargs,
     ):
-        if tools:
+        if kwargs.get("tools"):
             raise ValueError(
                 "MemPOTrainer does not take `tools=`: its rollout plays the `<search>` turn protocol against "
                 "`retriever` (any object with `search(queries, topk)`), or calls the public methods of "
                 "`environment_factory` (a TRL-style environment class) as tools; TRL's tool-calling loop, which "
                 "`tools=` drives, never runs. Wrap your tools as an environment (docs/environments.md)."
             )
+        if kwargs.get("rollout_func") is not None:
+            raise ValueError("MemPOTrainer does not take `rollout_func=`: its rollout is the MemPO search episode.")
         if (retriever is None) == (environment_factory is None):
             raise ValueError("MemPOTrainer needs exactly one of `retriever` (search) and `environment_factory`.")
         if args is None:
@@ -172,6 +176,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             args = MemPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-MemPO")
         if not isinstance(args, MemPOConfig):
             raise TypeError(f"MemPOTrainer needs a MemPOConfig, got {type(args).__name__}.")
+        args = copy.copy(args)  # what changes below (and in TRL's __init__) stays with this trainer
         if args.dynamic_sampling == "refill" and environment_factory is not None:
             raise ValueError(
                 "dynamic_sampling='refill' plays further prompts with the retriever; with `environment_factory` use "
@@ -181,7 +186,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             raise ValueError(
                 "MemPOTrainer reads the `question`/`golden_answers` columns: set remove_unused_columns=False."
             )
-        protocol = TurnProtocol.from_config(args, environment=environment_factory is not None)
+        protocol = args.turn_protocol(environment=environment_factory is not None)
         if environment_factory is not None:
             args.instruction = protocol.instruction
             reward_funcs = environment_reward_funcs(environment_factory, reward_funcs, train_dataset)
@@ -201,12 +206,9 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             args=args,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            peft_config=peft_config,
-            quantization_config=quantization_config,
+            **kwargs,
         )
+        self.memory_settings = args.memory_settings()
         attention = self.model.config._attn_implementation
         if args.memory_scoring == "shared_prefix" and attention not in SHARED_PREFIX_ATTENTION:
             raise ValueError(
@@ -251,7 +253,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         With ``group_keys`` (one per item), items of the same key that share a context prefix are scored with one
         forward of that prefix (`shared_prefix_answer_logps`).
         """
-        bs = self.args.memory_scoring_batch_size
+        bs = self.memory_settings.memory_scoring_batch_size
         num_rows = len(items) if group_keys is None else len(pack_shared_prefix(items, group_keys))
         num_chunks = self._global_max(math.ceil(num_rows / bs))
         unwrapped = self.accelerator.unwrap_model(self.model)
@@ -272,12 +274,12 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         """Step 4: P_full, P_mem and the memory reward of the rows that carry scoring contexts."""
         scored = [i for i, row in enumerate(rows) if row.scoring is not None]
         pairs = [rows[i].scoring for i in scored]
-        args = self.args
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+        settings = self.memory_settings
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             # Shared-prefix scoring packs the contexts of one trajectory together: its full contexts are prefixes of
             # each other, and its mem contexts start with the same system and user messages.
             group_keys = [rows[i].episode_index for i in scored] if self.shared_prefix_scoring else None
-            if args.memory_full_from_reference:
+            if settings.memory_full_from_reference:
                 full_logps, full_mask = self._score_items([p.full for p in pairs], True, group_keys)
                 mem_logps, mem_mask = self._score_items([p.mem for p in pairs], False, group_keys)
             else:
@@ -285,12 +287,12 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 logps, mask = self._score_items([p.full for p in pairs] + [p.mem for p in pairs], False, both_keys)
                 full_logps, mem_logps = logps[: len(pairs)], logps[len(pairs) :]
                 full_mask, mem_mask = mask[: len(pairs)], mask[len(pairs) :]
-        threshold = args.memory_threshold
-        if args.memory_threshold_quantile is not None:  # one threshold for the answer tokens of all processes
+        threshold = settings.memory_threshold
+        if settings.memory_threshold_quantile is not None:  # one threshold for the answer tokens of all processes
             local = torch.cat([full_logps[full_mask.bool()], mem_logps[mem_mask.bool()]]).tolist()
             values = torch.tensor(gather_object(local) if self.accelerator.num_processes > 1 else local)
             threshold = quantile_threshold(
-                values, torch.ones_like(values, dtype=torch.bool), args.memory_threshold_quantile
+                values, torch.ones_like(values, dtype=torch.bool), settings.memory_threshold_quantile
             )
         scores = MemoryScores.unscored(len(rows))
         if not pairs:
@@ -299,8 +301,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         p_mem = answer_probability(mem_logps, mem_mask, threshold).cpu()
         mem_lengths = torch.tensor([float(rows[i].mem_span[1] - rows[i].mem_span[0] + 1) for i in scored])
         rewards = memory_reward(
-            p_mem, p_full, mode=args.memory_reward_type, eps=args.memory_reward_eps,
-            mem_lengths=mem_lengths, length_penalty=args.memory_length_penalty, max_mem_tokens=args.max_completion_length,
+            p_mem, p_full, mode=settings.memory_reward_type, eps=settings.memory_reward_eps,
+            mem_lengths=mem_lengths, length_penalty=settings.memory_length_penalty, max_mem_tokens=self.args.max_completion_length,
         )  # fmt: skip
         index = torch.tensor(scored)
         for column, values in zip(scores, (p_full, p_mem, rewards)):
@@ -335,7 +337,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 inputs, episodes, timings, rewards_per_func, rewards
             )
         local_dropped = dropped[self.accelerator.process_index * len(episodes) :][: len(episodes)].tolist()
-        score_memory = self.protocol.context_mode == "memory" and self.args.memory_coef != 0.0
+        score_memory = self.protocol.context_mode == "memory" and self.memory_settings.memory_coef != 0.0
         batch = self._round_batch(episodes, mode, score_memory, local_dropped)
         scoring_start = time.perf_counter()
         with profiling_context(self, "memory_scoring"):
@@ -520,7 +522,6 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         per_process = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
         start = sum(len(p) for p in per_process[:rank])
         everything = [row for p in per_process for row in p]
-        args = self.args
         return mempo_advantages(
             rewards,
             row_trajectories=[row[0] for row in everything],
@@ -531,10 +532,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             local_rows=slice(start, start + len(local)),
             num_generations=self.num_generations if mode == "train" else self.num_generations_eval,
             scale_rewards=self.scale_rewards,
-            memory_coef=args.memory_coef,
-            memory_pooling=args.memory_pooling,
-            memory_scale_rewards=args.memory_scale_rewards,
-            memory_gate_on_outcome=args.memory_gate_on_outcome,
+            settings=self.memory_settings,
         )
 
     def _log_round_metrics(

@@ -17,17 +17,11 @@ from pathlib import Path
 
 import fake_vllm  # tests/ is on PYTHONPATH (`helpers.worker_env`)
 from datasets import Dataset
-from helpers import cpu_config
+from helpers import EchoRetriever, cpu_config
 
 from mempo_trl import MemPOTrainer
 from mempo_trl.commands.recipe import release_process_groups
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.retrieval import Passage
-
-
-class EchoRetriever:
-    def search(self, queries, topk):
-        return [[Passage(id=q, title=q, text=f"about {q}")] for q in queries]
 
 
 def main(mode: str, model_dir: str, out_dir: str) -> None:

@@ -9,10 +9,20 @@ It searches `--corpus` (indexed in process) or the server at `--retriever_url`.
 
 import argparse
 import sys
+import types
 from dataclasses import dataclass, field
 
 from mempo_trl.commands import add_command, parse
+from mempo_trl.context import TurnProtocol
 from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
+from mempo_trl.settings import override_field
+
+
+PROTOCOL_OVERRIDES = (
+    "max_turns", "retrieval_topk", "context_mode", "max_completion_length", "max_context_tokens", "context_overflow",
+    "system_prompt", "instruction",
+)  # fmt: skip
+"""The `TurnProtocol` fields an agent's command line may override (`action` follows the retriever/environment)."""
 
 
 @dataclass
@@ -21,33 +31,17 @@ class AgentArguments:
 
     model_name_or_path: str = field(metadata={"help": "Trained model directory or Hub id."})
     model_revision: str | None = field(default=None, metadata={"help": "Hub revision of the model."})
-    max_turns: int | None = field(default=None, metadata={"help": "Rounds per question at most (saved value)."})
-    retrieval_topk: int | None = field(default=None, metadata={"help": "Passages per search (saved value)."})
-    context_mode: str | None = field(
-        default=None,
-        metadata={
-            "help": "`memory` (MemPO) or `full_history` (Search-R1 baseline); `eval` also takes `both` (saved value).",
-            "choices": ["memory", "full_history", "both"],
-        },
+    # The turn protocol's fields, with `TurnProtocol`'s help and choices (None: the saved value).
+    max_turns: int | None = override_field(TurnProtocol, "max_turns")
+    retrieval_topk: int | None = override_field(TurnProtocol, "retrieval_topk")
+    context_mode: str | None = override_field(
+        TurnProtocol, "context_mode", more_choices=("both",), note=" `eval` also takes `both`."
     )
-    max_completion_length: int | None = field(
-        default=None, metadata={"help": "Tokens per turn at most (saved value)."}
-    )
-    max_context_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Longest context (prompt tokens) a round may have, with the model's own limit (saved value)."
-        },
-    )
-    context_overflow: str | None = field(
-        default=None,
-        metadata={
-            "help": "A longer context: `end_episode` or `truncate_information` first (saved value).",
-            "choices": ["end_episode", "truncate_information"],
-        },
-    )
-    system_prompt: str | None = field(default=None, metadata={"help": "System message (saved value)."})
-    instruction: str | None = field(default=None, metadata={"help": "User message with `{question}` (saved value)."})
+    max_completion_length: int | None = override_field(TurnProtocol, "max_completion_length")
+    max_context_tokens: int | None = override_field(TurnProtocol, "max_context_tokens")
+    context_overflow: str | None = override_field(TurnProtocol, "context_overflow")
+    system_prompt: str | None = override_field(TurnProtocol, "system_prompt")
+    instruction: str | None = override_field(TurnProtocol, "instruction")
     temperature: float = field(default=0.0, metadata={"help": "Sampling temperature; 0 is greedy."})
     per_device_eval_batch_size: int = field(default=16, metadata={"help": "Prompts per `model.generate` call."})
     use_vllm: bool = field(
@@ -60,11 +54,17 @@ class AgentArguments:
     seed: int = field(default=0, metadata={"help": "Seed of sampling."})
 
     def __post_init__(self):
-        for name in ("max_turns", "retrieval_topk", "max_completion_length", "max_context_tokens",
-                     "per_device_eval_batch_size"):  # fmt: skip
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}.")
+        """The overrides given are checked by `TurnProtocol`'s rules (`both`, eval's, aside)."""
+        given = {name: value for name, value in self.protocol_overrides().items() if value not in (None, "both")}
+        problems = TurnProtocol.problems(types.SimpleNamespace(**given))
+        if self.per_device_eval_batch_size < 1:
+            problems.append(f"per_device_eval_batch_size must be >= 1, got {self.per_device_eval_batch_size}.")
+        if problems:
+            raise ValueError(" ".join(problems))
+
+    def protocol_overrides(self) -> dict:
+        """``{field: value}`` of the turn-protocol fields (None where not given)."""
+        return {name: getattr(self, name) for name in PROTOCOL_OVERRIDES}
 
 
 def load_agent(args: AgentArguments, retriever, context_mode: str | None = None, environment_factory=None):
@@ -82,14 +82,7 @@ def load_agent(args: AgentArguments, retriever, context_mode: str | None = None,
         temperature=args.temperature,
         batch_size=args.per_device_eval_batch_size,
         seed=args.seed,
-        max_turns=args.max_turns,
-        retrieval_topk=args.retrieval_topk,
-        context_mode=context_mode,
-        max_completion_length=args.max_completion_length,
-        max_context_tokens=args.max_context_tokens,
-        context_overflow=args.context_overflow,
-        system_prompt=args.system_prompt,
-        instruction=args.instruction,
+        **{**args.protocol_overrides(), "context_mode": context_mode},
     )
 
 

@@ -136,27 +136,6 @@ def machine_rank(launch: dict[str, str], config: Path) -> int:
     return int(settings.get("machine_rank", 0)) if isinstance(settings, dict) else 0
 
 
-def launch(argv: list[str]) -> int:
-    """Check the recipe and the output directory here, then start the processes; returns the launcher's exit code."""
-    from mempo_trl.commands.recipe import check_before_training
-    from mempo_trl.commands.train import parse_args
-
-    launch, train_argv = split_launch_args(argv)
-    script_args, training_args, model_args, retriever_args = parse_args(train_argv)
-    cmd = launch_command(launch, train_argv, use_cpu=training_args.use_cpu)
-    check_cpu_config(Path(cmd[4]), training_args.use_cpu)
-    main_machine = machine_rank(launch, Path(cmd[4])) == 0  # the others' first process is not the run's first
-    check_before_training(script_args, training_args, model_args, retriever_args, first=main_machine)
-    # torchrun sets OMP_NUM_THREADS=1 in every process anyway (and warns that it did); say it once here instead.
-    env = {"OMP_NUM_THREADS": "1", **os.environ}
-    if Path(cmd[4]).name.startswith("cpu_"):  # DeepSpeed's accelerator, named: no "Setting accelerator to CPU" warning
-        env.setdefault("DS_ACCELERATOR", "cpu")
-    print(f"mempo-trl: launching {' '.join(cmd[3:])}", flush=True)
-    process = subprocess.Popen(cmd, env=env)
-    with forwarded_stop_signals(lambda: [process]):
-        return process.wait()
-
-
 @contextlib.contextmanager
 def forwarded_stop_signals(targets):
     """Within, each stop signal this process receives (`mempo_trl.interruptions.STOP_SIGNALS`) is sent on to the

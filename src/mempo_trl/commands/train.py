@@ -11,6 +11,7 @@ refused in a second, before torch and TRL load; any other bad input ends in one 
 
 import argparse
 import os
+import subprocess
 from pathlib import Path
 
 from mempo_trl.commands import (
@@ -86,6 +87,33 @@ def _train(argv: list[str]) -> int:
         return USAGE_EXIT
 
 
+def launch_training(argv: list[str]) -> int:
+    """Check the recipe and the output directory here, then start the processes; returns the launcher's exit code."""
+    from mempo_trl.commands.launch import (
+        check_cpu_config,
+        forwarded_stop_signals,
+        launch_command,
+        machine_rank,
+        split_launch_args,
+    )  # fmt: skip
+    from mempo_trl.commands.recipe import check_before_training
+
+    launch, train_argv = split_launch_args(argv)
+    script_args, training_args, model_args, retriever_args = parse_args(train_argv)
+    cmd = launch_command(launch, train_argv, use_cpu=training_args.use_cpu)
+    check_cpu_config(Path(cmd[4]), training_args.use_cpu)
+    main_machine = machine_rank(launch, Path(cmd[4])) == 0  # the others' first process is not the run's first
+    check_before_training(script_args, training_args, model_args, retriever_args, first=main_machine)
+    # torchrun sets OMP_NUM_THREADS=1 in every process anyway (and warns that it did); say it once here instead.
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    if Path(cmd[4]).name.startswith("cpu_"):  # DeepSpeed's accelerator, named: no "Setting accelerator to CPU" warning
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    print(f"mempo-trl: launching {' '.join(cmd[3:])}", flush=True)
+    process = subprocess.Popen(cmd, env=env)
+    with forwarded_stop_signals(lambda: [process]):
+        return process.wait()
+
+
 def leave_launched_process(rc: int) -> None:
     """End a process started by a launcher (`WORLD_SIZE` > 1) without interpreter finalisation.
 
@@ -111,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     (`mempo_trl.commands.launch`)."""
     import sys
 
-    from mempo_trl.commands.launch import LAUNCH_FLAGS, launch
+    from mempo_trl.commands.launch import LAUNCH_FLAGS
 
     quiet_upstream_noise()  # under a launcher, `-m mempo_trl train` comes here without `mempo_trl.cli.main`
     argv = sys.argv[1:] if argv is None else argv
@@ -125,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if rc:
         return rc
     if "WORLD_SIZE" not in os.environ and any(arg.split("=")[0] in LAUNCH_FLAGS for arg in argv):
-        return run(launch, argv)
+        return run(launch_training, argv)
     rc = run(_train, argv)
     leave_launched_process(rc)
     return rc

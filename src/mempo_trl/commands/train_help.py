@@ -1,7 +1,8 @@
 """`mempo-trl train --help`: the fields a MemPO run is about, first and short, printed without importing torch or TRL.
 
-MemPO's own fields are read from the source of `MemPOConfig` (importing it would import TRL, tens of seconds);
-so are the recipe's `ScriptArguments`; the retrieval and launch options come from their dataclasses. `--help_all` prints TRL's full parser help (every
+MemPO's own fields are read from the source of `MemPOConfig` (importing it would import TRL, tens of seconds), its
+turn and memory fields from where they are declared (`TurnProtocol`, `MemoryRewardSettings`: their field metadata);
+the recipe's `ScriptArguments` are read from source too; the retrieval and launch options come from their dataclasses. `--help_all` prints TRL's full parser help (every
 field of `GRPOConfig`, `TrainingArguments` and `ModelConfig`).
 """
 
@@ -9,6 +10,9 @@ import ast
 import importlib.util
 from dataclasses import MISSING, fields
 from pathlib import Path
+
+from mempo_trl.context import TurnProtocol
+from mempo_trl.settings import MemoryRewardSettings
 
 
 COMMON_TRL_FIELDS = (
@@ -31,8 +35,13 @@ TRL_DATA_FIELDS = [
 """The fields of TRL's `ScriptArguments` a MemPO recipe uses (importing it would import TRL)."""
 
 
+SETTINGS = {"TurnProtocol": TurnProtocol, "MemoryRewardSettings": MemoryRewardSettings}
+"""The classes whose fields `MemPOConfig` re-exposes with `flat_field`."""
+
+
 def config_fields(module: str = "mempo_trl.config", cls: str = "MemPOConfig") -> list[tuple[str, str, str, str]]:
-    """(name, type, default, help) of the fields `cls` declares itself, read from its source.
+    """(name, type, default, help) of the fields `cls` declares itself, read from its source; a `flat_field(Source,
+    name)` field takes its default and help from ``Source``'s field (`mempo_trl.settings`).
 
     Example:
         >>> config_fields()[0]
@@ -45,6 +54,20 @@ def config_fields(module: str = "mempo_trl.config", cls: str = "MemPOConfig") ->
     for item in node.body:
         if not isinstance(item, ast.AnnAssign) or not isinstance(item.value, ast.Call):
             continue
+        kind = ast.get_source_segment(source, item.annotation)
+        if isinstance(item.value.func, ast.Name) and item.value.func.id == "flat_field":
+            source_cls, name = (SETTINGS[item.value.args[0].id], item.value.args[1].value)
+            declared = next(f for f in fields(source_cls) if f.name == name)
+            default = repr(declared.default)
+            found.append(
+                (
+                    item.target.id,
+                    kind,
+                    default if len(default) <= 60 else default[:56] + "...",
+                    declared.metadata["help"],
+                )
+            )
+            continue
         keywords = {k.arg: k.value for k in item.value.keywords}
         default = ast.get_source_segment(source, keywords["default"]) if "default" in keywords else ""
         text = ""
@@ -53,7 +76,7 @@ def config_fields(module: str = "mempo_trl.config", cls: str = "MemPOConfig") ->
             for key, value in zip(metadata.keys, metadata.values):
                 if isinstance(key, ast.Constant) and key.value == "help":
                     text = ast.literal_eval(value)
-        found.append((item.target.id, ast.get_source_segment(source, item.annotation), default, text))
+        found.append((item.target.id, kind, default, text))
     return found
 
 

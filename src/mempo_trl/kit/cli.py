@@ -8,7 +8,7 @@
     mempo-trl kit build-qwen-model --output_dir qwen-random
     mempo-trl kit warm-start --model_name_or_path kit/tiny/model --max_steps 200
 
-or `python -m mempo_trl.kit ...` with the same arguments. The kit registers this command itself (`mempo_trl.cli`);
+or `python -m mempo_trl.kit ...` with the same arguments (`main`). The kit registers this command itself (`mempo_trl.cli`);
 the rest of the command layer never imports the kit.
 """
 
@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mempo_trl.commands import add_command, parse
+from mempo_trl.commands import USAGE_EXIT, add_command, parse, quiet_upstream_noise, run
 from mempo_trl.kit.envs import KIT_ENVIRONMENTS
 from mempo_trl.kit.warmstart import WARM_BATCH_SIZE, WARM_LR, WARM_STEPS
 from mempo_trl.loading import check_model_path
@@ -188,14 +188,40 @@ def warm_start(argv: list[str]) -> int:
     return 0
 
 
+def kit_commands() -> dict:
+    """``{name: (arguments class, main)}`` of the kit's commands, in `--help` order."""
+    return {
+        "learner": (LearnerArguments, learner),
+        "tiny": (TinyArguments, tiny),
+        "env-rows": (EnvRowsArguments, env_rows),
+        "build-demo": (BuildDemoArguments, build_demo),
+        "build-tiny-model": (BuildTinyModelArguments, build_tiny_model),
+        "build-qwen-model": (BuildQwenModelArguments, build_qwen_model),
+        "warm-start": (WarmStartArguments, warm_start),
+    }
+
+
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add `mempo-trl kit` with its subcommands."""
     kit = subparsers.add_parser("kit", help="offline kit: the quick start's learner, tiny models, demo world, rows")
     commands = kit.add_subparsers(dest="kit_command", metavar="KIT_COMMAND")
-    add_command(commands, "learner", LearnerArguments.__doc__, learner)
-    add_command(commands, "tiny", TinyArguments.__doc__, tiny)
-    add_command(commands, "env-rows", EnvRowsArguments.__doc__, env_rows)
-    add_command(commands, "build-demo", BuildDemoArguments.__doc__, build_demo)
-    add_command(commands, "build-tiny-model", BuildTinyModelArguments.__doc__, build_tiny_model)
-    add_command(commands, "build-qwen-model", BuildQwenModelArguments.__doc__, build_qwen_model)
-    add_command(commands, "warm-start", WarmStartArguments.__doc__, warm_start)
+    for name, (arguments, command) in kit_commands().items():
+        add_command(commands, name, arguments.__doc__, command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mempo_trl.kit KIT_COMMAND ...`: one kit command, as `mempo-trl kit KIT_COMMAND ...` runs it."""
+    import sys
+
+    from mempo_trl.outputs import release_output_dirs
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = kit_commands()
+    if not argv or argv[0] not in commands:
+        print(f"usage: python -m mempo_trl.kit {{{','.join(commands)}}} ... (see `mempo-trl kit --help`)")
+        return 0 if argv and argv[0] in ("-h", "--help") else USAGE_EXIT
+    quiet_upstream_noise()
+    try:
+        return run(commands[argv[0]][1], argv[1:])
+    finally:
+        release_output_dirs()

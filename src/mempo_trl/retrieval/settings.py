@@ -79,7 +79,9 @@ def build_retriever(args: RetrieverArguments, ride_out_outages: bool = False, **
         ...                                    retriever_model="models/e5-base-v2"), batch_size=256).name  # doctest: +SKIP
         'dense'
     """
-    from mempo_trl.retrieval import BM25Retriever, DenseRetriever, HttpRetriever
+    from mempo_trl.retrieval.bm25 import BM25Retriever
+    from mempo_trl.retrieval.dense import DenseRetriever
+    from mempo_trl.retrieval.http_client import HttpRetriever
 
     if args.retriever_url:
         return HttpRetriever(

@@ -1,0 +1,141 @@
+"""Where a MemPO setting is declared once: its default, help, choices and bounds, as dataclass field metadata.
+
+`TurnProtocol` (`mempo_trl.context`) and `MemoryRewardSettings` (here) declare their fields with `setting`;
+`MemPOConfig` re-exposes them as flat fields (`flat_field`: the names recipes and TRL's parser use), the agent's
+override arguments are generated from them (`override_field`), `mempo-trl train --help` prints their help, and
+`setting_problems` is their one validation. No torch and no TRL are imported here, so that the CLI's help stays fast.
+"""
+
+import math
+import types
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
+
+
+PARSER_KEYS = ("help", "choices")
+"""The metadata keys argparse takes (TRL's parser passes a field's metadata to `add_argument`)."""
+
+
+def setting(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None,
+            maximum: float | None = None) -> Field:  # fmt: skip
+    """A dataclass field with its help, choices and bounds in its metadata (`setting_problems` checks them)."""
+    metadata = {"help": help}
+    metadata.update(
+        {k: v for k, v in (("choices", choices), ("minimum", minimum), ("maximum", maximum)) if v is not None}
+    )
+    return field(default=default, metadata=metadata)
+
+
+def flat_field(source: type, name: str) -> Field:
+    """A field of `MemPOConfig` with the default and help of ``source``'s field ``name`` (one place declares them)."""
+    f = next(f for f in fields(source) if f.name == name)
+    metadata = {
+        key: list(value) if key == "choices" else value for key, value in f.metadata.items() if key in PARSER_KEYS
+    }
+    return field(default=f.default, metadata=metadata)
+
+
+def override_field(source: type, name: str, more_choices: tuple[str, ...] = (), note: str = "") -> Field:
+    """An optional command-line field (default None: keep the saved value) with the help and choices of
+    ``source``'s field ``name``; ``more_choices`` and ``note`` extend them for one command."""
+    f = next(f for f in fields(source) if f.name == name)
+    metadata = {"help": f"{f.metadata['help']}{note} (default: the saved value)"}
+    if "choices" in f.metadata:
+        metadata["choices"] = [*f.metadata["choices"], *more_choices]
+    return field(default=None, metadata=metadata)
+
+
+def setting_problems(source: type, values: Any) -> list[str]:
+    """One sentence per field of ``source`` whose value in ``values`` (any object with the same attribute names; a
+    missing one is skipped) is outside its declared choices or bounds. Types are `field_type_problems`' concern: a
+    value that is not a number is not compared.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> setting_problems(MemoryRewardSettings, SimpleNamespace(memory_pooling="round", memory_coef=1.0))
+        ["memory_pooling must be one of ('question', 'question_round'), got 'round'."]
+    """
+    problems = []
+    for f in fields(source):
+        if not hasattr(values, f.name):
+            continue
+        value, meta = getattr(values, f.name), f.metadata
+        if "choices" in meta and value not in meta["choices"]:
+            problems.append(f"{f.name} must be one of {tuple(meta['choices'])}, got {value!r}.")
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            continue
+        low, high = meta.get("minimum"), meta.get("maximum")
+        optional = isinstance(f.type, types.UnionType) and type(None) in f.type.__args__
+        if low is not None and high is not None and not low <= value <= high:
+            problems.append(f"{f.name} must be in [{low}, {high}], got {value}.")
+        elif low == 1 and optional and value < 1:
+            problems.append(f"{f.name} must be a positive integer (or null), got {value}.")
+        elif low is not None and high is None and value < low:
+            problems.append(f"{f.name} must be >= {low}, got {value}.")
+    return problems
+
+
+@dataclass(frozen=True)
+class MemoryRewardSettings:
+    """How the memory reward is scored and turned into the memory advantage (docs/algorithm.md, "Memory reward").
+
+    The `memory_*` fields of `MemPOConfig` (`MemPOConfig.memory_settings()` hands them out as one object);
+    `mempo_advantages` and the trainer's scoring read them from here. An invalid value raises `ValueError`.
+
+    Example:
+        >>> MemoryRewardSettings(memory_pooling="question_round").memory_pooling
+        'question_round'
+        >>> MemoryRewardSettings(memory_scale_rewards="std")
+        Traceback (most recent call last):
+        ...
+        ValueError: memory_scale_rewards must be one of ('group', 'batch', 'none'), got 'std'.
+    """
+
+    memory_coef: float = setting(1.0, "Weight of the memory advantage on `<mem>` tokens (0 turns memory scoring off).")
+    memory_threshold: float | None = setting(
+        math.log(0.5), "Keep answer tokens with log p above it when computing P; None keeps all."
+    )
+    memory_threshold_quantile: float | None = setting(
+        None, "Use this quantile of the batch's answer-token log-probs as the threshold.", minimum=0.0, maximum=1.0
+    )
+    memory_reward_type: str = setting("diff", "`diff` (P_mem - P_full) or `log_ratio`.", choices=("diff", "log_ratio"))
+    memory_reward_eps: float = setting(1e-6, "eps of the log-ratio memory reward.")
+    memory_length_penalty: float = setting(0.0, "lambda of the `<mem>` length penalty (0 = off).", minimum=0.0)
+    memory_pooling: str = setting(
+        "question", "`question` or `question_round` normalisation pool.", choices=("question", "question_round")
+    )
+    memory_scale_rewards: str = setting(
+        "group",
+        "Std the memory rewards are divided by: `group` (their pool's), `batch` or `none`.",
+        choices=("group", "batch", "none"),
+    )
+    memory_gate_on_outcome: bool = setting(False, "Memory advantage only where the outcome advantage is >= 0.")
+    memory_full_from_reference: bool = setting(False, "Score P_full with the reference model.")
+    memory_scoring_batch_size: int = setting(8, "Sequences per memory-scoring forward.", minimum=1)
+    memory_scoring: str = setting(
+        "auto",
+        "`batched`: every context scored as its own sequence. `shared_prefix`: the contexts of a trajectory share "
+        "one forward of their common part (same values, fewer tokens; needs sdpa/eager). `auto`: shared_prefix "
+        "with sdpa/eager attention, else batched.",
+        choices=("auto", "batched", "shared_prefix"),
+    )
+
+    def __post_init__(self):
+        problems = self.problems(self)
+        if problems:
+            raise ValueError(" ".join(problems))
+
+    @classmethod
+    def problems(cls, values: Any) -> list[str]:
+        """Why ``values`` (these settings, or a `MemPOConfig`) cannot be used: bounds, choices and combinations."""
+        problems = setting_problems(cls, values)
+        if values.memory_threshold is not None and values.memory_threshold_quantile is not None:
+            problems.append(
+                "Set memory_threshold or memory_threshold_quantile, not both (use memory_threshold: null)."
+            )
+        return problems
+
+    @classmethod
+    def from_config(cls, config: Any) -> "MemoryRewardSettings":
+        """The settings of a `MemPOConfig` (or anything with the same attributes)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
