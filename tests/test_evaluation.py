@@ -354,7 +354,8 @@ def test_cli_bad_inputs_print_one_line(problem, tiny_model_dir, tmp_path, cache,
         model = str(tmp_path / "no_such_model")
         expected = [model, "does not exist", "save_pretrained"]
     elif problem == "not_a_model_dir":
-        model = str(tmp_path)
+        (tmp_path / "not_a_model").mkdir()
+        model = str(tmp_path / "not_a_model")
         expected = [model, "config.json"]
     else:
         corpus = str(tmp_path / "missing.jsonl")
