@@ -70,3 +70,32 @@ def test_kit_smollm2_writes_a_standard_trainable_folder(tmp_path, smollm2_tokeni
     tokenizer = load_tokenizer(out)
     assert tokenizer.chat_template == smollm2_tokenizer.chat_template
     assert "Paris" in greedy_answer(model, tokenizer)
+
+
+@pytest.mark.slow
+def test_smollm2_recipe_runs_end_to_end_small(tmp_path):
+    """examples/smollm2_cpu.sh at its smallest: 2 SFT steps, one MemPO step, five questions in each evaluation."""
+    run = tmp_path / "run"
+    env = {**os.environ, "MEMPO": f"{sys.executable} -m mempo_trl", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), str(run), "2", "1", "5"],
+        capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads((run / "sft" / "warm_start.json").read_text())["stats"]["steps"] == 2
+    assert (run / "rl" / "adapter_config.json").is_file() and "train_runtime" in json.loads(
+        (run / "rl" / "mempo_metrics.json").read_text()
+    )
+    for name, modes in (("before_sft", ["memory"]), ("after_sft", ["memory", "full_history"]),
+                        ("after_rl", ["memory", "full_history"])):  # fmt: skip
+        results = json.loads((run / f"eval_{name}" / "results.json").read_text())
+        assert sorted(results["modes"]) == sorted(modes)
+        for mode in modes:
+            overall = results["modes"][mode]["overall"]
+            assert overall["num_questions"] == 5 and 0.0 <= overall["em"] <= 1.0
+    # Run again: every stage is skipped, nothing is redone.
+    again = subprocess.run(
+        ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), str(run), "2", "1", "5"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 0 and again.stdout.count("] done (") == 8, again.stdout
