@@ -50,6 +50,21 @@ def test_kit_smollm2_without_the_weights_fails_fast_with_one_line(tmp_path, gguf
     assert "give" in lines[0]
 
 
+def test_warm_start_on_a_world_needs_its_rows_and_corpus_together(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    done = _mempo(
+        "kit", "warm-start", "--model_name_or_path", str(model), "--train_file", str(tmp_path / "warm.jsonl")
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert (
+        lines[0]
+        == "error: --train_file and --corpus go together: give both (a world's rows and its corpus) or neither"
+    )
+
+
 @pytest.mark.slow
 def test_kit_smollm2_writes_a_standard_trainable_folder(tmp_path, smollm2_tokenizer):
     import torch

@@ -218,10 +218,10 @@ def warm_start(argv: list[str]) -> int:
     from mempo_trl.kit.warmstart import demo_data, sft_warm_start, tiny_warm_settings
 
     (args,) = parse("mempo-trl kit warm-start", [WarmStartArguments], argv)
-    check_model_path(args.model_name_or_path)
-    check_writable(args.model_name_or_path, what="model directory")  # trained in place
     if (args.train_file is None) != (args.corpus is None):
         raise ValueError("--train_file and --corpus go together: give both (a world's rows and its corpus) or neither")
+    check_model_path(args.model_name_or_path)
+    check_writable(args.model_name_or_path, what="model directory")  # trained in place
     settings = tiny_warm_settings(args.max_steps, args.learning_rate, args.per_device_train_batch_size, args.seed)
     settings.max_warm_rows = args.max_warm_rows
     if args.instruction is not None:
