@@ -61,7 +61,7 @@ for name in ("before_sft", "after_sft", "after_rl"):
 sft = json.loads((run / "sft" / "warm_start.json").read_text())
 summary["sft"] = {**sft["settings"], **sft["stats"], "seconds_per_step": sft["stats"]["seconds"] / sft["stats"]["steps"]}
 rl = json.loads((run / "rl" / "mempo_metrics.json").read_text())
-steps = round(rl["train_runtime"] * rl["train_steps_per_second"])
+steps = rl["step"]  # the last logged step (logging_steps 1)
 summary["rl"] = {"steps": steps, "train_runtime": rl["train_runtime"], "seconds_per_step": rl["train_runtime"] / steps}
 (run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 print(json.dumps(summary, indent=1))
