@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct trained end to end on the CPU, offline (examples/configs/smollm2_cpu.yaml says what each
-# stage is). Usage: examples/smollm2_cpu.sh [RUN_DIR (default runs/smollm2)] [SFT_STEPS (24)] [RL_STEPS (2)]
-#   [EVAL_QUESTIONS (20)]. A finished stage is skipped when run again, the SFT resumes from its checkpoint, and
-#   the RL from its newest checkpoint. Each stage's output, the numbers included, is in RUN_DIR/*.log.
+# stage is). Usage: examples/smollm2_cpu.sh [RUN_DIR (default runs/smollm2)] [SFT_STEPS (24)] [RL_STEPS (1)]
+#   [EVAL_QUESTIONS (20)]; $TRAIN_ARGS adds flags to `mempo-trl train`. A finished stage is skipped when run
+#   again, the SFT resumes from its checkpoint, and the RL from its newest checkpoint. Each stage's output, the
+#   numbers included, is in RUN_DIR/*.log.
 set -euo pipefail
 RUN=${1:-runs/smollm2}
 SFT_STEPS=${2:-24}
-RL_STEPS=${3:-2}
+RL_STEPS=${3:-1}
 EVAL_QUESTIONS=${4:-20}
 MEMPO=${MEMPO:-mempo-trl}
 WORLD=$RUN/learner/world
@@ -41,7 +42,7 @@ LAST=$(ls -d "$RUN"/rl/checkpoint-* 2>/dev/null | sort -V | tail -1 || true)
 if [ -n "$LAST" ]; then RESUME=(--resume_from_checkpoint "$LAST"); fi
 stage rl "$RUN/rl/adapter_config.json" $MEMPO train --config "$(dirname "$0")/configs/smollm2_cpu.yaml" \
     --model_name_or_path "$RUN/sft" --output_dir "$RUN/rl" --max_steps "$RL_STEPS" --dataset_name "$WORLD" \
-    --corpus "$WORLD/corpus.jsonl" "${RESUME[@]}"
+    --corpus "$WORLD/corpus.jsonl" "${RESUME[@]}" ${TRAIN_ARGS:-}
 stage merge "$RUN/rl_merged/model.safetensors" $MEMPO merge-lora --model_name_or_path "$RUN/rl" \
     --output_dir "$RUN/rl_merged"
 evaluate after_rl "$RUN/rl_merged" both

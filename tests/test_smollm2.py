@@ -89,9 +89,11 @@ def test_kit_smollm2_writes_a_standard_trainable_folder(tmp_path, smollm2_tokeni
 
 @pytest.mark.slow
 def test_smollm2_recipe_runs_end_to_end_small(tmp_path):
-    """examples/smollm2_cpu.sh at its smallest: 2 SFT steps, one MemPO step, five questions in each evaluation."""
+    """examples/smollm2_cpu.sh at its smallest: 2 SFT steps, one MemPO step of 4 episodes, five questions in each
+    evaluation."""
     run = tmp_path / "run"
-    env = {**os.environ, "MEMPO": f"{sys.executable} -m mempo_trl", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "MEMPO": f"{sys.executable} -m mempo_trl", "OMP_NUM_THREADS": "1",
+           "TRAIN_ARGS": "--num_generations 2 --per_device_train_batch_size 2 --max_completion_length 48"}  # fmt: skip
     done = subprocess.run(
         ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), str(run), "2", "1", "5"],
         capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path,
