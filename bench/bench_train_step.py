@@ -32,10 +32,16 @@ tokenizer and 151,936-row vocabulary, built on the device; without it, a random 
 `bench_context_tokens.wiki_length_corpus`), ``--generation paged`` (TRL's transformers continuous batching,
 ``use_transformers_continuous_batching``, for both trainers; ``hf`` is padded ``generate``), ``--grad-accum N``
 (each step's trajectories go through the loss in N micro-batches, one optimizer step) and
-``--activation-checkpointing``.
+``--activation-checkpointing``. ``--model-dir DIR`` runs a saved model instead of the random one, e.g. the real
+SmolLM2-135M-Instruct of ``mempo-trl kit smollm2``; its tokenizer gets Qwen2.5's chat template (same ChatML
+tokens) because TRL's tool loop only parses the tool calls of chat templates it knows, and both trainers render with
+it. ``--json PATH`` writes the results with the command, versions, machine and load.
 
     python bench/bench_train_step.py                 # rounds 2/4/8, 4 trajectories, ~3 min on 2 cores
     python bench/bench_train_step.py --rounds 4 8 --trajectories 8 --steps 3
+    # the real SmolLM2 (mempo-trl kit smollm2 --output_dir kit/smollm2), one thread
+    python bench/bench_train_step.py --model-dir kit/smollm2 --rounds 3 --steps 1 \
+        --json bench/results/smollm2_step.json
     python bench/bench_train_step.py --device cuda --hidden-size 1024 --layers 8 --trajectories 8 --steps 3  # GPU
     # GPU, a realistic batch: >= 1B parameters, 128 trajectories, wiki-length passages, 8 rounds, batching engine
     python bench/bench_train_step.py --device cuda --shape qwen2.5-1.5b --trajectories 128 --num-generations 4 \
@@ -56,11 +62,11 @@ from pathlib import Path
 
 import torch
 from bench_memory_scoring import MODEL_DIMS, ScriptedPolicy, demo_rows  # run as a script: bench/ is on sys.path
-from transformers import PrinterCallback, Qwen2ForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
 
 from mempo_trl.context import DEFAULT_SYSTEM_PROMPT, initial_messages
 from mempo_trl.kit.demo_world import demo_paths
-from mempo_trl.kit.tiny import build_tiny_model
+from mempo_trl.kit.tiny import build_tiny_model, qwen2_5_chat_template
 from mempo_trl.loading import load_tokenizer
 from mempo_trl.protocol import render_information
 from mempo_trl.retrieval import BM25Retriever
@@ -307,7 +313,9 @@ def run_trainer(kind: str, model_dir: Path, rows: list[dict], retriever, rounds:
         model = qwen2_5_shaped(cfg["shape"], tokenizer, cfg["device"])
     else:
         tokenizer = load_tokenizer(model_dir)
-        model = Qwen2ForCausalLM.from_pretrained(str(model_dir))
+        if "<tool_call>" not in (tokenizer.chat_template or ""):  # a template TRL's tool loop cannot parse
+            tokenizer.chat_template = qwen2_5_chat_template()
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     clock = Clock(cfg["device"])
     output_dir = tempfile.mkdtemp(prefix=f"bench_step_{kind}_")
     common = _common_args(output_dir, cfg)
@@ -521,6 +529,8 @@ def main(argv: list[str] | None = None) -> None:
         "--grad-accum", type=int, default=1, help="loss micro-batches per step (gradient accumulation)"
     )
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--model-dir", help="a saved model (e.g. `mempo-trl kit smollm2`) instead of a random one")
+    parser.add_argument("--json", help="write the results, command, versions, machine and load to this file")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -544,13 +554,16 @@ def main(argv: list[str] | None = None) -> None:
         generation=args.generation,
         grad_accum=args.grad_accum,
         activation_checkpointing=args.activation_checkpointing,
+        model_dir=args.model_dir,
     )
     precision = f"bf16 autocast on {torch.cuda.get_device_name()}" if args.device == "cuda" else "fp32 on the CPU"
-    model = f"{args.shape} shape, Qwen2.5 tokenizer" if args.shape else f"Qwen2 {dims}, tiny tokenizer"
+    model = f"random {args.shape} shape, Qwen2.5 tokenizer" if args.shape else f"random Qwen2 {dims}, tiny tokenizer"
+    if args.model_dir:
+        model = f"{args.model_dir} (its weights and tokenizer, Qwen2.5's chat template)"
     passages = f"passages padded to {args.passage_words} words" if args.passage_words else "demo passages"
     engine = "continuous batching (paged)" if args.generation == "paged" else "HF generate"
     print(
-        f"model: random {model}, {precision}, sdpa; {args.trajectories} trajectories per step "
+        f"model: {model}, {precision}, sdpa; {args.trajectories} trajectories per step "
         f"({args.trajectories // args.num_generations} questions x G={args.num_generations}); turns of exactly "
         f"{args.turn_tokens} generated tokens (MemPO <mem> <= {args.mem_tokens} tokens) by {engine}; BM25 top-{TOPK}, "
         f"{passages}; loss dapo, beta 0, {args.grad_accum} micro-batch(es) per step, activation checkpointing "
@@ -573,6 +586,39 @@ def main(argv: list[str] | None = None) -> None:
         "loss rows x width = the padded [prompt | completion] batch of the loss forward."
     )
     print(f"total bench time {time.perf_counter() - start:.1f} s; load average {os.getloadavg()[0]:.1f}")
+    if args.json:
+        write_json(args.json, results, argv if argv is not None else sys.argv[1:], time.perf_counter() - start)
+
+
+def write_json(path: str, results: list[dict], argv: list[str], seconds: float) -> None:
+    """Write ``results`` with the ratios, the command, versions, machine and load average to ``path``."""
+    import json
+    import platform
+
+    import transformers
+    import trl
+
+    by = {(r["rounds"], r["kind"]): r for r in results}
+    ratios = {
+        f"rounds_{rounds}_{kind}_over_stock": {
+            "step": by[(rounds, kind)]["step"] / by[(rounds, "stock")]["step"],
+            "step_cpu": by[(rounds, kind)]["step_cpu"] / by[(rounds, "stock")]["step_cpu"],
+            "memory_scoring_share": by[(rounds, kind)]["memory_scoring"] / by[(rounds, kind)]["step"],
+        }
+        for rounds, kind in by
+        if kind != "stock" and (rounds, "stock") in by
+    }
+    report = {
+        "command": "python bench/bench_train_step.py " + " ".join(argv),
+        "results": results,
+        "ratios": ratios,
+        "seconds": seconds,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "trl": trl.__version__},
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
+        "load_average": os.getloadavg(),
+    }  # fmt: skip
+    Path(path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

