@@ -473,14 +473,14 @@ def test_copy_nll_finds_the_name_and_the_value_under_the_real_qwen2_5_tokenizer(
     assert name["first"] == pytest.approx(uniform) and name["later"] == pytest.approx(uniform)
 
 
-def test_the_default_warm_check_is_also_written_to_bench_results_with_its_command(tmp_path, monkeypatch):
+def test_the_default_warm_check_is_also_written_to_lab_results_with_its_command(tmp_path, monkeypatch):
     """``--warm_only`` with the default settings and ``--out`` writes the check the README cites, with its command,
     settings, versions and machine, to ``lab/results/long_horizon_warm_check_<split>.json``; any other ``--out``
     leaves it alone (the world, warm start and check itself are stubbed: this is the wiring)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(long_horizon, "prepare", lambda out, world, warm, device: ({}, Path(out) / "warm_model"))
     monkeypatch.setattr(long_horizon, "warm_check", lambda *args: {"memory": {"1": {"em": 0.5}}})
-    committed = tmp_path / "bench" / "results" / "long_horizon_warm_check_validation.json"
+    committed = tmp_path / "lab" / "results" / "long_horizon_warm_check_validation.json"
     assert long_horizon.main(["--warm_only", "--split", "validation", "--out", "elsewhere"]) == 0
     assert not committed.exists()
     assert long_horizon.main(["--warm_only", "--split", "validation"]) == 0
