@@ -5,10 +5,7 @@ bench's two schemes give the same P values (and the shared-prefix one forwards f
 training-step bench played the same rounds with both trainers.
 """
 
-import doctest
 import importlib
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -128,62 +125,3 @@ def test_train_step_bench_realistic_batch_options(tiny_model_dir, one_thread):
     # wiki-length passages: MemPO's round-2 prompts hold three ~100-word passages
     assert shared["prefill_tokens"] > 4 * 3 * 100
     bench.print_tables(results)
-
-
-def test_environments_training_publishes_only_its_default_settings():
-    """Only the default settings run into the default ``--out`` write `bench/results/environments_training.json`
-    (the doctests of `default_results`)."""
-    assert doctest.testmod(_load("environments_training")).failed == 0
-
-
-@pytest.mark.slow
-def test_environments_training_bench_end_to_end(tmp_path):
-    """`bench/environments_training.py` at the smallest size: both warm starts, both context modes, one step each;
-    the summary lands next to the runs with its command, versions, machine and settings, and the committed summary
-    is left alone (non-default settings). A rerun with the same settings reuses the warm starts."""
-    bench = _load("environments_training")
-    committed = Path(__file__).resolve().parents[1] / bench.RESULTS
-    before = committed.read_bytes()
-    argv = ["--warm_steps", "2", "--steps", "1", "--warm_eval_rows", "2", "--out", str(tmp_path)]
-    assert bench.main(argv) == 0
-    summary = json.loads((tmp_path / "environments_training.json").read_text())
-    runs = [f"{env} {mode}" for env in bench.ENVIRONMENTS for mode in bench.MODES]
-    assert sorted(summary) == sorted(["command", "versions", "machine", "settings", "warm", *runs])
-    assert summary["command"] == "python bench/environments_training.py " + " ".join(argv)
-    assert {"torch", "transformers", "trl", "mempo_trl"} <= set(summary["versions"])
-    assert summary["settings"]["train"]["max_steps"] == 1
-    for env in bench.ENVIRONMENTS:
-        warm = summary["warm"][env]
-        assert warm["settings"]["steps"] == 2 and warm["settings"]["eval_rows"] == 2
-        assert warm["sft_examples"] > 0 and "turns" in warm["held_out_greedy"]
-        assert (tmp_path / f"warm_{env}" / "warm_start.json").is_file()
-        assert (tmp_path / f"rows_{env}" / "train.jsonl").is_file()
-    for run in runs:
-        assert sorted(summary[run]) == sorted([*bench.KEYS, "seconds"])
-        assert len(summary[run]["tokens/prompt_per_round"]) == 1 and len(summary[run]["reward"]) == 1
-    assert committed.read_bytes() == before
-    assert not (tmp_path / "bench").exists()
-    weights = tmp_path / "warm_safe" / "model.safetensors"
-    written = weights.stat().st_mtime_ns
-    assert (
-        bench.warm_start("safe", tmp_path / "warm_safe", summary["warm"]["safe"]["settings"])
-        == summary["warm"]["safe"]
-    )
-    assert weights.stat().st_mtime_ns == written
-
-
-def test_induction_bench_runs_both_arms_and_leaves_the_committed_result_alone(tmp_path, capsys):
-    """`bench/induction.py --quick`: both arms trained and evaluated, the summary where ``--out`` says with its
-    command and machine; without ``--out``, ``--quick`` refuses to overwrite the committed result."""
-    bench = _load("induction")
-    assert bench.main(["--quick"]) == 2
-    assert "error: --quick would overwrite bench/results/induction.json" in capsys.readouterr().err
-    (tmp_path / "a_file").write_text("")
-    assert bench.main(["--quick", "--out", str(tmp_path / "a_file" / "induction.json")]) == 2  # before any work
-    assert "error: output directory" in capsys.readouterr().err
-    assert bench.main(["--quick", "--out", str(tmp_path / "induction.json")]) == 0
-    result = json.loads((tmp_path / "induction.json").read_text())
-    assert sorted(result["arms"]) == ["from_scratch", "induction"] and result["command"].endswith("--quick")
-    assert result["induction"]["steps"] == 3 and [p["step"] for p in result["arms"]["induction"]["curve"]] == [0, 3]
-    assert 0.0 <= result["arms"]["from_scratch"]["final_accuracy"] <= 1.0 and "machine" in result
-    assert doctest.testmod(bench).failed == 0

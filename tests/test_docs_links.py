@@ -8,7 +8,8 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "lab").glob("*.md"))]  # fmt: skip
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -30,7 +31,7 @@ def links(page: Path) -> list[str]:
 
 
 def test_anchor_rule():
-    page = ROOT / "docs" / "learning.md"
+    page = ROOT / "lab" / "learning.md"
     assert "why-measured-the-memory-reward-has-nothing-to-say-where-the-memory-decides" in anchors(page)
     assert "the-shipped-warm-start-mem_drop--03" in anchors(page)
 

@@ -1,4 +1,5 @@
-"""Layout: the library core never imports the offline kit (`mempo_trl.kit`); only the command layer does."""
+"""Layout: the library core never imports the offline kit (`mempo_trl.kit`); only the command layer does. The
+package never imports the lab (`lab/`, the experiments outside it) nor names the code that moved there."""
 
 import ast
 import json
@@ -101,3 +102,52 @@ def test_commands_do_not_import_the_dispatcher():
         modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         assert "mempo_trl.cli" not in modules, path.name
+
+
+LAB = Path(__file__).resolve().parents[1] / "lab"
+MOVED = ("mempo_trl.kit.induction", "induction_pretrain", "HorizonWorld", "horizon_world", "HORIZON_SPLITS",
+         "build_learner", "derive_learner")  # fmt: skip
+"""Lab-only code that left the package: what was `mempo_trl.kit.induction`, the horizon world and the learner's
+build (`lab/induction_pretraining.py`, `lab/horizon_world.py`, `lab/learning.py`)."""
+
+
+def lab_modules() -> set[str]:
+    """The names the lab's modules import by (`lab/` is on the lab's path, not a package), and ``lab`` itself."""
+    return {"lab"} | {path.stem for path in LAB.glob("*.py")}
+
+
+def imported_roots(tree: ast.AST) -> set[str]:
+    """The top-level name of every absolute import in a module, inside functions too."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_lab_imports_are_detected():
+    tree = ast.parse("def f():\n    import long_horizon.x\nfrom lab.learning import BUDGET\nfrom . import kit\n")
+    assert imported_roots(tree) & lab_modules() == {"lab", "long_horizon"}
+
+
+def test_the_package_never_imports_the_lab():
+    assert {"long_horizon", "learning", "induction_pretraining", "horizon_world"} <= lab_modules()
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found = imported_roots(ast.parse(path.read_text(encoding="utf-8"))) & lab_modules()
+        if found:
+            offenders[str(path.relative_to(PACKAGE))] = sorted(found)
+    assert offenders == {}
+
+
+def test_the_package_names_no_lab_only_code():
+    """No module, doctest or docstring of the package refers to the code that moved to the lab."""
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        found = [name for name in MOVED if name in text]
+        if found:
+            offenders[str(path.relative_to(PACKAGE))] = found
+    assert offenders == {}

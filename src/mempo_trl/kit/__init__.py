@@ -7,11 +7,12 @@
 - `mempo_trl.kit.demo_world`: a seeded synthetic world (corpus + 1-hop, 2-hop, comparison, multi-objective QA);
 - `mempo_trl.kit.warmstart`: oracle episodes of the demo world and the SFT warm start on them (TRL's `SFTTrainer`,
   through `mempo_trl.kit.sft.CompletionSFTTrainer`, whose loss projects only the completion positions);
-- `mempo_trl.kit.learner`: a bigger world with disjoint warm / RL / held-out questions, a model that can learn it on
-  CPU (memory imperfect on purpose) and the quick start's held-out metric (memory recall); `learner_model/` is such a
-  learner, shipped for the quick start (`mempo-trl kit learner`).
+- `mempo_trl.kit.learner`: a bigger world with disjoint warm / RL / held-out questions, the settings of a model that
+  can learn it on CPU (memory imperfect on purpose) and the quick start's held-out metric (memory recall);
+  `learner_model/` is such a learner, shipped for the quick start (`mempo-trl kit learner`).
 
-The lab's analytics of these models (failure kinds, headroom, memory signal) are in ``bench/analytics.py``.
+The experiments that build and analyse these models live in the repository's ``lab/``, outside the package, which
+never imports it (`tests/test_layout.py`).
 
 The library core and the command layer never import this package (`tests/test_layout.py`); recipes reach it by
 the paths its commands write (`mempo-trl kit learner`, `mempo-trl kit tiny`, `mempo-trl kit env-rows`; all:

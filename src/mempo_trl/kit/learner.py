@@ -3,10 +3,10 @@ and the quick start's held-out memory recall.
 
 - `write_learner_world` generates one seeded world (`mempo_trl.kit.demo_world`) with enough questions for three
   disjoint sets: ``warm`` (SFT warm start), ``rl`` (MemPO) and ``test`` (held-out evaluation, never trained on);
-- `build_learner` builds a few-M-parameter Qwen2-shaped model with the kit's own tokenizer (MemPO tags are
-  single tokens, `mempo_trl.kit.tiny`) and warm-starts it (`mempo_trl.kit.warmstart.sft_warm_start`,
-  `LEARNER_WARM`) on the oracle turns of the ``warm`` rows, leaving the memory imperfect on purpose (`MEM_DROP`);
-  `derive_learner` continues a warm start with other settings (a more forgetful memory);
+- `LEARNER_SIZE` and `LEARNER_WARM` say the learner: a few-M-parameter Qwen2-shaped model with the kit's own
+  tokenizer (MemPO tags are single tokens, `mempo_trl.kit.tiny`), warm-started
+  (`mempo_trl.kit.warmstart.sft_warm_start`) on the oracle turns of the ``warm`` rows, its memory imperfect on
+  purpose (`MEM_DROP`); the lab builds it (`lab/learning.py`);
 - `memory_recall_metric` is the per-row held-out metric of the quick start (`mempo-trl train --heldout_questions`,
   `mempo_trl.callbacks.HeldOutEvalCallback`): EM, F1 and ``memory_recall``, the share of the facts a demo-world
   question needs that are in the episode's last ``<mem>``; `heldout_eval` evaluates a model with it (the quick
@@ -14,18 +14,16 @@ and the quick start's held-out memory recall.
 - `shipped_learner` is a learner shipped with the package, warm-started and made forgetful, from which RL gains
   in minutes (`model_name_or_path: learner` of `mempo-trl train`, the quick start).
 
-The lab's analytics of these models (why episodes miss, the headroom before RL, the memory signal) are in
-``bench/analytics.py``.
+The lab (``lab/``, outside the package) builds these models and analyses them (``lab/analytics.py``: why episodes
+miss, the headroom before RL, the memory signal).
 """
 
-import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from mempo_trl.kit.warmstart import WARM_START_FILE, WarmSettings
+from mempo_trl.kit.warmstart import WarmSettings
 
 
 LEARNER_WORLD = {"seed": 1, "num_entities": 400, "num_questions": 3000}
@@ -56,15 +54,15 @@ forgets facts that comparison and multi-objective answers need, which the memory
 
 
 LEARNER_WARM = WarmSettings(steps=3000, batch_size=16, lr=3e-3, mem_drop=MEM_DROP, instruction=LEARNER_INSTRUCTION)
-"""The SFT warm start of `build_learner`."""
+"""The SFT warm start of the learner (`lab/learning.py`), the base of `shipped_learner`."""
 
 
 def shipped_learner() -> Path:
     """The learner shipped with the package (`model_name_or_path: learner` of `mempo-trl train`).
 
-    It is the experiment's warm start (`LEARNER_WARM`) continued with ``mem_drop=0.6`` (`derive_learner`;
+    It is the experiment's warm start (`LEARNER_WARM`) continued with ``mem_drop=0.6`` (`lab/learning.py`;
     ``warm_start.json`` in the directory says how): its memory drops most facts, so its comparisons mostly run out
-    of turns re-searching them, a choice RL fixes in minutes (its held-out numbers: ``docs/learning.md``). It reads
+    of turns re-searching them, a choice RL fixes in minutes (its held-out numbers: ``lab/learning.md``). It reads
     `LEARNER_INSTRUCTION` (saved in its ``mempo_agent.json``), and knows only the `LEARNER_WORLD`
     (`write_learner_world`).
 
@@ -125,64 +123,6 @@ def write_learner_world(out_dir: str | Path, world: dict | None = None, sizes: d
     _write_jsonl(paths.warm, rows[n_test + n_rl :])
     marker.write_text(json.dumps(settings, indent=2))
     return paths
-
-
-def build_learner(
-    output_dir: str | Path, paths: LearnerPaths, settings: WarmSettings | None = None, model_seed: int = 0
-) -> Path:
-    """Build the learner model (`LEARNER_SIZE`, tokenizer trained on the world's corpus) and warm-start it
-    (`LEARNER_WARM` by default).
-
-    A directory whose ``warm_start.json`` records the same settings and data is returned as it is.
-    """
-    from mempo_trl.data import read_jsonl
-    from mempo_trl.kit.tiny import build_tiny_model
-    from mempo_trl.kit.warmstart import sft_warm_start
-    from mempo_trl.retrieval import BM25Retriever
-
-    settings = settings or LEARNER_WARM
-    out = Path(output_dir)
-    digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in paths)).hexdigest()
-    key = {"model_seed": model_seed, "size": LEARNER_SIZE, "warm": asdict(settings), "data_sha256": digest}
-    marker = out / WARM_START_FILE
-    if marker.is_file() and json.loads(marker.read_text()).get("learner") == key:
-        return out
-    corpus = read_jsonl(paths.corpus)
-    build_tiny_model(out, seed=model_seed, corpus_texts=[p["contents"] for p in corpus], **LEARNER_SIZE)
-    retriever = BM25Retriever.from_corpus(str(paths.corpus))
-    sft_warm_start(out, read_jsonl(paths.warm), retriever, settings)
-    record = json.loads(marker.read_text())
-    marker.write_text(json.dumps({**record, "learner": key}, indent=2))
-    return out
-
-
-def derive_learner(base_dir: str | Path, output_dir: str | Path, paths: LearnerPaths, settings: WarmSettings) -> Path:
-    """Continue the warm start of ``base_dir`` (a `build_learner` directory) with ``settings`` into ``output_dir``.
-
-    For a warm start that differs in one behaviour without the full SFT from scratch, e.g. a higher ``mem_drop``: a
-    few hundred more SFT steps on the oracle rounds of the ``warm`` rows make the memory drop facts more often while
-    the rest of the protocol stays as learned. Cached like `build_learner` (same base, settings and data).
-    """
-    import shutil
-
-    from mempo_trl.data import read_jsonl
-    from mempo_trl.kit.warmstart import sft_warm_start
-    from mempo_trl.retrieval import BM25Retriever
-
-    base, out = Path(base_dir), Path(output_dir)
-    digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in paths)).hexdigest()
-    base_key = json.loads((base / WARM_START_FILE).read_text()).get("learner")
-    key = {"base": base_key, "warm": asdict(settings), "data_sha256": digest}
-    marker = out / WARM_START_FILE
-    if marker.is_file() and json.loads(marker.read_text()).get("derived") == key:
-        return out
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(base, out, ignore=shutil.ignore_patterns("sft"))
-    retriever = BM25Retriever.from_corpus(str(paths.corpus))
-    sft_warm_start(out, read_jsonl(paths.warm), retriever, settings)
-    record = json.loads(marker.read_text())
-    marker.write_text(json.dumps({**record, "derived": key}, indent=2))
-    return out
 
 
 def found_facts(row: dict, retriever, topk: int = 10) -> list[str]:

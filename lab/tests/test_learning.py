@@ -1,5 +1,5 @@
-"""The learning kit (`mempo_trl.kit.learner`), the lab's analytics (`bench/analytics.py`) and the experiment script
-`bench/learning.py` in its quick mode."""
+"""The learning kit (`mempo_trl.kit.learner`), the lab's analytics (`lab/analytics.py`) and the experiment script
+`lab/learning.py` in its quick mode."""
 
 import doctest
 import json
@@ -18,8 +18,8 @@ from mempo_trl.kit import learner
 from mempo_trl.kit.learner import memory_recall, needed_facts, write_learner_world
 
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
+ROOT = Path(__file__).resolve().parents[2]
+LAB = ROOT / "lab"
 TWO_HOP = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
            "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
            "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
@@ -40,15 +40,15 @@ def test_doctests(module):
 
 def test_the_headline_is_the_readme_command_and_publishes_its_summary():
     """The README's answer comes from `HEADLINE`: its command sets exactly HEADLINE's warm start and budget, and that
-    configuration alone writes `bench/results/learning.json` (the doctests of `default_results`)."""
+    configuration alone writes `lab/results/learning.json` (the doctests of `default_results`)."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    command = re.search(r"python bench/learning\.py (--mem-drop .*?)\n```", readme, re.S).group(1).replace("\\\n", " ")
+    command = re.search(r"python lab/learning\.py (--mem-drop .*?)\n```", readme, re.S).group(1).replace("\\\n", " ")
     words = command.split()
     mem_drop = float(words[words.index("--mem-drop") + 1])
     items = [w for w in words[words.index("--set") + 1 :] if "=" in w]
     budget = {**learning.BUDGET, **learning.parse_overrides(items)}
     assert (mem_drop, budget) == (learning.HEADLINE["mem_drop"], learning.HEADLINE["budget"])
-    summary = json.loads((BENCH / "results" / "learning.json").read_text())
+    summary = json.loads((LAB / "results" / "learning.json").read_text())
     assert summary["settings"]["budget"] == learning.HEADLINE["budget"]
     assert summary["settings"]["warm"]["derived"]["mem_drop"] == learning.HEADLINE["mem_drop"]
 
@@ -149,7 +149,7 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
         assert arm["seeds"] == [0] and arm["tokens_per_question"] > 0
         # Why each held-out row missed (`failure_kind`) is kept with every evaluation and summarised per arm.
         assert math.isclose(sum(arm["final_failures"].values()), 1.0)
-    assert summary["command"].startswith("python bench/learning.py") and "trl" in summary["versions"]
+    assert summary["command"].startswith("python lab/learning.py") and "trl" in summary["versions"]
     curves = json.loads((tmp_path / "learning_curves.json").read_text())
     assert {c["arm"] for c in curves} == set(learning.ARMS)
     assert all([p["step"] for p in c["curve"]] == [0, 1, 2] for c in curves)
@@ -265,7 +265,7 @@ def test_memory_signal_measures_what_each_remembered_fact_adds_to_p_gold(any_tok
 
 
 def test_the_shipped_learner_is_the_experiments_forgetful_warm_start(tmp_path):
-    """The quick start's `model_name_or_path: learner` is the warm start of `bench/learning.py --mem-drop 0.6` (one
+    """The quick start's `model_name_or_path: learner` is the warm start of `lab/learning.py --mem-drop 0.6` (one
     copy of the weights, in the package): the experiment uses it when its SFT settings and world files are the ones
     the shipped learner records, and builds its own warm start for anything else."""
     from dataclasses import asdict

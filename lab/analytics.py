@@ -3,7 +3,7 @@ what RL can gain before any is spent, and how much remembering a fact raises P(g
 
 - `failure_kind` says why a greedy episode missed (`FAILURE_KINDS`), from the values its answer turn had to see
   (`answer_time_facts`);
-- `lab_row_metric` is the held-out metric of `bench/learning.py` (a `mempo_trl.evaluation.RowMetric`): the quick
+- `lab_row_metric` is the held-out metric of `lab/learning.py` (a `mempo_trl.evaluation.RowMetric`): the quick
   start's EM, F1 and memory recall, plus the failure kind of each row (averaged into shares);
 - `headroom` measures what RL can gain before any is spent: the failure kinds of the greedy episodes, and how often
   sampled episodes of a row disagree (the GRPO groups that carry a reward signal);

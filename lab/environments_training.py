@@ -16,10 +16,10 @@ Two steps per environment, into ``--out`` (run directories, not in git; default 
 
 The summary holds, per "<env> <mode>" run, the per-step training metrics of `KEYS` and the run's wall seconds, and
 the warm starts' stats (``warm``), with the command, versions, machine and settings. With the default settings and
-``--out`` it is `bench/results/environments_training.json`, else ``environments_training.json`` next to the runs.
+``--out`` it is `lab/results/environments_training.json`, else ``environments_training.json`` next to the runs.
 
-    python bench/environments_training.py        # the committed summary: ~16 min on a 2-core CPU
-    python bench/environments_training.py --warm_steps 2 --steps 1 --warm_eval_rows 2 --out /tmp/envs  # smoke
+    python lab/environments_training.py        # the committed summary: ~16 min on a 2-core CPU
+    python lab/environments_training.py --warm_steps 2 --steps 1 --warm_eval_rows 2 --out /tmp/envs  # smoke
 """
 
 import argparse
@@ -34,7 +34,7 @@ from learning import _versions
 
 
 DEFAULT_OUT = "runs/environments_training"
-RESULTS = "bench/results/environments_training.json"
+RESULTS = "lab/results/environments_training.json"
 ENVIRONMENTS = ("keyvault", "safe")
 MODES = ("memory", "full_history")
 
@@ -80,12 +80,12 @@ def settings_of(environments, warm_steps: int | None, steps: int, warm_eval_rows
 
 
 def default_results(out: Path, settings: dict) -> Path:
-    """`bench/results/environments_training.json` for the default settings run into the default ``--out``, else
+    """`lab/results/environments_training.json` for the default settings run into the default ``--out``, else
     ``environments_training.json`` next to the runs (a smoke or probe run never touches the committed summary).
 
     >>> default = settings_of(ENVIRONMENTS, None, TRAIN["max_steps"], WARM["eval_rows"])
     >>> default_results(Path(DEFAULT_OUT), default).as_posix()
-    'bench/results/environments_training.json'
+    'lab/results/environments_training.json'
     >>> default_results(Path("/tmp/envs"), default).as_posix()
     '/tmp/envs/environments_training.json'
     >>> default_results(Path(DEFAULT_OUT), settings_of(ENVIRONMENTS, None, 1, 20)).as_posix()
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     except OutputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    command = "python bench/environments_training.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python lab/environments_training.py " + " ".join(sys.argv[1:] if argv is None else argv)
     summary = {
         "command": command.strip(),
         "versions": _versions(),

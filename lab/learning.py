@@ -1,6 +1,6 @@
 """Does it learn? MemPO against its ablations, from one warm start, on CPU.
 
-Three arms train from the same SFT warm start (`mempo_trl.kit.learner`) with the same budget (steps, G, batch, lr)
+Three arms train from the same SFT warm start (`build_learner`, `mempo_trl.kit.learner`) with the same budget (steps, G, batch, lr)
 on the same RL questions, and are evaluated greedily on held-out questions (never in the SFT or RL data) every
 `--eval-every` steps:
 
@@ -12,16 +12,16 @@ Resumable: every (arm, seed) run writes `runs/<arm>_s<seed>/curve.json` after ea
 it ends; a rerun skips finished runs (same settings), so later sessions on the same machine add seeds. Run
 directories stay out of git (default `--out`: `runs/learning`). After every run it rewrites the summary
 (`--results`, default `learning.json` next to the runs), `learning_curves.json` (all curves) and the figure. The
-`HEADLINE` configuration run into the default `--out` writes the README's answer, `bench/results/learning.json`,
+`HEADLINE` configuration run into the default `--out` writes the README's answer, `lab/results/learning.json`,
 instead; its warm start is the shipped learner (`mempo_trl.kit.learner.shipped_learner`), so it needs no 3,000-step
-SFT. `bench/results/learning_probes.json` keeps the summaries of the earlier configurations and probes, each with
+SFT. `lab/results/learning_probes.json` keeps the summaries of the earlier configurations and probes, each with
 its command.
 
-    python bench/learning.py --mem-drop 0.6 --set learning_rate=1e-4 per_device_train_batch_size=16 \
+    python lab/learning.py --mem-drop 0.6 --set learning_rate=1e-4 per_device_train_batch_size=16 \
         temperature=0.7 max_steps=300 --eval-every 50   # HEADLINE: all arms x seeds 0 1 2 (resumable)
-    python bench/learning.py --seeds 0                # the shipped BUDGET from the first warm start, one seed per arm
-    python bench/learning.py --quick --out outputs/learning_quick   # CI smoke: tiny world, a few steps
-    python bench/learning.py --headroom --set temperature=0.7        # what RL can gain, before spending it
+    python lab/learning.py --seeds 0                # the shipped BUDGET from the first warm start, one seed per arm
+    python lab/learning.py --quick --out outputs/learning_quick   # CI smoke: tiny world, a few steps
+    python lab/learning.py --headroom --set temperature=0.7        # what RL can gain, before spending it
 
 `--headroom` trains nothing: it plays the held-out rows with the warm start, greedily (why each miss fails:
 `analytics.failure_kind`) and G times sampled at the budget's temperature (mean EM, pass@G, the share
@@ -32,17 +32,20 @@ with probability P), into `<out>/mem_drop=P/`.
 """
 
 import argparse
+import hashlib
 import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from mempo_trl.kit.learner import LEARNER_INSTRUCTION
+from mempo_trl.kit.learner import LEARNER_INSTRUCTION, LEARNER_SIZE, LEARNER_WARM, LearnerPaths
+from mempo_trl.kit.warmstart import WARM_START_FILE, WarmSettings
 
 
 ARMS = {
@@ -69,7 +72,7 @@ BUDGET = {
 
 FORGETFUL = {"steps": 300, "lr": 1e-3}
 """`--mem-drop P`: SFT steps and lr that continue the shipped warm start with ``mem_drop = P``
-(`mempo_trl.kit.learner.derive_learner`)."""
+(`derive_learner`)."""
 
 HEADLINE = {
     "mem_drop": 0.6,
@@ -82,7 +85,7 @@ HEADLINE = {
     },
 }
 """The configuration behind the README's answer (`--mem-drop 0.6` and these `--set` overrides): its summary and
-figure are `bench/results/learning.json` and `learning.png`, the others' are written next to their runs."""
+figure are `lab/results/learning.json` and `learning.png`, the others' are written next to their runs."""
 
 QUICK = {
     "world": {"seed": 1, "num_entities": 60, "num_questions": 120},
@@ -300,13 +303,13 @@ DEFAULT_OUT = "runs/learning"
 
 
 def default_results(out: Path, run_root: Path, mem_drop: float | None, budget: dict, quick: bool = False) -> Path:
-    """Where the summary goes: `bench/results/learning.json` for `HEADLINE` run into the default ``--out``, else
+    """Where the summary goes: `lab/results/learning.json` for `HEADLINE` run into the default ``--out``, else
     `learning.json` next to the runs (a probe with another ``--out`` never touches the published summary).
 
     >>> default_results(Path(DEFAULT_OUT), Path("r"), None, BUDGET).as_posix()
     'r/learning.json'
     >>> default_results(Path(DEFAULT_OUT), Path("r"), 0.6, HEADLINE["budget"]).as_posix()
-    'bench/results/learning.json'
+    'lab/results/learning.json'
     >>> default_results(Path("/tmp/probe"), Path("r"), 0.6, HEADLINE["budget"]).as_posix()
     'r/learning.json'
     >>> default_results(Path(DEFAULT_OUT), Path("r"), 0.6, {**HEADLINE["budget"], "max_steps": 500}).as_posix()
@@ -314,15 +317,69 @@ def default_results(out: Path, run_root: Path, mem_drop: float | None, budget: d
     """
     headline = mem_drop == HEADLINE["mem_drop"] and budget == HEADLINE["budget"]
     if headline and not quick and out == Path(DEFAULT_OUT):
-        return Path("bench/results/learning.json")
+        return Path("lab/results/learning.json")
     return run_root / "learning.json"
+
+
+def build_learner(
+    output_dir: str | Path, paths: LearnerPaths, settings: WarmSettings | None = None, model_seed: int = 0
+) -> Path:
+    """Build the learner model (`LEARNER_SIZE`, tokenizer trained on the world's corpus) and warm-start it
+    (`LEARNER_WARM` by default).
+
+    A directory whose ``warm_start.json`` records the same settings and data is returned as it is.
+    """
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.kit.tiny import build_tiny_model
+    from mempo_trl.kit.warmstart import sft_warm_start
+    from mempo_trl.retrieval import BM25Retriever
+
+    settings = settings or LEARNER_WARM
+    out = Path(output_dir)
+    digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in paths)).hexdigest()
+    key = {"model_seed": model_seed, "size": LEARNER_SIZE, "warm": asdict(settings), "data_sha256": digest}
+    marker = out / WARM_START_FILE
+    if marker.is_file() and json.loads(marker.read_text()).get("learner") == key:
+        return out
+    corpus = read_jsonl(paths.corpus)
+    build_tiny_model(out, seed=model_seed, corpus_texts=[p["contents"] for p in corpus], **LEARNER_SIZE)
+    retriever = BM25Retriever.from_corpus(str(paths.corpus))
+    sft_warm_start(out, read_jsonl(paths.warm), retriever, settings)
+    record = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**record, "learner": key}, indent=2))
+    return out
+
+
+def derive_learner(base_dir: str | Path, output_dir: str | Path, paths: LearnerPaths, settings: WarmSettings) -> Path:
+    """Continue the warm start of ``base_dir`` (a `build_learner` directory) with ``settings`` into ``output_dir``.
+
+    For a warm start that differs in one behaviour without the full SFT from scratch, e.g. a higher ``mem_drop``: a
+    few hundred more SFT steps on the oracle rounds of the ``warm`` rows make the memory drop facts more often while
+    the rest of the protocol stays as learned. Cached like `build_learner` (same base, settings and data).
+    """
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.kit.warmstart import sft_warm_start
+    from mempo_trl.retrieval import BM25Retriever
+
+    base, out = Path(base_dir), Path(output_dir)
+    digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in paths)).hexdigest()
+    base_key = json.loads((base / WARM_START_FILE).read_text()).get("learner")
+    key = {"base": base_key, "warm": asdict(settings), "data_sha256": digest}
+    marker = out / WARM_START_FILE
+    if marker.is_file() and json.loads(marker.read_text()).get("derived") == key:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(base, out, ignore=shutil.ignore_patterns("sft"))
+    retriever = BM25Retriever.from_corpus(str(paths.corpus))
+    sft_warm_start(out, read_jsonl(paths.warm), retriever, settings)
+    record = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**record, "derived": key}, indent=2))
+    return out
 
 
 def shipped_warm_start(derived: dict, paths) -> Path | None:
     """The shipped learner when it is the warm start ``derived`` asks for (same SFT settings, same world files),
     else None."""
-    import hashlib
-
     from mempo_trl.kit.learner import shipped_learner
 
     record = json.loads((shipped_learner() / "warm_start.json").read_text())["derived"]
@@ -340,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-rows", type=int, default=100, help="held-out questions per evaluation")
     parser.add_argument(
         "--results", default=None,
-        help="summary JSON (default: learning.json next to the runs; bench/results/learning.json for HEADLINE)",
+        help="summary JSON (default: learning.json next to the runs; lab/results/learning.json for HEADLINE)",
     )  # fmt: skip
     parser.add_argument("--figure", default=None, help="figure (default next to the summary, learning.png)")
     parser.add_argument("--quick", action="store_true", help="tiny world, a few steps, 1 seed: a smoke run")
@@ -368,7 +425,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from mempo_trl.data import read_jsonl
     from mempo_trl.kit import learner
-    from mempo_trl.kit.warmstart import WarmSettings
     from mempo_trl.outputs import OutputError, check_writable
     from mempo_trl.retrieval import BM25Retriever
 
@@ -411,17 +467,17 @@ def main(argv: list[str] | None = None) -> int:
     if shipped is not None:
         warm_dir = shipped
     else:
-        warm_dir = learner.build_learner(out / "warm_model", paths, WarmSettings(**warm))
+        warm_dir = build_learner(out / "warm_model", paths, WarmSettings(**warm))
     if derived is not None and shipped is None:
         derived_dir = out / f"warm_model_mem_drop={args.mem_drop}"
-        warm_dir = learner.derive_learner(warm_dir, derived_dir, paths, WarmSettings(**derived))
+        warm_dir = derive_learner(warm_dir, derived_dir, paths, WarmSettings(**derived))
     stats = json.loads((warm_dir / "warm_start.json").read_text())["stats"]
     print(f"warm start: {warm_dir} ({stats['steps']} SFT steps, final loss {stats['final_loss']:.3f}, "
           f"{time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
     retriever = BM25Retriever.from_corpus(str(paths.corpus), cache_dir=str(out / "bm25"))
     rows = {"test": read_jsonl(paths.test)[: args.eval_rows], "rl_path": paths.rl}
 
-    command = "python bench/learning.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python lab/learning.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.headroom:
         return write_headroom(run_root, warm_dir, rows["test"], retriever, budget, command)
     for seed in args.seeds:

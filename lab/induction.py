@@ -3,18 +3,18 @@
 The lookup: a list of facts ``key : value .`` and then the keys again in another order, each ``key :`` to be
 completed with its value (multi-query associative recall with a separator, as in a memory ``Name: 1801.``: the
 token before the value is the ``:`` every fact shares, so the value must be found by the key one token further
-back). The learner is `bench/long_horizon.py`'s (`mempo_trl.kit.learner.LEARNER_SIZE`, its `VOCABULARY_SIZE`); keys and
+back). The learner is `lab/long_horizon.py`'s (`mempo_trl.kit.learner.LEARNER_SIZE`, its `VOCABULARY_SIZE`); keys and
 values are its regular tokens. Two arms from the same random weights:
 
 - ``from_scratch``: trained on the lookup for ``--lookup_steps`` steps;
-- ``induction``: `mempo_trl.kit.induction.induction_pretrain` for ``--induction_steps`` steps first (the copy task),
+- ``induction``: `induction_pretraining.induction_pretrain` for ``--induction_steps`` steps first (the copy task),
   then the same lookup training.
 
-Printed and written (``--out``, default ``bench/results/induction.json``): the copy loss of the induction stage, and
+Printed and written (``--out``, default ``lab/results/induction.json``): the copy loss of the induction stage, and
 the lookup accuracy (greedy, 100 held-out lists) of each arm every 250 steps.
 
-    python bench/induction.py                          # ~10 min on one core
-    python bench/induction.py --quick --out /tmp/induction.json   # CI smoke
+    python lab/induction.py                          # ~10 min on one core
+    python lab/induction.py --quick --out /tmp/induction.json   # CI smoke
 """
 
 import argparse
@@ -28,9 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from induction_pretraining import induction_pretrain, regular_token_ids
 from long_horizon import VOCABULARY_SIZE
-
-from mempo_trl.kit.induction import induction_pretrain, regular_token_ids
 
 
 FACTS = 6
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "induction.json")
     args = parser.parse_args(argv)
     if args.quick and args.out == parser.get_default("out"):
-        print("error: --quick would overwrite bench/results/induction.json; give --out a path of its own",
+        print("error: --quick would overwrite lab/results/induction.json; give --out a path of its own",
               file=sys.stderr)  # fmt: skip
         return 2
     try:  # the result is written after ~15 minutes: check its folder first
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             arms[arm] = {"curve": curve, "final_accuracy": curve[-1]["accuracy"]}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    command = "python bench/induction.py" + (" --quick" if args.quick else "")
+    command = "python lab/induction.py" + (" --quick" if args.quick else "")
     if not args.quick and (args.induction_steps, args.lookup_steps) != (3000, 1000):
         command += f" --induction_steps {args.induction_steps} --lookup_steps {args.lookup_steps}"
     result = {

@@ -1,4 +1,4 @@
-"""The long-horizon task family (`generate_horizon_world`) and its experiment, `bench/long_horizon.py`."""
+"""The long-horizon task family (`lab/horizon_world.py`) and its experiment, `lab/long_horizon.py`."""
 
 import doctest
 import json
@@ -6,18 +6,19 @@ import re
 import statistics
 from pathlib import Path
 
+import horizon_world
 import long_horizon
 import pytest
 from helpers import one_error_line
+from horizon_world import HORIZON_SPLITS, generate_horizon_world
 
 from mempo_trl.context import TurnProtocol
 from mempo_trl.data import read_jsonl
-from mempo_trl.kit.demo_world import HORIZON_SPLITS, generate_horizon_world
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
 from mempo_trl.rewards import outcome_score
 
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+LAB = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +64,9 @@ def test_each_objective_earns_its_share_of_em_and_f1():
     assert outcome_score("; ".join(values), row["golden_answers"], row["sub_answers"]).em == 1.0
 
 
-def test_doctests():
-    assert doctest.testmod(long_horizon).failed == 0
+@pytest.mark.parametrize("module", [horizon_world, long_horizon], ids=lambda m: m.__name__)
+def test_doctests(module):
+    assert doctest.testmod(module).failed == 0
 
 
 def test_targets_are_computed_from_the_arms():
@@ -119,7 +121,7 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys, monkeypatch):
         found = [p for ps in retriever.search(held_out, 3) for p in ps]
         assert found and not any(naming.search(p.title + "\n" + p.text) for p in found)
     monkeypatch.undo()
-    assert summary["command"].startswith("python bench/long_horizon.py --quick")
+    assert summary["command"].startswith("python lab/long_horizon.py --quick")
     assert (out / "long_horizon.png").is_file()
     capsys.readouterr()
     assert module.main(["--quick", "--out", str(out)]) == 0
@@ -140,7 +142,7 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys, monkeypatch):
     assert summary["arms"]["mempo"] == {"memory_scale_rewards": "none"} and "arm" not in summary["settings"]
     assert summary["horizons"]["4"]["mempo"]["seeds"] == [0]
     monkeypatch.undo()
-    committed = BENCH / "results" / "long_horizon_warm_check_validation.json"
+    committed = LAB / "results" / "long_horizon_warm_check_validation.json"
     before = committed.read_bytes() if committed.is_file() else None
     assert module.main(["--quick", "--out", str(out), "--warm_only", "--split", "validation"]) == 0
     assert (committed.read_bytes() if committed.is_file() else None) == before  # only the default run writes it
@@ -161,7 +163,7 @@ def test_tune_gives_every_arm_the_same_validation_grid_and_later_runs_use_its_ch
     grid = ({"learning_rate": 1e-4}, {"learning_rate": 3e-3})
     monkeypatch.setattr(long_horizon, "TUNE_GRID", grid)
     out, arms = tmp_path / "lh", ["outcome_only", "outcome_only_dynamic"]
-    committed = BENCH / "results" / "long_horizon_tuned.json"
+    committed = LAB / "results" / "long_horizon_tuned.json"
     before = committed.read_bytes() if committed.is_file() else None
     assert long_horizon.main(["--quick", "--tune", "--out", str(out), "--arms", *arms]) == 0
     assert (committed.read_bytes() if committed.is_file() else None) == before  # only the default --tune writes it
@@ -471,28 +473,29 @@ def test_copy_nll_finds_the_name_and_the_value_under_the_real_qwen2_5_tokenizer(
     assert name["first"] == pytest.approx(uniform) and name["later"] == pytest.approx(uniform)
 
 
-def test_the_default_warm_check_is_also_written_to_bench_results_with_its_command(tmp_path, monkeypatch):
+def test_the_default_warm_check_is_also_written_to_lab_results_with_its_command(tmp_path, monkeypatch):
     """``--warm_only`` with the default settings and ``--out`` writes the check the README cites, with its command,
-    settings, versions and machine, to ``bench/results/long_horizon_warm_check_<split>.json``; any other ``--out``
+    settings, versions and machine, to ``lab/results/long_horizon_warm_check_<split>.json``; any other ``--out``
     leaves it alone (the world, warm start and check itself are stubbed: this is the wiring)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(long_horizon, "prepare", lambda out, world, warm, device: ({}, Path(out) / "warm_model"))
     monkeypatch.setattr(long_horizon, "warm_check", lambda *args: {"memory": {"1": {"em": 0.5}}})
-    committed = tmp_path / "bench" / "results" / "long_horizon_warm_check_validation.json"
+    committed = tmp_path / "lab" / "results" / "long_horizon_warm_check_validation.json"
     assert long_horizon.main(["--warm_only", "--split", "validation", "--out", "elsewhere"]) == 0
     assert not committed.exists()
     assert long_horizon.main(["--warm_only", "--split", "validation"]) == 0
     record = json.loads(committed.read_text())
     assert record["memory"] == {"1": {"em": 0.5}} and record["settings"]["split"] == "validation"
-    assert record["command"] == "python bench/long_horizon.py --warm_only --split validation"
+    assert record["command"] == "python lab/long_horizon.py --warm_only --split validation"
     assert "torch" in record["versions"] and record["machine"]["cpus"] >= 1
 
 
 def test_the_copy_task_runs_before_the_sft_and_not_again_when_the_sft_resumes(tmp_path, monkeypatch):
     """`prepare` runs `induction_pretrain` on the freshly built model, then the SFT; a warm start resumed from an SFT
     checkpoint (whose weights replace the model's) skips it (the SFT and the check of the checkpoint are stubbed)."""
+    import induction_pretraining
+
     import mempo_trl.checkpoints
-    import mempo_trl.kit.induction
     import mempo_trl.kit.warmstart
 
     calls = []
@@ -502,7 +505,7 @@ def test_the_copy_task_runs_before_the_sft_and_not_again_when_the_sft_resumes(tm
         (Path(model_dir) / mempo_trl.kit.warmstart.WARM_START_FILE).write_text("{}")
         return {"steps": 2, "examples": 1, "initial_loss": 1.0, "final_loss": 1.0, "seconds": 0.0}
 
-    monkeypatch.setattr(mempo_trl.kit.induction, "induction_pretrain",
+    monkeypatch.setattr(induction_pretraining, "induction_pretrain",
                         lambda model_dir, steps, **kw: calls.append(f"induction {steps}") or
                         {"steps": steps, "initial_loss": 7.0, "final_loss": 0.1, "seconds": 0.0})  # fmt: skip
     monkeypatch.setattr(mempo_trl.kit.warmstart, "sft_warm_start", sft)

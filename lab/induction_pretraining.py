@@ -1,10 +1,11 @@
 """Induction pretraining: the in-context copy skill a pretrained language model brings, given to a learner built
-from scratch before its SFT warm start.
+from scratch before its SFT warm start (`lab/long_horizon.py`).
 
 A model that copies what it has seen (an induction head: attend to the token after an earlier occurrence of the
 current context, copy it) can then learn in a few hundred SFT steps to write into its memory the value that follows
-a name; a learner without one does not learn that lookup from the episodes at all (docs/learning.md). The copy task
-here forms the heads: random token sequences, each repeated after a gap of random length, the loss on the repeat.
+a name; a learner without one does not learn that lookup from the episodes at all (lab/learning.md; measured on the
+bare skill by `lab/induction.py`). The copy task here forms the heads: random token sequences, each repeated after a
+gap of random length, the loss on the repeat.
 """
 
 import json

@@ -1,11 +1,11 @@
 """Long-horizon proof: MemPO against its ablations as the number of objectives K grows.
 
-Each question asks K facts about K different entities (`mempo_trl.kit.demo_world.generate_horizon_world`), so an
+Each question asks K facts about K different entities (`horizon_world.generate_horizon_world`), so an
 agent searches K times and answers with values it found up to K turns earlier: the memory must keep them, while
 full history keeps every passage. The splits (warm start, RL, validation, test) share no question and no
 asked-about entity. The learner (`mempo_trl.kit.learner.LEARNER_SIZE`, its vocabulary trained on this world's corpus
 without the asked-about names, so that held-out names split into pieces the warm data shows: `VOCABULARY_SIZE`) is
-pretrained on a copy task (`mempo_trl.kit.induction`), then SFT-warm-started with `SFTTrainer` on oracle episodes
+pretrained on a copy task (`induction_pretraining`), then SFT-warm-started with `SFTTrainer` on oracle episodes
 of the warm rows with a forgetful memory (`WARM["mem_drop"]`; fresh names and values, the loss on every token:
 `WARM`); every arm then trains from it with the same budget on the RL rows (all K mixed):
 
@@ -23,23 +23,23 @@ seeds; a run stopped midway resumes from its newest checkpoint (every `CHECKPOIN
 runs side by side as processes (on one GPU with `--device cuda`). Run directories stay out of git (default `--out
 runs/long_horizon`); the published configuration (no `--set`, `--split test`, not `--quick`, no `--passage_words`, no
 `--outcome_reward`)
-writes its summary and figure to `bench/results/long_horizon.json` / `.png`, any other next to its runs.
+writes its summary and figure to `lab/results/long_horizon.json` / `.png`, any other next to its runs.
 
-    python bench/long_horizon.py --tune --seeds 0 1                  # each arm's settings, chosen on validation
-    python bench/long_horizon.py --seeds 0 1 2 3 4 --jobs 2          # the published experiment (resumable)
-    python bench/long_horizon.py --split validation --set learning_rate=3e-4   # choosing a setting
-    python bench/long_horizon.py --quick --out outputs/long_horizon_quick      # CI smoke: tiny world, 1 step
-    python bench/long_horizon.py --warm_only --split validation   # can the warm start play it? (no RL)
+    python lab/long_horizon.py --tune --seeds 0 1                  # each arm's settings, chosen on validation
+    python lab/long_horizon.py --seeds 0 1 2 3 4 --jobs 2          # the published experiment (resumable)
+    python lab/long_horizon.py --split validation --set learning_rate=3e-4   # choosing a setting
+    python lab/long_horizon.py --quick --out outputs/long_horizon_quick      # CI smoke: tiny world, 1 step
+    python lab/long_horizon.py --warm_only --split validation   # can the warm start play it? (no RL)
 
 ``--tune`` gives every arm the same validation budget before the test split is touched: it trains each arm at every
 `TUNE_GRID` point (with the given seeds) on the validation split, into ``runs/validation_tune/``, and writes each arm's
 point of best validation EM (mean over K and seeds) with every point's score to
-``bench/results/long_horizon_tuned.json`` (default settings; any other next to its runs). Later runs of the same
+``lab/results/long_horizon_tuned.json`` (default settings; any other next to its runs). Later runs of the same
 settings, on either split, train each arm at its chosen point (`read_tuned`); without that file, at `BUDGET`'s.
 
 ``--warm_only`` builds the world and the warm start, evaluates the warm model per K in both context modes and
 measures what a remembered fact is worth to it (`memory_signal`), and writes ``<out>/warm_check_<split>.json``; with
-the default settings and ``--out``, also ``bench/results/long_horizon_warm_check_<split>.json`` (with its command),
+the default settings and ``--out``, also ``lab/results/long_horizon_warm_check_<split>.json`` (with its command),
 which the README cites.
 
 Three options, off by default (the default settings, and so the cached warm start and the finished runs, are
@@ -59,9 +59,9 @@ unchanged):
   instead of each part's share, which pays ``1/K`` for one search and one right value (`OUTCOME_REWARDS`); runs and
   summary get the suffix ``_all_parts``, and ``settings["outcome_reward"]`` holds it.
 
-    python bench/long_horizon.py --split validation --set max_context_tokens=1024
-    python bench/long_horizon.py --split validation --passage_words 100   # -> runs/long_horizon/passage_words_100/
-    python bench/long_horizon.py --split validation --outcome_reward all_parts   # -> runs/validation_all_parts/
+    python lab/long_horizon.py --split validation --set max_context_tokens=1024
+    python lab/long_horizon.py --split validation --passage_words 100   # -> runs/long_horizon/passage_words_100/
+    python lab/long_horizon.py --split validation --outcome_reward all_parts   # -> runs/validation_all_parts/
 """
 
 import argparse
@@ -105,22 +105,22 @@ left out of the oracle's memory with probability ``mem_drop``, so the warm model
 passages) renamed to a fresh one each time (`fresh_name_rows`), so no name repeats and the model can only learn to
 copy names, not to recall them: with the warm pool's 77 names as they are, a warm start answered warm rows (K = 1,
 EM 0.80) by searching for a warm name it had memorised whatever the question asked, and held-out ones not at all (EM
-0.00; docs/learning.md). ``fresh_values``: each copy also redraws every value its row asks (`fresh_value`), in its
+0.00; lab/learning.md). ``fresh_values``: each copy also redraws every value its row asks (`fresh_value`), in its
 answers and passages, so no asked value can be recalled either (with the values kept, the fresh-name copies wrote
 warm values with confidence: `value_copy_nll` 4.05 nats per token). ``prompt_loss``: the loss on every token of the
 context, not only the completion's (`mempo_trl.kit.warmstart.sft_dataset`): the passages repeat each name, and a
 model trained to predict them learns to copy (`name_copy_nll` on validation names: 2.86 / 2.86 nats after 3,000
 completion-only steps, 0.40 / 0.14 after 1,500 with it). Check it with ``--warm_only`` before any RL: with all of
-these the learner copies names but not values (`value_copy_nll` ~1.74; docs/learning.md). ``induction_steps``: the
-model built from scratch first learns to copy (`mempo_trl.kit.induction.induction_pretrain`, a copy task of random
+these the learner copies names but not values (`value_copy_nll` ~1.74; lab/learning.md). ``induction_steps``: the
+model built from scratch first learns to copy (`induction_pretraining.induction_pretrain`, a copy task of random
 tokens), the skill a pretrained language model brings: without it the lookup a memory needs (the value that follows
-*this* name, after a ``:`` every fact shares) is not learned from the episodes (`bench/induction.py`)."""
+*this* name, after a ``:`` every fact shares) is not learned from the episodes (`lab/induction.py`)."""
 
 VOCABULARY_SIZE = 1024
 """Upper bound of the learner's vocabulary, trained on the corpus without the asked-about names (`vocabulary_texts`):
 small enough that a held-out name splits into pieces the warm data shows (`name_token_coverage` 0.99 on this world's
 validation and test names, 6.2-6.6 tokens per name; the 8,192 bound gives 0.91-0.94 at 4.2-4.6 tokens, and a
-vocabulary trained with the names 0.71-0.73; docs/learning.md)."""
+vocabulary trained with the names 0.71-0.73; lab/learning.md)."""
 
 OUTCOME_REWARDS = {"each_part": "mempo_outcome_reward", "all_parts": "mempo_all_parts_reward"}
 """``--outcome_reward``: the `mempo_trl.rewards` function every arm trains on. Evaluation always reports EM with each
@@ -136,7 +136,7 @@ ARMS = {
 }
 """The arms: MemPOConfig overrides of `BUDGET`. MemPO divides its memory advantage by the batch's std instead of each
 question's (`memory_scale_rewards`), chosen on validation: with the per-question std, seed 0 stopped answering
-(docs/learning.md, "The long-horizon experiment"). ``outcome_only_dynamic`` is outcome-only with DAPO's dynamic
+(lab/learning.md, "The long-horizon experiment"). ``outcome_only_dynamic`` is outcome-only with DAPO's dynamic
 sampling (`MemPOConfig.dynamic_sampling`): its all-equal groups are replaced by groups of further RL prompts, so that
 a step where every answer scores the same still trains; it is the fair baseline for MemPO's claim that the memory
 advantage gives a gradient there. A run is keyed by `run_settings`, so changing one arm redoes only its runs."""
@@ -348,10 +348,12 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
     ``out/warm_model`` (cached: same size, settings and data)."""
     import hashlib
 
+    from horizon_world import HORIZON_SPLITS
+    from induction_pretraining import induction_pretrain
+
     from mempo_trl.checkpoints import newest_complete_checkpoint
     from mempo_trl.data import read_jsonl
-    from mempo_trl.kit.demo_world import HORIZON_SPLITS, _write_jsonl
-    from mempo_trl.kit.induction import induction_pretrain
+    from mempo_trl.kit.demo_world import _write_jsonl
     from mempo_trl.kit.learner import LEARNER_SIZE
     from mempo_trl.kit.tiny import build_tiny_model
     from mempo_trl.kit.warmstart import WARM_START_FILE, WarmSettings, sft_warm_start
@@ -415,7 +417,7 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
 def generate_world(world: dict):
     """The `HorizonWorld` of ``world`` (`WORLD`-shaped settings; ``passage_words`` is applied to its corpus by
     `prepare`, not here): seeded, so the same settings give the same world."""
-    from mempo_trl.kit.demo_world import generate_horizon_world
+    from horizon_world import generate_horizon_world
 
     arguments = {k: v for k, v in world.items() if k != "passage_words"}
     return generate_horizon_world(**{**arguments, "horizons": tuple(world["horizons"])})
@@ -924,15 +926,13 @@ def main(argv: list[str] | None = None) -> int:
     published = defaults and args.split == "test"
     out = Path(args.out) if args.passage_words is None else Path(args.out) / f"passage_words_{args.passage_words}"
     variant = budget_suffix(budget) + ("" if args.outcome_reward == "each_part" else f"_{args.outcome_reward}")
-    results = Path("bench/results/long_horizon.json") if published else out / f"long_horizon{variant}.json"
+    results = Path("lab/results/long_horizon.json") if published else out / f"long_horizon{variant}.json"
     runs = out / "runs" / f"{args.split}{variant}"
     # The choice of the default settings' --tune is committed: the published runs use it.
-    tuned_path = (
-        Path("bench/results/long_horizon_tuned.json") if defaults else out / f"long_horizon_tuned{variant}.json"
-    )
+    tuned_path = Path("lab/results/long_horizon_tuned.json") if defaults else out / f"long_horizon_tuned{variant}.json"
     # The warm check of the default settings is the one the README cites: it is also written to bench/results.
     cited = defaults and args.warm_only and args.out == parser.get_default("out")
-    committed = Path(f"bench/results/long_horizon_warm_check_{args.split}.json")
+    committed = Path(f"lab/results/long_horizon_warm_check_{args.split}.json")
     try:  # every output is checked before the (long) warm start and runs
         for directory in {out, results.parent, tuned_path.parent, *([committed.parent] if cited else [])}:
             check_writable(directory)
@@ -948,7 +948,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm_only:
         check = warm_check(out, paths, warm_dir, budget, args.split)
         if cited:
-            command = "python bench/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
+            command = "python lab/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
             record = {
                 **check,
                 "settings": settings,
@@ -986,7 +986,7 @@ def main(argv: list[str] | None = None) -> int:
         for job in jobs:
             run_one(job)
     records = [json.loads(p.read_text()) for p in sorted(runs.glob("*/run.json"))]
-    command = "python bench/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python lab/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.tune:
         records = [
             r for r in records

@@ -1,6 +1,7 @@
-"""Induction pretraining (`mempo_trl.kit.induction`): the copy examples, and the stage that trains on them.
+"""Induction pretraining (`lab/induction_pretraining.py`): the copy examples, and the stage that trains on them; and
+its experiment, `lab/induction.py`.
 
-Run: `pytest tests/test_induction.py`
+Run: `pytest lab/tests/test_induction.py`
 """
 
 import doctest
@@ -8,14 +9,14 @@ import json
 import random
 import shutil
 
+import induction
+import induction_pretraining
+from induction_pretraining import INDUCTION_FILE, copy_batch, induction_pretrain
 from safetensors.torch import load_file
-
-import mempo_trl.kit.induction as induction
-from mempo_trl.kit.induction import INDUCTION_FILE, copy_batch, induction_pretrain
 
 
 def test_doctests():
-    assert doctest.testmod(induction).failed == 0
+    assert doctest.testmod(induction_pretraining).failed == 0
 
 
 def test_copy_batch_labels_only_the_repeat_and_moves_it():
@@ -57,3 +58,20 @@ def test_induction_pretrain_refuses_zero_steps(tiny_model_dir):
 
     with pytest.raises(ValueError, match="steps >= 1"):
         induction_pretrain(tiny_model_dir, steps=0)
+
+
+def test_induction_bench_runs_both_arms_and_leaves_the_committed_result_alone(tmp_path, capsys):
+    """`lab/induction.py --quick`: both arms trained and evaluated, the summary where ``--out`` says with its
+    command and machine; without ``--out``, ``--quick`` refuses to overwrite the committed result."""
+    bench = induction
+    assert bench.main(["--quick"]) == 2
+    assert "error: --quick would overwrite lab/results/induction.json" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert bench.main(["--quick", "--out", str(tmp_path / "a_file" / "induction.json")]) == 2  # before any work
+    assert "error: output directory" in capsys.readouterr().err
+    assert bench.main(["--quick", "--out", str(tmp_path / "induction.json")]) == 0
+    result = json.loads((tmp_path / "induction.json").read_text())
+    assert sorted(result["arms"]) == ["from_scratch", "induction"] and result["command"].endswith("--quick")
+    assert result["induction"]["steps"] == 3 and [p["step"] for p in result["arms"]["induction"]["curve"]] == [0, 3]
+    assert 0.0 <= result["arms"]["from_scratch"]["final_accuracy"] <= 1.0 and "machine" in result
+    assert doctest.testmod(bench).failed == 0
