@@ -34,6 +34,7 @@ from mempo_trl.kit.envs import (
 )
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.protocol import TOOL_ACTIONS, locate_mem_span, parse_turn
+from mempo_trl.rewards import episode_metrics
 from mempo_trl.rollout import RolloutEngine
 
 
@@ -154,7 +155,7 @@ def test_key_vault_episodes_rebuild_the_context_from_the_task_the_last_turn_and_
         assert ep.question == task and ep.golden_answers == env.golden_answers
         assert ep.tools == tool_schemas(env)
         assert len(ep.rounds) == 5 and ep.answer == env.golden_answers[0]
-        assert ep.metrics()["em"] == 1.0 and ep.metrics()["tool_calls"] == 4.0
+        assert episode_metrics(ep)["em"] == 1.0 and episode_metrics(ep)["tool_calls"] == 4.0
         base = initial_messages(task, instruction=ENVIRONMENT_INSTRUCTION)
         history = []
         for t, record in enumerate(ep.rounds):

@@ -28,6 +28,8 @@ _EXPORTS = {
     "exact_match": "mempo_trl.rewards",
     "f1_score": "mempo_trl.rewards",
     "outcome_score": "mempo_trl.rewards",
+    "episode_outcome": "mempo_trl.rewards",
+    "episode_metrics": "mempo_trl.rewards",
     "mempo_outcome_reward": "mempo_trl.rewards",
     "mempo_all_parts_reward": "mempo_trl.rewards",
     "mempo_format_reward": "mempo_trl.rewards",
