@@ -103,12 +103,11 @@ def warm_start(env: str, warm_dir: Path, settings: dict) -> dict:
     the settings, the SFT stats and the greedy held-out evaluation."""
     import torch
 
-    from mempo_trl.context import TurnProtocol
     from mempo_trl.generation import HFGenerator
     from mempo_trl.kit.envs import KIT_ENVIRONMENTS, ORACLES, OracleGenerator
     from mempo_trl.kit.tiny import build_tiny_model, load_tiny
     from mempo_trl.padding import pad_ids
-    from mempo_trl.protocol import TOOL_STOPS
+    from mempo_trl.protocol import TOOL_STOPS, TurnProtocol
     from mempo_trl.rewards import episode_metrics
     from mempo_trl.rollout import RolloutEngine
 

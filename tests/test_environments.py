@@ -13,9 +13,8 @@ from datasets import Dataset
 from helpers import cpu_config, scripted_scorers
 
 from mempo_trl import MemPOTrainer
-from mempo_trl.context import TurnProtocol, initial_messages, render_prompt, round_messages
+from mempo_trl.context import render_prompt
 from mempo_trl.environments import (
-    ENVIRONMENT_INSTRUCTION,
     EnvironmentConventionError,
     call_tool,
     check_environment,
@@ -33,7 +32,15 @@ from mempo_trl.kit.envs import (
     safe_rows,
 )
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.protocol import TOOL_ACTIONS, locate_mem_span, parse_turn
+from mempo_trl.protocol import (
+    ENVIRONMENT_INSTRUCTION,
+    TOOL_ACTIONS,
+    TurnProtocol,
+    initial_messages,
+    locate_mem_span,
+    parse_turn,
+    round_messages,
+)
 from mempo_trl.rewards import episode_metrics
 from mempo_trl.rollout import RolloutEngine
 

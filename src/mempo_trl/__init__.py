@@ -53,7 +53,7 @@ _EXPORTS = {
     "check_model_files": "mempo_trl.loading",
     "evaluate": "mempo_trl.evaluation",
     "MemPOAgent": "mempo_trl.agent",
-    "TurnProtocol": "mempo_trl.context",
+    "TurnProtocol": "mempo_trl.protocol",
     "AgentResult": "mempo_trl.agent",
     "CheckpointError": "mempo_trl.checkpoints",
     "validate_checkpoint": "mempo_trl.checkpoints",

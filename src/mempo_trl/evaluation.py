@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from mempo_trl.agent import AgentResult, MemPOAgent
-from mempo_trl.context import ContextMode, TurnProtocol
 from mempo_trl.environments import has_own_reward
+from mempo_trl.protocol import ContextMode, TurnProtocol
 from mempo_trl.rewards import episode_metrics
 from mempo_trl.rollout import Episode, GenerateFn
 

@@ -17,15 +17,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from mempo_trl.context import (
-    MemoryScoringPair,
-    ScoringItem,
-    TurnProtocol,
-    gold_answer_tokens,
-    memory_context_ids,
-    render_prompt,
-    round_messages,
-)
+from mempo_trl.context import MemoryScoringPair, ScoringItem, gold_answer_tokens, memory_context_ids, render_prompt
 from mempo_trl.data import DataError
 from mempo_trl.environments import (
     EnvironmentFactory,
@@ -40,9 +32,11 @@ from mempo_trl.protocol import (
     SEARCH_ACTIONS,
     TOOL_ACTIONS,
     Turn,
+    TurnProtocol,
     locate_char_span,
     parse_turn,
     render_information,
+    round_messages,
     token_char_offsets,
 )
 from mempo_trl.retrieval.base import RetrieverOutage
