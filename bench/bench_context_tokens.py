@@ -24,10 +24,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from mempo_trl.agent import MemPOAgent, load_chat_tokenizer
-from mempo_trl.context import TurnProtocol
 from mempo_trl.data import load_qa
 from mempo_trl.evaluation import compare_modes, evaluate
 from mempo_trl.kit.demo_world import demo_paths
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.retrieval import BM25Retriever
 
 

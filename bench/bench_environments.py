@@ -17,9 +17,9 @@ import platform
 import sys
 
 from mempo_trl.agent import MemPOAgent, load_chat_tokenizer
-from mempo_trl.context import TurnProtocol
 from mempo_trl.evaluation import compare_modes, evaluate
 from mempo_trl.kit.envs import ORACLES, KeyVaultEnv, OracleGenerator, SafeEnv, key_vault_rows, safe_rows
+from mempo_trl.protocol import TurnProtocol
 
 
 def measure(tokenizer, name: str, factory, rows: list[dict]) -> dict:

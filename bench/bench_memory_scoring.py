@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from mempo_trl.context import TurnProtocol
 from mempo_trl.data import read_jsonl
 from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.memory import answer_probability
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.retrieval import BM25Retriever
 from mempo_trl.rollout import RolloutEngine, memory_scoring_items
 from mempo_trl.scoring import (

@@ -103,12 +103,12 @@ def warm_start(env: str, warm_dir: Path, settings: dict) -> dict:
     the settings, the SFT stats and the greedy held-out evaluation."""
     import torch
 
-    from mempo_trl.context import TurnProtocol
     from mempo_trl.generation import HFGenerator
     from mempo_trl.kit.envs import KIT_ENVIRONMENTS, ORACLES, OracleGenerator
     from mempo_trl.kit.tiny import build_tiny_model, load_tiny
     from mempo_trl.padding import pad_ids
-    from mempo_trl.protocol import TOOL_STOPS
+    from mempo_trl.protocol import TOOL_STOPS, TurnProtocol
+    from mempo_trl.rewards import episode_metrics
     from mempo_trl.rollout import RolloutEngine
 
     record_path = warm_dir / "warm_start.json"
@@ -160,7 +160,7 @@ def warm_start(env: str, warm_dir: Path, settings: dict) -> dict:
     greedy = HFGenerator(model, tokenizer, max_new_tokens=settings["eval_max_new_tokens"], stops=TOOL_STOPS)
     engine = RolloutEngine(tokenizer, protocol, environment_factory=env_cls, eos_token_ids=greedy.eos_token_ids)
     episodes, _ = engine.run(rows(settings["eval_rows"], seed=settings["eval_seed"]), greedy)
-    metrics = [episode.metrics() for episode in episodes]
+    metrics = [episode_metrics(episode) for episode in episodes]
     held_out = {key: round(sum(m.get(key, 0.0) for m in metrics) / len(metrics), 4) for key in metrics[0]}
     if hasattr(env_cls, "get_reward"):
         held_out["reward"] = round(sum(e.environment.get_reward() for e in episodes) / len(episodes), 4)

@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def protocol_of(budget: dict, context_mode: str = "memory"):
     """The `TurnProtocol` of a ``budget`` (its `MemPOConfig` fields) played in ``context_mode``."""
-    from mempo_trl.context import TurnProtocol
+    from mempo_trl.protocol import TurnProtocol
 
     fields = ("max_turns", "retrieval_topk", "max_completion_length", "instruction")
     return TurnProtocol(context_mode=context_mode, **{name: budget[name] for name in fields if name in budget})

@@ -14,9 +14,9 @@ import mempo_trl.context as context_module
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.agent import MemPOAgent
 from mempo_trl.cli import main
-from mempo_trl.context import PROTOCOL_FILE, TurnProtocol
 from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.kit.tiny import load_tiny
+from mempo_trl.protocol import PROTOCOL_FILE, TurnProtocol
 
 
 CUSTOM = dict(

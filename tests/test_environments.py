@@ -13,9 +13,8 @@ from datasets import Dataset
 from helpers import cpu_config, scripted_scorers
 
 from mempo_trl import MemPOTrainer
-from mempo_trl.context import TurnProtocol, initial_messages, render_prompt, round_messages
+from mempo_trl.context import render_prompt
 from mempo_trl.environments import (
-    ENVIRONMENT_INSTRUCTION,
     EnvironmentConventionError,
     call_tool,
     check_environment,
@@ -33,7 +32,16 @@ from mempo_trl.kit.envs import (
     safe_rows,
 )
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.protocol import TOOL_ACTIONS, locate_mem_span, parse_turn
+from mempo_trl.protocol import (
+    ENVIRONMENT_INSTRUCTION,
+    TOOL_ACTIONS,
+    TurnProtocol,
+    initial_messages,
+    locate_mem_span,
+    parse_turn,
+    round_messages,
+)
+from mempo_trl.rewards import episode_metrics
 from mempo_trl.rollout import RolloutEngine
 
 
@@ -154,7 +162,7 @@ def test_key_vault_episodes_rebuild_the_context_from_the_task_the_last_turn_and_
         assert ep.question == task and ep.golden_answers == env.golden_answers
         assert ep.tools == tool_schemas(env)
         assert len(ep.rounds) == 5 and ep.answer == env.golden_answers[0]
-        assert ep.metrics()["em"] == 1.0 and ep.metrics()["tool_calls"] == 4.0
+        assert episode_metrics(ep)["em"] == 1.0 and episode_metrics(ep)["tool_calls"] == 4.0
         base = initial_messages(task, instruction=ENVIRONMENT_INSTRUCTION)
         history = []
         for t, record in enumerate(ep.rounds):

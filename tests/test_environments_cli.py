@@ -8,7 +8,6 @@ from helpers import cpu_recipe
 
 from mempo_trl.agent import AgentError, MemPOAgent
 from mempo_trl.cli import main
-from mempo_trl.environments import ENVIRONMENT_INSTRUCTION
 from mempo_trl.evaluation import compare_modes, evaluate
 from mempo_trl.kit.envs import (
     KIT_ENVIRONMENTS,
@@ -20,6 +19,7 @@ from mempo_trl.kit.envs import (
     safe_rows,
 )
 from mempo_trl.kit.tiny import load_tiny
+from mempo_trl.protocol import ENVIRONMENT_INSTRUCTION
 
 
 @pytest.fixture(scope="module")

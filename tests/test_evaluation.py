@@ -11,13 +11,13 @@ from helpers import EchoRetriever, free_port
 
 from mempo_trl.agent import MemPOAgent
 from mempo_trl.cli import main
-from mempo_trl.context import TurnProtocol, initial_messages, render_prompt, stop_token_ids
+from mempo_trl.context import render_prompt
 from mempo_trl.evaluation import HELDOUT_OVERALL, compare_modes, evaluate, heldout_metrics
 from mempo_trl.generation import HFGenerator, strip_completion
 from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
-from mempo_trl.protocol import render_information
+from mempo_trl.protocol import TurnProtocol, initial_messages, render_information, stop_token_ids
 from mempo_trl.retrieval import Passage
 
 

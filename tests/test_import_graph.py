@@ -112,6 +112,11 @@ def test_data_flows_down_the_chain():
     assert chain_violations(import_graph()) == []
 
 
+def test_the_rollout_does_not_score_outcomes():
+    """Outcome scores (`mempo_trl.rewards`) come after the rollout: the trainer scores each episode once a step."""
+    assert "mempo_trl.rewards" not in import_graph()["mempo_trl.rollout"]
+
+
 def test_no_import_cycles_in_the_package():
     """Every module, `commands/`, `kit/` and `retrieval/` included, lazy (in-function) imports counted."""
     graph = import_graph()

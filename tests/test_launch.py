@@ -279,9 +279,9 @@ def test_merge_lora_with_moved_base_and_dtype(tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from mempo_trl.context import TurnProtocol
     from mempo_trl.kit.tiny import load_tiny
     from mempo_trl.merge import merge_lora
+    from mempo_trl.protocol import TurnProtocol
 
     model, tokenizer = load_tiny(tiny_model_dir)
     torch.manual_seed(0)

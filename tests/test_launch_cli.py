@@ -16,7 +16,7 @@ from mempo_trl.commands.launch import (
     resolve_accelerate_config,
     split_launch_args,
 )
-from mempo_trl.context import TurnProtocol
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.settings import MemoryRewardSettings
 
 

@@ -16,7 +16,7 @@ import pytest
 from helpers import cpu_recipe, free_port, one_error_line
 
 from mempo_trl.cli import main
-from mempo_trl.context import PROTOCOL_FILE, TurnProtocol
+from mempo_trl.protocol import PROTOCOL_FILE, TurnProtocol
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ from datasets import Dataset
 from helpers import EchoRetriever, cpu_config
 from transformers import Qwen2ForCausalLM
 
-from mempo_trl import MemPOTrainer
-from mempo_trl.context import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
+from mempo_trl import MemPOTrainer, rewards
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
+from mempo_trl.protocol import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
 
 
 def turn(mem, action, content):
@@ -265,3 +265,33 @@ def test_a_process_with_nothing_to_score_still_issues_the_shared_prefix_forwards
     monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", lambda *a, **k: pytest.fail("batched scorer used"))
     assert [column.numel() for column in trainer._memory_rewards(())] == [0, 0, 0]
     assert calls == [(0, [], 2)]
+
+
+def test_episode_metrics_come_from_one_outcome_score_per_episode(scripted_trainer, monkeypatch):
+    """The ``episode/*`` metrics, hand-computed, and the outcome reward read the same score: `outcome_score` runs
+    once per episode in a step (the reward function takes the trainer's ``outcome`` column)."""
+    trainer, _, _, _ = scripted_trainer
+    question = "Where is Delta?"
+    monkeypatch.setitem(GOLDS, question, ["Paris"])
+    monkeypatch.setitem(SCRIPT, question, [
+        [turn("d1 one", "search", "delta"), turn("d1 two", "answer", "Paris France")],
+        [turn("d2 one", "answer", "the paris")],
+    ])  # fmt: skip
+    monkeypatch.setitem(P_VALUES, "d1 two", (0.5, 0.25))
+    monkeypatch.setitem(PREVIOUS_MEM, "d1 one", "d1 two")
+    calls = []
+    scorer = rewards.outcome_score
+    monkeypatch.setattr(rewards, "outcome_score", lambda *a, **k: calls.append(a) or scorer(*a, **k))
+    trainer.model.train()
+    trainer._generate_and_score_completions(
+        [{"question": question, "golden_answers": ["Paris"], "data_source": "demo"}] * 2
+    )
+    assert len(calls) == 2
+    metrics = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
+    # d1: "Paris France" vs "Paris": EM 0, token F1 2 * (1/2 * 1) / (1/2 + 1) = 2/3, sub-EM 1; d2: "the paris" EM 1.
+    expected = {"em": 0.5, "f1": (2 / 3 + 1) / 2, "sub_em": 1.0, "format_valid": 1.0, "answer_rate": 1.0}
+    expected |= {"turns": 1.5, "searches": 0.5, "context_overflow": 0.0}
+    assert {k: v for k, v in metrics.items() if k.startswith("episode/") and k != "episode/truncated_turns"} == (
+        pytest.approx({f"episode/{name}": value for name, value in expected.items()})
+    )
+    assert metrics["rewards/mempo_outcome_reward/mean"] == pytest.approx(0.5)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from mempo_trl.context import DEFAULT_INSTRUCTION, TurnProtocol, render_prompt
+from mempo_trl.context import render_prompt
 from mempo_trl.data import read_jsonl
 from mempo_trl.kit import warmstart
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
@@ -20,7 +20,7 @@ from mempo_trl.kit.warmstart import (
     sft_warm_start,
     tiny_warm_settings,
 )
-from mempo_trl.protocol import parse_turn, render_information
+from mempo_trl.protocol import DEFAULT_INSTRUCTION, TurnProtocol, parse_turn, render_information
 from mempo_trl.rewards import exact_match
 from mempo_trl.rollout import RolloutEngine
 

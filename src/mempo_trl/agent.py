@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mempo_trl.context import PROTOCOL_FILE, TurnProtocol
 from mempo_trl.environments import EnvironmentFactory
+from mempo_trl.protocol import PROTOCOL_FILE, TurnProtocol
 from mempo_trl.rollout import Episode, GenerateFn, RolloutEngine, RolloutTimings
 
 

@@ -4,9 +4,9 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from mempo_trl.context import TurnProtocol, field_type_problems
 from mempo_trl.dynamic_sampling import DYNAMIC_SAMPLING
-from mempo_trl.settings import MemoryRewardSettings, flat_field
+from mempo_trl.protocol import TurnProtocol
+from mempo_trl.settings import MemoryRewardSettings, field_type_problems, flat_field
 
 
 TOKEN_LEVEL_LOSSES = ("dapo", "bnpo", "cispo", "vespo")

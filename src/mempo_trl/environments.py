@@ -22,14 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 
-ENVIRONMENT_INSTRUCTION = (
-    "Solve the task with the tools. Every turn, first write <mem> ... </mem> with everything useful you know so far "
-    "(only your latest turn and tool result stay visible), then <think> ... </think>, then exactly one action: "
-    '<tool_call>{{"name": tool name, "arguments": {{...}}}}</tool_call> to call a tool, or <answer> final answer '
-    "</answer> when you are done.\n\n{question}"
-)
-"""The default instruction of an environment task: `MemPOConfig.instruction` when it is left at the search one."""
-
 EnvironmentFactory = Callable[[], Any]
 """A callable (usually the class itself) that returns a new environment instance."""
 

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from mempo_trl.agent import AgentResult, MemPOAgent
-from mempo_trl.context import ContextMode, TurnProtocol
 from mempo_trl.environments import has_own_reward
+from mempo_trl.protocol import ContextMode, TurnProtocol
+from mempo_trl.rewards import episode_metrics
 from mempo_trl.rollout import Episode, GenerateFn
 
 
@@ -56,7 +57,7 @@ def episode_record(episode: Episode) -> dict:
     """
     row = episode.row
     result = AgentResult.from_episode(episode)
-    metrics = episode.metrics()
+    metrics = episode_metrics(episode)
     rounds = [
         {
             "prompt_tokens": len(r.prompt_ids),

@@ -9,9 +9,8 @@ exactly the same prompts, and `mempo_trl.rollout.cut_after_action` cuts what the
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mempo_trl.context import stop_token_ids
 from mempo_trl.padding import pad_ids
-from mempo_trl.protocol import ACTION_STOPS
+from mempo_trl.protocol import ACTION_STOPS, stop_token_ids
 from mempo_trl.stopping import action_stopping_criteria
 
 

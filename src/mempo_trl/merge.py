@@ -22,8 +22,8 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | None = None, dt
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from mempo_trl.context import PROTOCOL_FILE
     from mempo_trl.loading import load_tokenizer
+    from mempo_trl.protocol import PROTOCOL_FILE
 
     adapter = str(adapter)
     base = base or PeftConfig.from_pretrained(adapter).base_model_name_or_path

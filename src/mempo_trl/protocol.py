@@ -1,19 +1,29 @@
-"""The MemPO turn protocol: parse one assistant turn, render environment and gold texts, locate token spans.
+"""The MemPO turn protocol: the rules of the game (`TurnProtocol`, its prompts and round messages), parse one
+assistant turn, render environment and gold texts, locate token spans.
 
 One assistant turn is ``<mem>…</mem>``, ``<think>…</think>``, then exactly one of ``<search>…</search>`` or
 ``<answer>…</answer>``, with nothing but whitespace outside the tags (docs/algorithm.md, "Turn protocol"). With a
 TRL-style environment (`mempo_trl.environments`) the tool action is ``<tool_call>…</tool_call>`` instead of
 ``<search>``: the tool-call tags of Qwen2.5 / Hermes chat templates, holding ``{"name": ..., "arguments": {...}}``.
+
+`TurnProtocol` holds the settings of that game (prompts, turn budget, context mode, context budget, action tags) as
+one object: the trainer builds it from `MemPOConfig`, saves it next to the weights (``mempo_agent.json``), and the
+rollout, the agent, the evaluation and the callbacks all play by it; `mempo_trl.context` renders its contexts.
 """
 
+import json
 import os
 import re
+import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from mempo_trl.settings import field_type_problems, setting, setting_problems
 
 
 MEMPO_TAGS: tuple[str, ...] = (
@@ -311,3 +321,269 @@ def locate_mem_span(
     text, offsets = token_char_offsets(token_ids, tokenizer)
     span = parse_turn(text, actions).mem_span
     return None if span is None else locate_char_span(offsets, *span)
+
+
+ContextMode = Literal["memory", "full_history"]
+CONTEXT_MODES = ("memory", "full_history")
+CONTEXT_OVERFLOWS = ("end_episode", "truncate_information")
+
+
+PROTOCOL_FILE = "mempo_agent.json"
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+DEFAULT_INSTRUCTION = (
+    "Answer the question by searching a knowledge base. Every turn, first write <mem> ... </mem> with everything "
+    "useful you know so far (only your latest turn and search result stay visible), then <think> ... </think>, then "
+    "exactly one action: <search> query </search> to search, or <answer> final answer </answer> when you know it. "
+    "For several questions, give the answers in order separated by ';'.\n\nQuestion: {question}"
+)
+
+
+def initial_messages(
+    question: str, system_prompt: str = DEFAULT_SYSTEM_PROMPT, instruction: str = DEFAULT_INSTRUCTION
+) -> list[dict[str, str]]:
+    """Messages of round 1: ``system + user(instruction with the question)``.
+
+    Example:
+        >>> initial_messages("Who founded Orbix?")[1]["role"]
+        'user'
+    """
+    return [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": instruction.format(question=question)},
+    ]
+
+
+def round_messages(
+    base: list[dict[str, str]],
+    history: Sequence[tuple[str, str]],
+    context_mode: ContextMode = "memory",
+) -> list[dict[str, str]]:
+    """Messages that generate the next round, from the round-1 messages and the finished rounds.
+
+    Args:
+        base: the round-1 messages (`initial_messages`).
+        history: one ``(assistant_output, information_block)`` pair per finished round, oldest first.
+        context_mode: ``"memory"`` keeps only the last pair; ``"full_history"`` keeps them all.
+
+    Example:
+        >>> base = initial_messages("q")
+        >>> len(round_messages(base, [("<mem>a</mem>...", "<information>x</information>")] * 3))
+        4
+    """
+    if context_mode not in CONTEXT_MODES:
+        raise ValueError(f"context_mode must be one of {CONTEXT_MODES}, got {context_mode!r}.")
+    kept = history if context_mode == "full_history" else history[-1:]
+    messages = list(base)
+    for output, information in kept:
+        messages.append({"role": "assistant", "content": output})
+        messages.append({"role": "tool", "content": information})
+    return messages
+
+
+ENVIRONMENT_INSTRUCTION = (
+    "Solve the task with the tools. Every turn, first write <mem> ... </mem> with everything useful you know so far "
+    "(only your latest turn and tool result stay visible), then <think> ... </think>, then exactly one action: "
+    '<tool_call>{{"name": tool name, "arguments": {{...}}}}</tool_call> to call a tool, or <answer> final answer '
+    "</answer> when you are done.\n\n{question}"
+)
+"""The default instruction of an environment task: `MemPOConfig.instruction` when it is left at the search one."""
+
+
+def stop_token_ids(
+    tokenizer, model_eos: int | Sequence[int] | None = None, stops: Sequence[str] = ACTION_STOPS
+) -> list[int]:
+    """Ids that end a turn: ``model_eos``, the tokenizer's eos, and each stop tag (``stops``) that is one token.
+
+    Example:
+        >>> ids = stop_token_ids(tokenizer)  # doctest: +SKIP
+        >>> tokenizer.convert_ids_to_tokens(ids)  # doctest: +SKIP
+        ['<|im_end|>', '</search>', '</answer>']
+    """
+    ids = [] if model_eos is None else [model_eos] if isinstance(model_eos, int) else list(model_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    for stop in stops:
+        tag_ids = tokenizer(stop, add_special_tokens=False)["input_ids"]
+        if len(tag_ids) == 1:
+            ids.append(tag_ids[0])
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+@dataclass(frozen=True)
+class TurnProtocol:
+    """How a MemPO episode is played: the prompts, the turn budget, the context rebuild, the context budget and the
+    action tags.
+
+    The fields of the same names in `MemPOConfig` build it (`from_config`); ``action`` is ``"search"`` for the search
+    task and ``"tool_call"`` for a TRL-style environment (`for_environment`). ``max_context_tokens`` (None: no budget)
+    is the longest context a round may have; with the generation backend's own limit, the smaller one binds
+    (`context_limit`), and ``context_overflow`` says what happens to a longer context (`RolloutEngine`). Training
+    saves it next to the weights (`save`) and `MemPOAgent.from_pretrained` reads it back, so that an agent plays
+    exactly the protocol it was trained on.
+
+    Example:
+        >>> protocol, messages = TurnProtocol(max_turns=4).override(max_turns=6, retrieval_topk=None)
+        >>> protocol.max_turns, messages
+        (6, ['max_turns=6 overrides the saved max_turns=4'])
+        >>> TurnProtocol().stops, TurnProtocol().for_environment().stops
+        (('</search>', '</answer>'), ('</tool_call>', '</answer>'))
+    """
+
+    system_prompt: str = setting(DEFAULT_SYSTEM_PROMPT, "System message of every context.")
+    instruction: str = setting(DEFAULT_INSTRUCTION, "User message template with a `{question}` placeholder.")
+    max_turns: int = setting(8, "Rounds per episode at most.", minimum=1)
+    retrieval_topk: int = setting(3, "Passages returned for each search.", minimum=1)
+    context_mode: ContextMode = setting(
+        "memory", "`memory` (MemPO) or `full_history` (Search-R1 baseline).", choices=CONTEXT_MODES
+    )
+    max_completion_length: int = setting(512, "Tokens per turn at most.", minimum=1)
+    max_context_tokens: int | None = setting(
+        None,
+        "Longest context (prompt tokens) a round may have; longer: `context_overflow`. None: no budget.",
+        minimum=1,
+    )
+    context_overflow: Literal["end_episode", "truncate_information"] = setting(
+        "end_episode",
+        "A context longer than the generation backend takes: `end_episode` or `truncate_information`.",
+        choices=CONTEXT_OVERFLOWS,
+    )
+    action: Literal["search", "tool_call"] = setting(
+        "search",
+        "`search` (the search task) or `tool_call` (a TRL-style environment).",
+        choices=("search", "tool_call"),
+    )
+
+    def __post_init__(self):
+        """Refuse values a protocol cannot be played with, with the rules of `MemPOConfig` (types first)."""
+        problems = field_type_problems(self, strict=True)
+        for name in ("system_prompt", "instruction"):
+            if not isinstance(getattr(self, name), str):
+                problems.append(f"{name} must be a string, got {getattr(self, name)!r}.")
+        problems += self.problems(self)
+        if problems:
+            raise ValueError(" ".join(problems))
+
+    @classmethod
+    def problems(cls, values: Any) -> list[str]:
+        """Why ``values`` (a protocol, a `MemPOConfig` or the overrides of an agent: the fields it has) cannot be
+        played: choices, bounds and the instruction template."""
+        problems = setting_problems(cls, values)
+        if isinstance(getattr(values, "instruction", None), str):
+            problems += instruction_problems(values.instruction)
+        return problems
+
+    def context_limit(self, backend_limit: int | None) -> int | None:
+        """The longest context (tokens) a round may have: ``backend_limit`` (what the generation backend takes; None:
+        unknown) or ``max_context_tokens``, whichever is smaller; None when neither is set.
+
+        Example:
+            >>> TurnProtocol(max_context_tokens=900).context_limit(3584), TurnProtocol().context_limit(3584)
+            (900, 3584)
+        """
+        limits = [limit for limit in (backend_limit, self.max_context_tokens) if limit is not None]
+        return min(limits, default=None)
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        """The strings that end a turn: ``</search>``/``</answer>``, or ``</tool_call>``/``</answer>``."""
+        return ACTION_STOPS if self.action == "search" else TOOL_STOPS
+
+    def for_environment(self) -> "TurnProtocol":
+        """The protocol for a TRL-style environment: tool-call actions, and `ENVIRONMENT_INSTRUCTION` in place of the
+        default search instruction (a custom instruction is kept)."""
+        instruction = ENVIRONMENT_INSTRUCTION if self.instruction == DEFAULT_INSTRUCTION else self.instruction
+        return replace(self, action="tool_call", instruction=instruction)
+
+    def stop_token_ids(self, tokenizer, model_eos: int | Sequence[int] | None = None) -> list[int]:
+        """Ids that end a turn of this protocol (`stop_token_ids` with its `stops`)."""
+        return stop_token_ids(tokenizer, model_eos, self.stops)
+
+    def initial_messages(self, question: str) -> list[dict[str, str]]:
+        """Round-1 messages of ``question`` (`initial_messages` with this protocol's prompts)."""
+        return initial_messages(question, self.system_prompt, self.instruction)
+
+    def round_messages(self, base: list[dict[str, str]], history: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
+        """Messages of the next round (`round_messages` in this protocol's context mode)."""
+        return round_messages(base, history, self.context_mode)
+
+    @classmethod
+    def from_config(cls, config, environment: bool = False) -> "TurnProtocol":
+        """The protocol of a `MemPOConfig` (or anything with the same attributes); ``environment``: `for_environment`."""
+        protocol = cls(**{f.name: getattr(config, f.name) for f in fields(cls) if f.name != "action"})
+        return protocol.for_environment() if environment else protocol
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``mempo_agent.json`` into ``directory``; return its path."""
+        path = Path(directory) / PROTOCOL_FILE
+        path.write_text(json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id: str | Path, revision: str | None = None) -> "TurnProtocol | None":
+        """The protocol saved with a model (a directory or a Hub id), or None when it has none; a file that does not
+        hold a valid protocol raises `ValueError` naming it."""
+        path = Path(path_or_hub_id, PROTOCOL_FILE)
+        if not path.is_file():
+            if Path(path_or_hub_id).exists():
+                return None
+            from huggingface_hub import hf_hub_download
+            from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
+
+            try:
+                path = Path(hf_hub_download(str(path_or_hub_id), PROTOCOL_FILE, revision=revision))
+            except (EntryNotFoundError, LocalEntryNotFoundError, HFValidationError, OSError):
+                return None
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(saved, dict):
+                raise ValueError(f"it holds {type(saved).__name__} {_short(saved)}, not a JSON object of settings")
+            known = {f.name for f in fields(cls)}
+            return cls(**{key: value for key, value in saved.items() if key in known})
+        except ValueError as err:  # JSON, encoding (UnicodeDecodeError) and the checks of __post_init__
+            raise ValueError(f"{path}: not a valid turn protocol ({err}); delete it or save it again") from None
+
+    def override(self, **values: Any) -> tuple["TurnProtocol", list[str]]:
+        """Replace the fields given with a value other than None; one message per field that changes.
+
+        Example:
+            >>> TurnProtocol().override(max_turns=None)[1]
+            []
+        """
+        given = {key: value for key, value in values.items() if value is not None}
+        messages = [
+            f"{key}={_short(value)} overrides the saved {key}={_short(getattr(self, key))}"
+            for key, value in given.items()
+            if value != getattr(self, key)
+        ]
+        return replace(self, **given), messages
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def instruction_problems(instruction: str) -> list[str]:
+    """Why `instruction` cannot be filled with `instruction.format(question=...)` (empty list if it can).
+
+    Example:
+        >>> instruction_problems("Q: {question} {other}")
+        ['instruction may only use the `{question}` placeholder, got {other}; write a literal brace as {{ or }}.']
+    """
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(instruction) if name is not None}
+    except ValueError as e:
+        return [f"instruction is not a valid template ({e}); write a literal brace as {{{{ or }}}}."]
+    problems = []
+    if "question" not in names:
+        problems.append("instruction must contain the `{question}` placeholder.")
+    others = sorted(names - {"question"})
+    if others:
+        shown = ", ".join("{" + name + "}" for name in others)
+        problems.append(
+            f"instruction may only use the `{{question}}` placeholder, got {shown}; write a literal brace as "
+            "{{ or }}."
+        )
+    return problems

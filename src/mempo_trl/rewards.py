@@ -139,6 +139,29 @@ def outcome_score(
     return OutcomeScore(sum(ems) / n, sum(f1s) / n, sum(subs) / n, ems)
 
 
+def episode_outcome(episode: Any) -> OutcomeScore | None:
+    """`outcome_score` of a finished `mempo_trl.rollout.Episode`'s answer against its golds, None without gold.
+
+    `MemPOTrainer` calls it once per episode and step: the reward functions get it as the ``outcome`` column and the
+    ``episode/*`` metrics read it (`episode_metrics`).
+    """
+    golds = episode.golden_answers
+    if golds is None:
+        return None
+    return outcome_score(episode.answer, golds, episode.row.get("sub_answers") or None, episode.format_valid)
+
+
+def episode_metrics(episode: Any, outcome: OutcomeScore | None = None) -> dict[str, float]:
+    """The numbers training logs (as ``episode/<name>``) and evaluation reports for one finished episode.
+
+    ``em``/``f1``/``sub_em`` come from ``outcome`` (`episode_outcome`, scored here when not given; absent when the
+    episode has no gold), then the rollout's own numbers (`mempo_trl.rollout.Episode.metrics`).
+    """
+    outcome = outcome if outcome is not None else episode_outcome(episode)
+    scores = {} if outcome is None else {"em": outcome.em, "f1": outcome.f1, "sub_em": outcome.sub_em}
+    return {**scores, **episode.metrics()}
+
+
 def _completion_text(completion: Any) -> str:
     """Text of a completion: a string, or the content of the last message of a conversational completion."""
     if isinstance(completion, str):
@@ -151,11 +174,17 @@ def _completion_text(completion: Any) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
 
 
-def _episode_scores(completions, golden_answers, sub_answers, format_valid) -> list[OutcomeScore]:
-    """`outcome_score` of each completion, parsed as the episode's final turn (see `mempo_outcome_reward`)."""
-    _check_batch(completions, golden_answers=golden_answers, sub_answers=sub_answers, format_valid=format_valid)
+def _episode_scores(completions, golden_answers, sub_answers, format_valid, outcome) -> list[OutcomeScore]:
+    """`outcome_score` of each completion, parsed as the episode's final turn (see `mempo_outcome_reward`); an entry
+    of ``outcome`` (the trainer's `episode_outcome`) is taken as it is."""
+    _check_batch(
+        completions, golden_answers=golden_answers, sub_answers=sub_answers, format_valid=format_valid, outcome=outcome
+    )
     scores = []
     for i, completion in enumerate(completions):
+        if outcome is not None and outcome[i] is not None:
+            scores.append(outcome[i])
+            continue
         turn = parse_turn(_completion_text(completion))
         answer = turn.content if turn.valid and turn.action == "answer" else None
         valid = True if format_valid is None else bool(format_valid[i])
@@ -170,19 +199,22 @@ def mempo_outcome_reward(
     golden_answers: list[Sequence[str]],
     sub_answers: list[Sequence[Sequence[str]] | None] | None = None,
     format_valid: list[bool] | None = None,
+    outcome: list[OutcomeScore | None] | None = None,
     **kwargs: Any,
 ) -> list[float]:
     """TRL reward function: exact match of the answer in each completion (``outcome_score(...).em``).
 
     Each completion (a string, or chat messages whose last message is used) is parsed as the episode's final turn;
     its answer counts only if that turn is a valid answer turn and ``format_valid[i]`` (when given, e.g. the
-    validity of all earlier rounds) is true. ``prompts`` and extra dataset columns in ``kwargs`` are ignored.
+    validity of all earlier rounds) is true. An ``outcome`` entry (`MemPOTrainer` passes each episode's
+    `episode_outcome`, scored once per step) is used as that completion's score. ``prompts`` and extra dataset columns
+    in ``kwargs`` are ignored.
 
     >>> done = "<mem>m</mem><think>t</think><answer>Ulm</answer>"
     >>> mempo_outcome_reward(["q", "q"], [done, [{"role": "assistant", "content": "Ulm"}]], [["ulm"], ["ulm"]])
     [1.0, 0.0]
     """
-    return [score.em for score in _episode_scores(completions, golden_answers, sub_answers, format_valid)]
+    return [score.em for score in _episode_scores(completions, golden_answers, sub_answers, format_valid, outcome)]
 
 
 def mempo_all_parts_reward(
@@ -191,6 +223,7 @@ def mempo_all_parts_reward(
     golden_answers: list[Sequence[str]],
     sub_answers: list[Sequence[Sequence[str]] | None] | None = None,
     format_valid: list[bool] | None = None,
+    outcome: list[OutcomeScore | None] | None = None,
     **kwargs: Any,
 ) -> list[float]:
     """TRL reward function: 1 when every part of a multi-objective answer is an exact match, else 0.
@@ -202,7 +235,7 @@ def mempo_all_parts_reward(
     >>> mempo_all_parts_reward(["q", "q"], [done, done], [[], []], [[["Ulm"], ["Bob"]], [["Ulm"], ["Max"]]])
     [1.0, 0.0]
     """
-    scores = _episode_scores(completions, golden_answers, sub_answers, format_valid)
+    scores = _episode_scores(completions, golden_answers, sub_answers, format_valid, outcome)
     return [float(all(score.per_question_em)) for score in scores]
 
 

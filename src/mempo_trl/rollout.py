@@ -17,15 +17,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from mempo_trl.context import (
-    MemoryScoringPair,
-    ScoringItem,
-    TurnProtocol,
-    gold_answer_tokens,
-    memory_context_ids,
-    render_prompt,
-    round_messages,
-)
+from mempo_trl.context import MemoryScoringPair, ScoringItem, gold_answer_tokens, memory_context_ids, render_prompt
 from mempo_trl.data import DataError
 from mempo_trl.environments import (
     EnvironmentFactory,
@@ -40,13 +32,14 @@ from mempo_trl.protocol import (
     SEARCH_ACTIONS,
     TOOL_ACTIONS,
     Turn,
+    TurnProtocol,
     locate_char_span,
     parse_turn,
     render_information,
+    round_messages,
     token_char_offsets,
 )
 from mempo_trl.retrieval.base import RetrieverOutage
-from mempo_trl.rewards import outcome_score
 
 
 GenerateFn = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None]]
@@ -118,20 +111,13 @@ class Episode:
         return sum(1 for r in self.rounds if r.information is not None)
 
     def metrics(self) -> dict[str, float]:
-        """The numbers training logs (as ``episode/<name>``) and evaluation reports for one finished episode.
+        """The rollout's own numbers for one finished episode (the outcome ones, ``em``/``f1``/``sub_em``, are scored
+        downstream: `mempo_trl.rewards.episode_metrics` puts them in front of these).
 
-        ``em``/``f1``/``sub_em`` score the answer against the golds (0 unless format-valid,
-        `mempo_trl.rewards.outcome_score`; absent when there is no gold); ``format_valid``, ``answer_rate``,
-        ``context_overflow`` are 0/1; ``turns`` counts rounds, and ``searches`` (search task) or ``tool_calls``
-        (environment) the tool actions that were run.
+        ``format_valid``, ``answer_rate``, ``context_overflow`` are 0/1; ``turns`` counts rounds, and ``searches``
+        (search task) or ``tool_calls`` (environment) the tool actions that were run.
         """
-        golds = self.golden_answers
-        scores = {}
-        if golds is not None:
-            score = outcome_score(self.answer, golds, self.row.get("sub_answers") or None, self.format_valid)
-            scores = {"em": score.em, "f1": score.f1, "sub_em": score.sub_em}
         return {
-            **scores,
             "format_valid": float(self.format_valid),
             "answer_rate": float(self.answer is not None),
             "turns": float(len(self.rounds)),

@@ -1,6 +1,6 @@
 """Where a MemPO setting is declared once: its default, help, choices and bounds, as dataclass field metadata.
 
-`TurnProtocol` (`mempo_trl.context`) and `MemoryRewardSettings` (here) declare their fields with `setting`;
+`TurnProtocol` (`mempo_trl.protocol`) and `MemoryRewardSettings` (here) declare their fields with `setting`;
 `MemPOConfig` re-exposes them as flat fields (`flat_field`: the names recipes and TRL's parser use), the agent's
 override arguments are generated from them (`override_field`), `mempo-trl train --help` prints their help, and
 `setting_problems` is their one validation. No torch and no TRL are imported here, so that the CLI's help stays fast.
@@ -139,3 +139,37 @@ class MemoryRewardSettings:
     def from_config(cls, config: Any) -> "MemoryRewardSettings":
         """The settings of a `MemPOConfig` (or anything with the same attributes)."""
         return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+
+def field_type_problems(config, strict: bool = False) -> list[str]:
+    """One sentence per field of `config` whose value does not fit its declared `int` or `float` type.
+
+    `int` fields take integers only (a float such as 2.7 is refused, not truncated); `float` fields take finite
+    numbers only (`.nan` and `.inf` in a YAML recipe are refused: they would train to NaN weights). Booleans are
+    neither. Strings and None are left to the parser that converts them (TRL's) and to the other checks, unless
+    ``strict`` (a saved JSON file, which nothing converts): then a string is refused, and None too where the type
+    does not allow it.
+
+    Example:
+        >>> from dataclasses import make_dataclass
+        >>> Toy = make_dataclass("Toy", [("retrieval_topk", int), ("memory_coef", float)])
+        >>> field_type_problems(Toy(retrieval_topk=2.7, memory_coef=float("nan")))
+        ['retrieval_topk must be an integer, got 2.7.', 'memory_coef must be a finite number, got nan.']
+    """
+    problems = []
+    for f in fields(config):
+        kinds = set(f.type.__args__) if isinstance(f.type, types.UnionType) else {f.type}
+        value = getattr(config, f.name, None)
+        left = value is None and (not strict or type(None) in kinds) or isinstance(value, str) and not strict
+        if left or not kinds & {int, float}:
+            continue
+        if int in kinds and float not in kinds and (isinstance(value, bool) or not isinstance(value, int)):
+            problems.append(f"{f.name} must be an integer, got {value!r}.")
+        elif float in kinds and (isinstance(value, bool) or not isinstance(value, int | float)):
+            problems.append(f"{f.name} must be a number, got {value!r}.")
+        elif float in kinds and not math.isfinite(value):
+            problems.append(f"{f.name} must be a finite number, got {value!r}.")
+    weights = getattr(config, "reward_weights", None) or []
+    if not all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+        problems.append(f"reward_weights must be finite numbers, got {weights!r}.")
+    return problems

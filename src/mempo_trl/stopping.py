@@ -1,7 +1,7 @@
 """Ending a turn on its action tag during generation, whatever the tag's tokenization.
 
 The trainer (TRL's HF generate and transformers continuous batching) and `mempo_trl.generation.HFGenerator` stop
-each sequence once it has written one of a `mempo_trl.context.TurnProtocol`'s ``stops`` (``</search>``,
+each sequence once it has written one of a `mempo_trl.protocol.TurnProtocol`'s ``stops`` (``</search>``,
 ``</answer>``; an environment's ``</tool_call>``); vLLM takes them as stop strings.
 """
 

@@ -28,7 +28,7 @@ from mempo_trl.grpo_mirror import GRPOMirror
 from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import answer_probability, memory_reward, quantile_threshold
 from mempo_trl.model_card import mempo_model_card
-from mempo_trl.rewards import mempo_outcome_reward
+from mempo_trl.rewards import OutcomeScore, episode_metrics, episode_outcome, mempo_outcome_reward
 from mempo_trl.rollout import Episode, RolloutEngine, RolloutTimings, TrainingRow, training_rows
 from mempo_trl.scoring import (
     SHARED_PREFIX_ATTENTION,
@@ -330,11 +330,12 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         episodes, timings = self._play_episodes(inputs)
         self._warn_no_memory_target(episodes)
-        rewards_per_func, rewards = self._outcome_rewards(inputs, episodes)
+        outcomes = [episode_outcome(ep) for ep in episodes]
+        rewards_per_func, rewards = self._outcome_rewards(inputs, episodes, outcomes)
         dropped = torch.zeros_like(rewards, dtype=torch.bool)
         if mode == "train" and self.args.dynamic_sampling != "keep":
-            episodes, rewards_per_func, rewards, dropped = self._dynamic_sampling(
-                inputs, episodes, timings, rewards_per_func, rewards
+            episodes, outcomes, rewards_per_func, rewards, dropped = self._dynamic_sampling(
+                inputs, episodes, outcomes, timings, rewards_per_func, rewards
             )
         local_dropped = dropped[self.accelerator.process_index * len(episodes) :][: len(episodes)].tolist()
         score_memory = self.protocol.context_mode == "memory" and self.memory_settings.memory_coef != 0.0
@@ -358,7 +359,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         ]
         prompts = [ep.base_messages for ep in episodes]
         self._log_grpo_metrics(mode, batch.rows, rewards_per_func, rewards, advantages.outcome, prompts, trajectories)
-        self._log_round_metrics(batch, scored, advantages.memory, timings, scoring_seconds)
+        self._log_round_metrics(batch, outcomes, scored, advantages.memory, timings, scoring_seconds)
         if mode == "train":
             self._step_account.tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in batch.rows)
             self._step_account.generation += timings.generation
@@ -403,11 +404,13 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 type(episodes[0].environment).__name__,
             )
 
-    def _outcome_rewards(self, inputs: list[dict], episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _outcome_rewards(
+        self, inputs: list[dict], episodes: list[Episode], outcomes: list[OutcomeScore | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-function ``(N, F)`` and weighted ``(N,)`` rewards of the trajectories of ALL processes.
 
-        The reward functions see the final turn as ``completions`` plus ``trajectory`` (all turn texts) and
-        ``format_valid``; TRL's `_calculate_rewards` gathers them over processes. With an environment they also get
+        The reward functions see the final turn as ``completions`` plus ``trajectory`` (all turn texts),
+        ``format_valid`` and ``outcome`` (each episode's `episode_outcome`, scored once); TRL's `_calculate_rewards` gathers them over processes. With an environment they also get
         ``environments`` (one instance per episode, as in TRL) and the environment's ``golden_answers`` when the row
         has none. As in TRL, a trajectory that every reward function returned None for is unscorable: reward NaN,
         left out of its group's mean and std, advantage 0 (`group_outcome_advantages`).
@@ -415,8 +418,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         prompts = [ep.base_messages for ep in episodes]
         completions = [[{"role": "assistant", "content": ep.rounds[-1].text}] for ep in episodes]
         reward_inputs = [
-            {**row, "trajectory": [r.text for r in ep.rounds], "format_valid": ep.format_valid}
-            for row, ep in zip(inputs, episodes)
+            {**row, "trajectory": [r.text for r in ep.rounds], "format_valid": ep.format_valid, "outcome": outcome}
+            for row, ep, outcome in zip(inputs, episodes, outcomes)
         ]
         if self.rollout_engine.environment_factory is not None:
             self.environments = [ep.environment for ep in episodes]
@@ -458,14 +461,14 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         }
         return RoundBatch(mode, episodes, rows, tensors)
 
-    def _dynamic_sampling(self, inputs, episodes, timings, rewards_per_func, rewards):
+    def _dynamic_sampling(self, inputs, episodes, outcomes, timings, rewards_per_func, rewards):
         """`MemPOConfig.dynamic_sampling` on a training batch: refill its all-equal groups, then say which to drop.
 
         ``rewards_per_func`` ``(N, F)`` and ``rewards`` ``(N,)`` cover all processes' trajectories, ``inputs`` and
-        ``episodes`` this process's ``n`` (global rows ``rank * n ... rank * n + n - 1``). Each refill round plays the
+        ``episodes`` (and their ``outcomes``) this process's ``n`` (global rows ``rank * n ... rank * n + n - 1``). Each refill round plays the
         whole batch again, on one fresh prompt per group slot (the same draw on every process), and a slot whose group
         is all-equal takes the round's group if that one is not (`refillable_groups`); trajectories, rewards and the
-        ``log_extra`` columns of reward functions are swapped in place. Returns the new ``episodes``,
+        ``log_extra`` columns of reward functions are swapped in place. Returns the new ``episodes``, ``outcomes``,
         ``rewards_per_func``, ``rewards`` and the ``(N,)`` bool of the trajectories to drop (their groups are still
         all-equal), and logs the ``dynamic_sampling/*`` metrics.
         """
@@ -483,13 +486,15 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             new_inputs = [self.train_dataset[prompts[k]] for k in slots]
             extra_logs = {column: list(values) for column, values in self._pending_extra_logs.items()}
             new_episodes, new_timings = self._play_episodes(new_inputs)
-            new_per_func, new_rewards = self._outcome_rewards(new_inputs, new_episodes)
+            new_outcomes = [episode_outcome(ep) for ep in new_episodes]
+            new_per_func, new_rewards = self._outcome_rewards(new_inputs, new_episodes, new_outcomes)
             take = refillable_groups(zero_std, zero_std_groups(new_rewards, size, args.dynamic_sampling_tolerance))
             rows = take.repeat_interleave(size)
             rewards = torch.where(rows, new_rewards, rewards)
             rewards_per_func = torch.where(rows.unsqueeze(1), new_per_func, rewards_per_func)
             local_take = [bool(take[k]) for k in slots]
             episodes = [new if t else old for old, new, t in zip(episodes, new_episodes, local_take)]
+            outcomes = [new if t else old for old, new, t in zip(outcomes, new_outcomes, local_take)]
             for column in set(extra_logs) | set(self._pending_extra_logs):
                 old = extra_logs.get(column, [None] * n_local)
                 new = self._pending_extra_logs[column][len(extra_logs.get(column, [])) :]
@@ -504,7 +509,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         metrics["dynamic_sampling/groups_dropped"].append(float(zero_std.sum().item()))
         metrics["dynamic_sampling/groups_refilled"].append(float(refilled.sum().item()))
         metrics["dynamic_sampling/refill_rounds"].append(float(rounds))
-        return episodes, rewards_per_func, rewards, zero_std.repeat_interleave(size)
+        return episodes, outcomes, rewards_per_func, rewards, zero_std.repeat_interleave(size)
 
     def _advantages(
         self, batch: RoundBatch, memory_rewards: torch.Tensor, rewards: torch.Tensor, mode: str
@@ -536,13 +541,20 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         )
 
     def _log_round_metrics(
-        self, batch: RoundBatch, scored: MemoryScores, memory_adv, timings: RolloutTimings, scoring_seconds
+        self,
+        batch: RoundBatch,
+        outcomes: list[OutcomeScore | None],
+        scored: MemoryScores,
+        memory_adv,
+        timings: RolloutTimings,
+        scoring_seconds,
     ):
-        """Log the ``episode/*``, ``tokens/*``, ``memory/*`` and ``time/*`` metrics (docs/training.md), each
-        averaged over all processes (``time/*``: the slowest process)."""
+        """Log the ``episode/*`` (`episode_metrics` of each episode and its step's ``outcomes``), ``tokens/*``,
+        ``memory/*`` and ``time/*`` metrics (docs/training.md), each averaged over all processes (``time/*``: the
+        slowest process)."""
         values: dict[str, list[float]] = defaultdict(list)
-        for ep in batch.episodes:
-            for name, value in ep.metrics().items():
+        for ep, outcome in zip(batch.episodes, outcomes, strict=True):
+            for name, value in episode_metrics(ep, outcome).items():
                 values[f"episode/{name}"].append(value)
         columns = {name: column.tolist() for name, column in scored._asdict().items()}
         for i, row in enumerate(batch.rows):

@@ -13,7 +13,7 @@ import types
 from dataclasses import dataclass, field
 
 from mempo_trl.commands import add_command, parse
-from mempo_trl.context import TurnProtocol
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 from mempo_trl.settings import override_field
 

@@ -11,7 +11,7 @@ import importlib.util
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from mempo_trl.context import TurnProtocol
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.settings import MemoryRewardSettings
 
 

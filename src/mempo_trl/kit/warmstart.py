@@ -30,8 +30,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mempo_trl.context import DEFAULT_INSTRUCTION, ContextMode, initial_messages, render_prompt, round_messages
-from mempo_trl.protocol import render_gold_answer, render_information
+from mempo_trl.context import render_prompt
+from mempo_trl.protocol import (
+    DEFAULT_INSTRUCTION,
+    ContextMode,
+    initial_messages,
+    render_gold_answer,
+    render_information,
+    round_messages,
+)
 
 
 WARM_START_FILE = "warm_start.json"
