@@ -40,7 +40,19 @@ settings, on either split, train each arm at its chosen point (`read_tuned`); wi
 ``--warm_only`` builds the world and the warm start, evaluates the warm model per K in both context modes and
 measures what a remembered fact is worth to it (`memory_signal`), and writes ``<out>/warm_check_<split>.json``; with
 the default settings and ``--out``, also ``lab/results/long_horizon_warm_check_<split>.json`` (with its command),
-which the README cites.
+which the README cites. Every run also prints the scripted perfect agent's token ratio, memory over full history,
+per K on its split (`oracle_context_tokens`: the bound a memory agent that solves the task can reach), kept in the
+summary and the warm check as ``scripted_oracle_tokens``.
+
+``--learner smollm2`` replaces the kit learner (the default) with SmolLM2-135M-Instruct, fully fine-tuned
+(`SMOLLM2_WARM`) twice, with the forgetful memory (the memory arms' start) and in full-history contexts (the
+``full_history`` arm's start), in the world where full history is costly: ``--passage_words`` defaults to
+`SMOLLM2_PASSAGE_WORDS` for it. Its world, warm starts and runs go to ``<out>/passage_words_N/smollm2/``, its summary
+to ``long_horizon_smollm2.json`` / ``.png`` (``lab/results/`` only for its published configuration: no ``--set``,
+``--split test``, the default passages); ``--warm_only`` checks both starts in both context modes.
+
+    python lab/long_horizon.py --learner smollm2 --warm_only --split validation
+    python lab/long_horizon.py --learner smollm2 --seeds 0 1 2
 
 Three options, off by default (the default settings, and so the cached warm start and the finished runs, are
 unchanged):
@@ -177,6 +189,29 @@ QUICK = {
     "budget": {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 48},
 }  # fmt: skip
 
+LEARNERS = ("kit", "smollm2")
+"""``--learner``: the kit learner built from scratch (`WARM`, the default) or SmolLM2-135M-Instruct (`SMOLLM2_WARM`)."""
+
+SMOLLM2_WARM = {"steps": 300, "batch_size": 8, "lr": 3e-5, "seed": 0, "mem_drop": WARM["mem_drop"],
+                "instruction": LEARNER_INSTRUCTION}  # fmt: skip
+"""``--learner smollm2``: SmolLM2-135M-Instruct (`mempo_trl.kit.smollm2`, built offline from its wheel) is
+pretrained, so it needs no copy task, no made-up-name copies and no vocabulary of its own; it is fully fine-tuned
+(`WarmSettings`, TRL's `SFTTrainer`, no LoRA) on the oracle episodes of the warm rows twice: with the forgetful
+memory (``mem_drop``; the start of the memory arms) and in full-history contexts (the ``full_history`` arm's
+start)."""
+
+SMOLLM2_PASSAGE_WORDS = 100
+"""``--learner smollm2`` plays the world where full history is costly: wiki-length results (``--passage_words``
+defaults to 100 for it, and its published configuration is that one)."""
+
+QUICK_SMOLLM2 = {
+    "world": {"seed": 2, "num_entities": 60, "rows_per_horizon": {"warm": 2, "rl": 2, "validation": 1, "test": 1},
+              "horizons": [1, 2]},
+    "warm": {"steps": 1, "batch_size": 2},
+    "budget": {"max_steps": 1, "per_device_train_batch_size": 2, "num_generations": 2, "max_completion_length": 48},
+}  # fmt: skip
+"""``--quick --learner smollm2``: 1 SFT step per start, 1 RL step, 2 evaluated questions (K = 1 and 2)."""
+
 _WORDS = re.compile(r"\w+")
 
 
@@ -241,6 +276,7 @@ def evaluate_horizons(model, tokenizer, rows: list[dict], retriever, budget: dic
             "f1": m["f1"],
             "format_valid": m["format_valid"],
             "turns": m["turns_per_question"],
+            "searches": m["searches_per_question"],
             "tokens_per_question": m["total_tokens_per_question"],
             "peak_context_tokens": m["peak_context_tokens"],
             "memory_recall": statistics.fmean(recalls) if recalls else None,
@@ -342,22 +378,33 @@ def value_copy_nll(model, tokenizer, rows: list[dict], retriever, instruction: s
     }
 
 
-def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path]:
+def prepare(out: Path, world: dict, warm: dict, device: str, learner: str = "kit") -> tuple[dict, dict[str, Path]]:
     """Write the world's files (reused when the settings match; with ``world["passage_words"]``, every passage padded
-    to that many words by `bench_context_tokens.wiki_length_corpus`) and build the warm-started learner into
-    ``out/warm_model`` (cached: same size, settings and data)."""
-    import hashlib
-
-    from horizon_world import HORIZON_SPLITS
-    from induction_pretraining import induction_pretrain
-
-    from mempo_trl.checkpoints import newest_complete_checkpoint
+    to that many words by `bench_context_tokens.wiki_length_corpus`) and build the warm start(s): the kit learner
+    into ``out/warm_model`` (cached: same size, settings and data), SmolLM2's by `smollm2_warm_starts`. Returns the
+    world's paths and the warm model each context mode's arms start from."""
     from mempo_trl.data import read_jsonl
     from mempo_trl.kit.demo_world import _write_jsonl
-    from mempo_trl.kit.learner import LEARNER_SIZE
-    from mempo_trl.kit.tiny import build_tiny_model
-    from mempo_trl.kit.warmstart import WARM_START_FILE, WarmSettings, sft_warm_start
-    from mempo_trl.retrieval import BM25Retriever
+
+    paths = write_world(out, world)
+    if learner == "smollm2":
+        warm_dirs = smollm2_warm_starts(out, paths, world, warm, device)
+    else:
+        warm_dir = kit_warm_start(out, paths, world, warm, device)
+        warm_dirs = dict.fromkeys(CONTEXT_MODES, warm_dir)
+    # not in `paths` above: the warm start's key covers the world's own files only
+    pools = json.loads((out / "world" / "world.json").read_text())["pools"]
+    paths["corpus_rl"] = out / "world" / "corpus_rl.jsonl"
+    held_out = [name for split in HELD_OUT_SPLITS for name in pools[split]]
+    _write_jsonl(paths["corpus_rl"], rl_corpus(read_jsonl(paths["corpus"]), held_out))
+    return paths, warm_dirs
+
+
+def write_world(out: Path, world: dict) -> dict[str, Path]:
+    """Write the world's corpus and splits under ``out/world`` (reused when ``world`` matches); return their paths."""
+    from horizon_world import HORIZON_SPLITS
+
+    from mempo_trl.kit.demo_world import _write_jsonl
 
     world_dir = out / "world"
     paths = {name: world_dir / f"{name}.jsonl" for name in ("corpus", *HORIZON_SPLITS)}
@@ -374,8 +421,29 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
         for name in HORIZON_SPLITS:
             _write_jsonl(paths[name], generated.splits[name])
         marker.write_text(json.dumps({"world": world, "pools": generated.pools}, indent=1))
+    return paths
+
+
+def _data_digest(paths: dict[str, Path]) -> str:
+    import hashlib
+
+    return hashlib.sha256(b"".join(p.read_bytes() for p in paths.values())).hexdigest()
+
+
+def kit_warm_start(out: Path, paths: dict[str, Path], world: dict, warm: dict, device: str) -> Path:
+    """The kit learner (`LEARNER_SIZE`, `VOCABULARY_SIZE`) built and warm-started (`WARM`) in ``out/warm_model``."""
+    from induction_pretraining import induction_pretrain
+
+    from mempo_trl.checkpoints import newest_complete_checkpoint
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.kit.learner import LEARNER_SIZE
+    from mempo_trl.kit.tiny import build_tiny_model
+    from mempo_trl.kit.warmstart import WARM_START_FILE, WarmSettings, sft_warm_start
+    from mempo_trl.retrieval import BM25Retriever
+
+    marker = out / "world" / "world.json"
     warm_dir = out / "warm_model"
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths.values())).hexdigest()
+    digest = _data_digest(paths)
     size = {**LEARNER_SIZE, "vocab_size": VOCABULARY_SIZE}
     key = {"size": size, "warm": warm, "data_sha256": digest, "vocabulary": "corpus without asked-about names"}
     warm_marker = warm_dir / WARM_START_FILE
@@ -406,12 +474,76 @@ def prepare(out: Path, world: dict, warm: dict, device: str) -> tuple[dict, Path
         print(f"warm start: {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
               f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
         warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))
-    # not in `paths` above: the warm start's key covers the world's own files only
-    pools = json.loads(marker.read_text())["pools"]
-    paths["corpus_rl"] = world_dir / "corpus_rl.jsonl"
-    held_out = [name for split in HELD_OUT_SPLITS for name in pools[split]]
-    _write_jsonl(paths["corpus_rl"], rl_corpus(read_jsonl(paths["corpus"]), held_out))
-    return paths, warm_dir
+    return warm_dir
+
+
+def smollm2_warm_starts(out: Path, paths: dict[str, Path], world: dict, warm: dict, device: str) -> dict[str, Path]:
+    """SmolLM2-135M-Instruct (`mempo_trl.kit.smollm2.build_smollm2_model`, once into ``out/smollm2_base``) fully
+    fine-tuned (`SMOLLM2_WARM`) on the oracle episodes of the warm rows in each context mode, into
+    ``out/warm_model_<mode>`` (cached: same settings and data); returns them by context mode."""
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.kit.smollm2 import build_smollm2_model
+    from mempo_trl.kit.warmstart import WARM_START_FILE, WarmSettings, sft_warm_start
+    from mempo_trl.retrieval import BM25Retriever
+
+    base = out / "smollm2_base"
+    if not (base / "model.safetensors").is_file():
+        build_smollm2_model(base)
+    digest, warm_dirs = _data_digest(paths), {}
+    for mode in CONTEXT_MODES:
+        warm_dir = warm_dirs[mode] = out / f"warm_model_{mode}"
+        key = {"learner": "smollm2", "warm": warm, "context_mode": mode, "data_sha256": digest}
+        warm_marker = warm_dir / WARM_START_FILE
+        if warm_marker.is_file() and json.loads(warm_marker.read_text()).get("horizon") == key:
+            continue
+        shutil.rmtree(warm_dir, ignore_errors=True)
+        shutil.copytree(base, warm_dir)
+        retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
+        stats = sft_warm_start(warm_dir, read_jsonl(paths["warm"]), retriever, WarmSettings(**warm),
+                               max(world["horizons"]) + 2, use_cpu=device == "cpu", context_mode=mode)  # fmt: skip
+        print(f"warm start ({mode}): {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
+              f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
+        warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))
+    return warm_dirs
+
+
+def load_learner(path: str | Path):
+    """``(model, tokenizer)`` of a warm start or checkpoint folder (either learner), the model in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from mempo_trl.loading import load_tokenizer
+
+    return AutoModelForCausalLM.from_pretrained(str(path)).eval(), load_tokenizer(path)
+
+
+def oracle_context_tokens(rows: list[dict], retriever, tokenizer, budget: dict) -> dict:
+    """The scripted perfect agent's cost per K: its episodes (`oracle_episode_turns`, every fact kept) played in both
+    context modes, each round's context rebuilt as training rebuilds it (`sft_examples`); per K (``horizon_K``) the
+    tokens per question (every round's prompt and turn) and the peak context in each mode, and ``ratio``: memory
+    tokens over full-history tokens, the bound a memory agent that solves the task can reach. Rows the oracle cannot
+    play (a missed passage) are left out."""
+    from mempo_trl.kit.warmstart import sft_examples
+
+    cells: dict[str, dict] = {}
+    for row in rows:
+        try:
+            played = {
+                mode: sft_examples([row], retriever, tokenizer, mode, budget["retrieval_topk"],
+                                   instruction=budget["instruction"], max_turns=budget["max_turns"])
+                for mode in CONTEXT_MODES
+            }  # fmt: skip
+        except ValueError:
+            continue
+        cell = cells.setdefault(row["data_source"].removeprefix("horizon_"), {"rows": 0})
+        cell["rows"] += 1
+        for mode, examples in played.items():  # the eos that ends each SFT completion is not part of the turn
+            cell[f"tokens_{mode}"] = cell.get(f"tokens_{mode}", 0) + sum(len(p) + len(c) - 1 for p, c in examples)
+            cell[f"peak_{mode}"] = max(cell.get(f"peak_{mode}", 0), max(len(p) for p, _ in examples))
+    for cell in cells.values():
+        for mode in CONTEXT_MODES:
+            cell[f"tokens_{mode}"] /= cell["rows"]
+        cell["ratio"] = cell["tokens_memory"] / cell["tokens_full_history"]
+    return dict(sorted(cells.items(), key=lambda item: int(item[0])))
 
 
 def generate_world(world: dict):
@@ -581,18 +713,40 @@ def budget_suffix(budget: dict) -> str:
     return "" if tokens is None else f"_max_context_tokens_{tokens}"
 
 
-def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str) -> dict:
-    """The warm model per K on ``split`` in both context modes, and its `memory_signal` (does a fact in the memory
-    raise P(gold)?); written to ``out/warm_check_<split>.json`` (`budget_suffix` before ``.json``)."""
-    from analytics import memory_signal
-
+def smollm2_warm_check(out: Path, paths: dict, warm_dirs: dict[str, Path], budget: dict, split: str) -> dict:
+    """SmolLM2's warm starts (``start``: the context mode each was fine-tuned in) per K on ``split``, each in both
+    context modes (`evaluate_horizons`: EM, all-parts EM, turns, searches, tokens, peak context, memory recall)."""
     from mempo_trl.data import read_jsonl
-    from mempo_trl.kit.tiny import load_tiny
     from mempo_trl.retrieval import BM25Retriever
 
     retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
     rows = read_jsonl(paths[split])
-    model, tokenizer = load_tiny(warm_dir)
+    check: dict[str, dict] = {}
+    for start, warm_dir in warm_dirs.items():
+        model, tokenizer = load_learner(warm_dir)
+        check[start] = {
+            mode: evaluate_horizons(model, tokenizer, rows, retriever, budget, mode) for mode in CONTEXT_MODES
+        }
+        for k, cell in check[start]["memory"].items():
+            full = check[start]["full_history"][k]
+            print(f"{start} start, K={k}: EM memory {cell['em']:.2f} full {full['em']:.2f} | all parts "
+                  f"{cell['all_parts_em']:.2f} / {full['all_parts_em']:.2f} | searches {cell['searches']:.1f} / "
+                  f"{full['searches']:.1f} | tokens {cell['tokens_per_question']:.0f} / {full['tokens_per_question']:.0f} "
+                  f"| recall {cell['memory_recall']}", flush=True)  # fmt: skip
+    return check
+
+
+def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str) -> dict:
+    """The warm model per K on ``split`` in both context modes, and its `memory_signal` (does a fact in the memory
+    raise P(gold)?)."""
+    from analytics import memory_signal
+
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.retrieval import BM25Retriever
+
+    retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
+    rows = read_jsonl(paths[split])
+    model, tokenizer = load_learner(warm_dir)
     check = {
         mode: evaluate_horizons(model, tokenizer, rows, retriever, budget, mode) for mode in ("memory", "full_history")
     }
@@ -609,7 +763,6 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
           f"from the question costs {copy['first']:.2f} nats (first token), {copy['later']:.2f} (later); copying a "
           f"value from a passage into the memory {value['value']:.2f} per token, from its previous memory "
           f"{value['from_memory'] if value['from_memory'] is None else round(value['from_memory'], 2)}", flush=True)  # fmt: skip
-    (out / f"warm_check_{split}{budget_suffix(budget)}.json").write_text(json.dumps(check, indent=1))
     for k in sorted(check["memory"], key=int):
         mem, full = check["memory"][k], check["full_history"][k]
         signal = check["memory_signal"]["by_type"].get(f"horizon_{k}", {})
@@ -680,7 +833,6 @@ def run_one(job: dict) -> dict:
     from mempo_trl import MemPOConfig, MemPOTrainer
     from mempo_trl.checkpoints import newest_complete_checkpoint
     from mempo_trl.data import load_qa, read_jsonl
-    from mempo_trl.kit.tiny import load_tiny
     from mempo_trl.retrieval import BM25Retriever
 
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and runs share the machine
@@ -690,7 +842,7 @@ def run_one(job: dict) -> dict:
     context_mode = budget.get("context_mode", "memory")
     retriever = BM25Retriever.from_corpus(job["paths"]["corpus"], cache_dir=job["bm25"])
     rows = read_jsonl(job["paths"][settings["split"]])
-    model, tokenizer = load_tiny(job["warm_dir"])
+    model, tokenizer = load_learner(job["warm_dir"])
     if cuda:
         model.to("cuda")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -729,7 +881,7 @@ def run_one(job: dict) -> dict:
     after = after_by_mode[context_mode]
     log = [e for e in trainer.state.log_history if "episode/em" in e]
     record = {
-        "arm": arm, "seed": seed, "tune_point": job["tune_point"], "settings": key, "seconds": seconds, "resumed_from": resume and resume.name,
+        "arm": arm, "seed": seed, "tune_point": job["tune_point"], "settings": key, "warm_start": job["warm_dir"], "seconds": seconds, "resumed_from": resume and resume.name,
         "before": before, "after": after, "after_by_mode": after_by_mode,
         "train_em": [e["episode/em"] for e in log], "train_reward": [e.get("reward") for e in log],
     }  # fmt: skip
@@ -803,6 +955,21 @@ def summarize(records: list[dict], command: str) -> dict:
     }
 
 
+def print_oracle_tokens(out: Path, paths: dict, tokenizer_dir: Path, budget: dict, split: str) -> dict:
+    """`oracle_context_tokens` of ``split``'s rows (the whole corpus, the learner's tokenizer), printed per K."""
+    from mempo_trl.data import read_jsonl
+    from mempo_trl.loading import load_tokenizer
+    from mempo_trl.retrieval import BM25Retriever
+
+    retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
+    cells = oracle_context_tokens(read_jsonl(paths[split]), retriever, load_tokenizer(tokenizer_dir), budget)
+    for k, cell in cells.items():
+        print(f"scripted oracle, K={k}: tokens per question memory {cell['tokens_memory']:.0f} / full history "
+              f"{cell['tokens_full_history']:.0f} = {cell['ratio']:.3f} (peak context {cell['peak_memory']} / "
+              f"{cell['peak_full_history']})", flush=True)  # fmt: skip
+    return cells
+
+
 def _machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count()}  # fmt: skip
@@ -864,21 +1031,31 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def experiment_settings(
-    quick: bool, split: str, overrides: dict, passage_words: int | None = None, outcome_reward: str = "each_part"
+    quick: bool,
+    split: str,
+    overrides: dict,
+    passage_words: int | None = None,
+    outcome_reward: str = "each_part",
+    learner: str = "kit",
 ) -> dict:
-    """What keys the world, the warm start and every run: `WORLD`, `WARM` and `BUDGET` with ``overrides`` (`QUICK`'s
-    with ``quick``), and the split. ``passage_words`` enters the world only when given, so that the default settings
-    (and the cached warm start and runs they key) stay as they are."""
-    world, warm, budget = dict(WORLD), dict(WARM), {**BUDGET, **overrides}
+    """What keys the world, the warm start and every run: `WORLD`, `WARM` (`SMOLLM2_WARM` for ``learner``
+    ``"smollm2"``) and `BUDGET` with ``overrides`` (`QUICK`'s, or `QUICK_SMOLLM2`'s, with ``quick``), and the split.
+    ``passage_words``, ``outcome_reward`` and ``learner`` enter only when not the default, so that the default
+    settings (and the cached warm start and runs they key) stay as they are."""
+    smollm2 = learner == "smollm2"
+    world, warm, budget = dict(WORLD), dict(SMOLLM2_WARM if smollm2 else WARM), {**BUDGET, **overrides}
     if quick:
-        world = QUICK["world"]
-        warm.update(QUICK["warm"])
-        budget.update(QUICK["budget"])
+        quick_settings = QUICK_SMOLLM2 if smollm2 else QUICK
+        world = quick_settings["world"]
+        warm.update(quick_settings["warm"])
+        budget.update(quick_settings["budget"])
         budget["max_turns"] = max(world["horizons"]) + 2
     if passage_words is not None:
         world = {**world, "passage_words": passage_words}
     settings = {"world": world, "warm": warm, "budget": budget, "split": split}
-    return settings if outcome_reward == "each_part" else {**settings, "outcome_reward": outcome_reward}
+    if outcome_reward != "each_part":
+        settings["outcome_reward"] = outcome_reward
+    return {**settings, "learner": learner} if smollm2 else settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -900,19 +1077,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outcome_reward", default="each_part", choices=list(OUTCOME_REWARDS),
                         help="what an answer earns in training: each right part its share (default) or 1 only when "
                              "all parts are right; runs and summary get the suffix _all_parts")  # fmt: skip
+    parser.add_argument("--learner", default="kit", choices=LEARNERS,
+                        help="kit: the learner built from scratch (default); smollm2: SmolLM2-135M-Instruct, fully "
+                             "fine-tuned; its world, warm starts and runs go to <out>/smollm2, its summary is "
+                             "long_horizon_smollm2.json")  # fmt: skip
     parser.add_argument("--passage_words", type=int, default=None, metavar="N",
                         help="pad every passage to ~N words (wiki-length); world, warm start and runs go to "
                              "<out>/passage_words_N")  # fmt: skip
     args = parser.parse_args(argv)
     if args.tune:
         args.split = "validation"
+    default_words = SMOLLM2_PASSAGE_WORDS if args.learner == "smollm2" else None
+    if args.passage_words is None:
+        args.passage_words = default_words
     try:
         overrides = parse_overrides(args.overrides)
         if args.jobs < 1:
             raise ValueError(f"--jobs {args.jobs}: expected >= 1")
         if args.passage_words is not None and args.passage_words < 1:
             raise ValueError(f"--passage_words {args.passage_words}: expected >= 1 (words per passage)")
-        settings = experiment_settings(args.quick, args.split, overrides, args.passage_words, args.outcome_reward)
+        settings = experiment_settings(
+            args.quick, args.split, overrides, args.passage_words, args.outcome_reward, args.learner
+        )
         turn_protocol(settings["budget"], "memory")  # a bad max_context_tokens fails here, before the warm start
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -922,17 +1108,23 @@ def main(argv: list[str] | None = None) -> int:
     world, warm, budget = settings["world"], settings["warm"], settings["budget"]
     if args.quick:
         args.seeds = args.seeds[:1]
-    defaults = not (args.quick or overrides or args.passage_words or args.outcome_reward != "each_part")
+    defaults = not (
+        args.quick or overrides or args.passage_words != default_words or args.outcome_reward != "each_part"
+    )
     published = defaults and args.split == "test"
     out = Path(args.out) if args.passage_words is None else Path(args.out) / f"passage_words_{args.passage_words}"
+    summary_name = "long_horizon" if args.learner == "kit" else f"long_horizon_{args.learner}"
+    out = out if args.learner == "kit" else out / args.learner
     variant = budget_suffix(budget) + ("" if args.outcome_reward == "each_part" else f"_{args.outcome_reward}")
-    results = Path("lab/results/long_horizon.json") if published else out / f"long_horizon{variant}.json"
+    results = Path(f"lab/results/{summary_name}.json") if published else out / f"{summary_name}{variant}.json"
     runs = out / "runs" / f"{args.split}{variant}"
     # The choice of the default settings' --tune is committed: the published runs use it.
-    tuned_path = Path("lab/results/long_horizon_tuned.json") if defaults else out / f"long_horizon_tuned{variant}.json"
+    tuned_path = (
+        Path(f"lab/results/{summary_name}_tuned.json") if defaults else out / f"{summary_name}_tuned{variant}.json"
+    )
     # The warm check of the default settings is the one the README cites: it is also written to bench/results.
     cited = defaults and args.warm_only and args.out == parser.get_default("out")
-    committed = Path(f"lab/results/long_horizon_warm_check_{args.split}.json")
+    committed = Path(f"lab/results/{summary_name}_warm_check_{args.split}.json")
     try:  # every output is checked before the (long) warm start and runs
         for directory in {out, results.parent, tuned_path.parent, *([committed.parent] if cited else [])}:
             check_writable(directory)
@@ -943,10 +1135,16 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and the machine is shared
     start = time.perf_counter()
-    paths, warm_dir = prepare(out, world, warm, args.device)
+    paths, warm_dirs = prepare(out, world, warm, args.device, args.learner)
     print(f"world and warm start ready in {out} ({time.perf_counter() - start:.0f} s)", flush=True)
+    oracle = print_oracle_tokens(out, paths, warm_dirs["memory"], budget, args.split)
     if args.warm_only:
-        check = warm_check(out, paths, warm_dir, budget, args.split)
+        if args.learner == "kit":
+            check = warm_check(out, paths, warm_dirs["memory"], budget, args.split)
+        else:
+            check = smollm2_warm_check(out, paths, warm_dirs, budget, args.split)
+        check["scripted_oracle_tokens"] = oracle
+        (out / f"warm_check_{args.split}{budget_suffix(budget)}.json").write_text(json.dumps(check, indent=1))
         if cited:
             command = "python lab/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
             record = {
@@ -969,6 +1167,7 @@ def main(argv: list[str] | None = None) -> int:
             for point, tune_settings in points:
                 name = f"{arm}_s{seed}" if point is None else f"{arm}_g{point}_s{seed}"
                 run_dir, key = runs / name, run_settings(settings, arm, tune_settings or tuned.get(arm))
+                warm_dir = warm_dirs[{**settings["budget"], **key["arm"]}.get("context_mode", "memory")]
                 done = run_dir / "run.json"
                 if done.is_file() and json.loads(done.read_text())["settings"] == key:
                     print(f"{name}: done already ({done})", flush=True)
@@ -1004,7 +1203,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     records = [r for r in records if r["settings"] == run_settings(settings, r["arm"], tuned.get(r["arm"]))]
     if records:
-        summary = summarize(records, command)
+        summary = {**summarize(records, command), "scripted_oracle_tokens": oracle}
         results.write_text(json.dumps(summary, indent=2))
         plot(summary, results.with_suffix(".png"))
         print(f"wrote {results}, {results.with_suffix('.png')}", flush=True)
@@ -1013,4 +1212,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # --passage_words: bench_context_tokens
     sys.exit(main())

