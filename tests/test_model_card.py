@@ -12,7 +12,7 @@ TINY_RECIPE = Path(__file__).resolve().parents[1] / "examples" / "configs" / "ti
 
 @pytest.mark.slow
 def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_model_dir, demo_paths, tmp_path):
-    from mempo_trl.commands.recipe import build_trainer
+    from mempo_trl.commands.recipe import build_trainer, train
     from mempo_trl.commands.train import parse_args
 
     out = tmp_path / "mempo-tiny-card"
@@ -27,9 +27,7 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
         ]
     )  # fmt: skip
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
-    trainer.train()
-    trainer.save_model()
-    trainer.create_model_card(dataset_name=script_args.dataset_name)
+    train(trainer, training_args, script_args.dataset_name)  # the recipe's: train, save, evaluate, card
     assert json.loads((out / "mempo_agent.json").read_text())["max_turns"] == 2  # pushed with the weights
 
     card = (out / "README.md").read_text(encoding="utf-8")

@@ -101,6 +101,7 @@ def _check_config_and_weights(directory: Path) -> None:
     import torch
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
     from mempo_trl.checkpoints import CheckpointError, check_safetensors
 
@@ -115,10 +116,12 @@ def _check_config_and_weights(directory: Path) -> None:
         config = AutoConfig.from_pretrained(str(directory))
         if getattr(config, "quantization_config", None):
             return  # pre-quantized weights are packed: their shapes are not the config's
-        with torch.device("meta"):
-            expected = {
-                key: tuple(t.shape) for key, t in AutoModelForCausalLM.from_config(config).state_dict().items()
-            }
+        expected = {}
+        if not is_deepspeed_zero3_enabled():  # ZeRO-3 partitions what it builds (the launcher checked it first)
+            with torch.device("meta"):
+                expected = {
+                    key: tuple(t.shape) for key, t in AutoModelForCausalLM.from_config(config).state_dict().items()
+                }
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, StrictDataclassError) as err:
         raise ValueError(
             f"{config_file} does not describe a model that can be built ({_one_line(err)}); {RESTORE}"
