@@ -92,8 +92,8 @@ from pathlib import Path
 import learning
 from learning import _versions, parse_overrides
 
-from mempo_trl.context import CONTEXT_MODES
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
+from mempo_trl.protocol import CONTEXT_MODES
 
 
 WORLD = {
@@ -293,7 +293,7 @@ def turn_protocol(budget: dict, context_mode: str):
     rule as training. A bad value raises `ValueError` naming the field."""
     from dataclasses import fields
 
-    from mempo_trl.context import TurnProtocol
+    from mempo_trl.protocol import TurnProtocol
 
     known = {f.name for f in fields(TurnProtocol)} - {"action"}
     return TurnProtocol(**{**{k: v for k, v in budget.items() if k in known}, "context_mode": context_mode})
