@@ -39,14 +39,14 @@ def test_parse_valid_search_turn():
         "search",
         "mayor of Ulm",
     )
-    start, end = turn.mem_span
+    start, end = turn.mem_chars
     assert text[start:end] == "<mem> Ulm is the city </mem>"
 
 
 def test_parse_valid_answer_turn_allows_empty_mem_and_other_angle_brackets():
     turn = parse_turn("<mem></mem><think>a < b and <memo></think><answer>Ulm; Max</answer>")
     assert turn.valid
-    assert (turn.mem, turn.think, turn.action, turn.content, turn.mem_span) == (
+    assert (turn.mem, turn.think, turn.action, turn.content, turn.mem_chars) == (
         "",
         "a < b and <memo>",
         "answer",
@@ -91,13 +91,13 @@ def test_parse_invalid_reasons(text, reason):
     assert turn.think is None and turn.action is None and turn.content is None
 
 
-def test_mem_span_kept_for_invalid_turn_and_dropped_for_broken_mem():
+def test_mem_chars_kept_for_invalid_turn_and_dropped_for_broken_mem():
     text = f"Sure! {M}{T}{S}{A}"
     turn = parse_turn(text)
-    assert not turn.valid and turn.mem == "m" and text[slice(*turn.mem_span)] == M
-    assert parse_turn("<mem>a<think>b</think></mem>").mem_span is None
-    assert parse_turn("<mem>a").mem_span is None
-    assert parse_turn(f"{T}{S}").mem_span is None
+    assert not turn.valid and turn.mem == "m" and text[slice(*turn.mem_chars)] == M
+    assert parse_turn("<mem>a<think>b</think></mem>").mem_chars is None
+    assert parse_turn("<mem>a").mem_chars is None
+    assert parse_turn(f"{T}{S}").mem_chars is None
 
 
 FRAGMENTS = (*MEMPO_TAGS, "<", ">", "/", "mem", "think", "<mem", "mem>", "</", " ", "\n", "x", "é", "中")
@@ -109,12 +109,12 @@ texts_with_tags = st.one_of(st.text(), st.lists(st.sampled_from(FRAGMENTS) | st.
 def test_parse_never_raises_and_is_consistent(text):
     turn = parse_turn(text)
     assert turn.valid == (turn.reason is None)
-    if turn.mem_span is not None:
-        block = text[slice(*turn.mem_span)]
+    if turn.mem_chars is not None:
+        block = text[slice(*turn.mem_chars)]
         assert block.startswith("<mem>") and block.endswith("</mem>")
         assert block[len("<mem>") : -len("</mem>")].strip() == turn.mem
     if turn.valid:
-        assert turn.action in ("search", "answer") and turn.content and turn.mem_span is not None
+        assert turn.action in ("search", "answer") and turn.content and turn.mem_chars is not None
 
 
 plain = st.text(st.characters(blacklist_characters="<>", blacklist_categories=("Cs",)), max_size=20)
@@ -142,7 +142,7 @@ def test_valid_turn_round_trips(case):
     turn = parse_turn(text)
     assert turn.valid, turn.reason
     assert (turn.mem, turn.think, turn.action, turn.content) == (mem.strip(), think.strip(), action, content.strip())
-    assert turn.mem_span == (len(parts[0]), len(parts[0]) + len(f"<mem>{mem}</mem>"))
+    assert turn.mem_chars == (len(parts[0]), len(parts[0]) + len(f"<mem>{mem}</mem>"))
 
 
 TAG_POSITIONS = [1, 3, 5, 7, 9, 11]  # indices of the tags in the parts list
@@ -295,7 +295,7 @@ def _brute_force_offsets(ids, tokenizer):
 
 def _brute_force_mem_tokens(ids, tokenizer, text):
     """Tokens holding the first byte of ``<mem>`` and the last byte of ``</mem>`` of the parsed mem block."""
-    span = parse_turn(text).mem_span
+    span = parse_turn(text).mem_chars
     if span is None:
         return None
     first_byte, last_byte = len(text[: span[0]].encode()), len(text[: span[1]].encode()) - 1
@@ -333,7 +333,7 @@ def test_offsets_and_mem_span_agree_with_brute_force(variant, text, real_tokeniz
     assert locate_mem_span(ids, tokenizer) == expected
     if expected is not None:
         first, last = expected
-        block = text[slice(*parse_turn(text).mem_span)]
+        block = text[slice(*parse_turn(text).mem_chars)]
         assert block in tokenizer.decode(ids[first : last + 1])
 
 

@@ -96,7 +96,7 @@ def test_scoring_items_follow_the_algorithm_doc(any_tokenizer):
     for pair in pairs:
         t = pair.round_index
         assert pair.full.context_ids == render_prompt(tokenizer, round_messages(base, history[:t], "full_history"))
-        mem_block = episodes[0].rounds[t].text[episodes[0].rounds[t].turn.mem_span[0] :].split("<think>")[0]
+        mem_block = episodes[0].rounds[t].text[episodes[0].rounds[t].turn.mem_chars[0] :].split("<think>")[0]
         assert pair.mem.context_ids == render_prompt(tokenizer, base) + tokenizer(mem_block)["input_ids"]
         assert tokenizer.decode(pair.mem.context_ids).endswith("</mem>")
     # The second episode's round 2 has no <mem>: nothing to score.

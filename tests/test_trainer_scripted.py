@@ -8,7 +8,9 @@ tokens) and Qwen2.5's real one, with a model that stops after its action and one
 import math
 import re
 import statistics
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from datasets import Dataset
 from helpers import EchoRetriever, cpu_config
 from transformers import Qwen2ForCausalLM
 
+import mempo_trl
 from mempo_trl import MemPOTrainer, rewards
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
@@ -242,7 +245,7 @@ def test_zero3_gathers_the_parameters_once_per_rollout(scripted_trainer, monkeyp
     monkeypatch.setattr(trainer, "_generate_single_turn", recording_generate)
     monkeypatch.setattr(trainer, "is_deepspeed_enabled", True)  # as under accelerate's DeepSpeed plugin
     inputs = [{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT for _ in range(2)]
-    episodes, _ = trainer._play_episodes(inputs)
+    episodes = trainer._play_episodes(inputs).episodes
     assert max(len(ep.rounds) for ep in episodes) == len(round_flags) == 3
     assert entered == [True]  # one gather for the three rounds
     assert round_flags == [False, False, False]  # TRL's per-round gather skipped
@@ -295,3 +298,56 @@ def test_episode_metrics_come_from_one_outcome_score_per_episode(scripted_traine
         pytest.approx({f"episode/{name}": value for name, value in expected.items()})
     )
     assert metrics["rewards/mempo_outcome_reward/mean"] == pytest.approx(0.5)
+
+
+def step_walk(trainer, inputs) -> list[str]:
+    """The `mempo_trl` modules that `_generate_and_score_completions` hands the step's data to, in call order:
+    every call into another `mempo_trl` module made by the trainer itself (or by TRL code it called), not the calls
+    those modules make in turn; consecutive calls into one module count once. `grpo_mirror` is part of the trainer
+    (the class it mixes in: TRL's internals the trainer mirrors)."""
+    package = Path(mempo_trl.__file__).parent
+    trainer_files = {str(package / "trainer.py"), str(package / "grpo_mirror.py")}
+    walk = []
+
+    def module_of(filename):
+        path = Path(filename)
+        return ".".join(path.relative_to(package).with_suffix("").parts) if path.is_relative_to(package) else None
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        callee = module_of(frame.f_code.co_filename)
+        if callee in (None, "trainer", "grpo_mirror"):
+            return
+        caller = frame.f_back
+        while caller is not None:
+            if caller.f_code.co_filename in trainer_files:
+                if caller.f_code.co_name == "_generate_and_score_completions":
+                    if not walk or walk[-1] != callee:
+                        walk.append(callee)
+                    return
+            elif module_of(caller.f_code.co_filename) is not None:
+                return  # a call made inside another stage
+            caller = caller.f_back
+
+    sys.setprofile(profile)
+    try:
+        trainer._generate_and_score_completions(inputs)
+    finally:
+        sys.setprofile(None)
+    return walk
+
+
+@pytest.mark.parametrize("dynamic_sampling", ["keep", "drop"])
+def test_a_steps_data_visits_each_module_once_downwards(scripted_trainer, dynamic_sampling):
+    """The walk of a step's data: the rollout (with its training rows), the outcome scores and rewards, dynamic
+    sampling, memory scoring, the memory reward, the advantages and the finite check, each entered once, in that
+    order (docs/algorithm.md, "Module map"); TRL's log-probs and loss follow in the trainer."""
+    trainer, _, _, _ = scripted_trainer
+    trainer.args.dynamic_sampling = dynamic_sampling
+    trainer.model.train()
+    inputs = [{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT for _ in range(2)]
+    walk = step_walk(trainer, inputs)
+    order = ["rollout", "rewards", "dynamic_sampling", "scoring", "memory", "advantages", "interruptions"]
+    expected = [m for m in order if m != "dynamic_sampling" or dynamic_sampling != "keep"]
+    assert walk == expected, walk

@@ -159,7 +159,7 @@ def test_fuzz_any_text_after_the_action_under_real_tokenizers(real_tokenizers, n
     assert kept == _expected_kept(ids, tok, turn)
     span = locate_mem_span(kept, tok)
     first, last = span
-    block = turn[slice(*parse_turn(turn).mem_span)]
+    block = turn[slice(*parse_turn(turn).mem_chars)]
     assert block in tok.decode(kept[first : last + 1])
     assert block not in tok.decode(kept[first + 1 : last + 1]) and block not in tok.decode(kept[first:last])
 
@@ -194,7 +194,7 @@ def test_rollout_with_a_model_that_keeps_talking(any_tokenizer, chatter):
         sampled = tok(SCRIPT[t] + chatter, add_special_tokens=False).input_ids
         assert record.completion_ids == _expected_kept(sampled, tok, SCRIPT[t])
         first, last = record.mem_span
-        block = SCRIPT[t][slice(*record.turn.mem_span)]
+        block = SCRIPT[t][slice(*record.turn.mem_chars)]
         assert block in tok.decode(record.completion_ids[first : last + 1])
         assert block not in tok.decode(record.completion_ids[first + 1 : last + 1])
         assert block not in tok.decode(record.completion_ids[first:last])

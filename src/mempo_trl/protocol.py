@@ -62,9 +62,10 @@ _TAG_RES = {actions: _tag_re(actions) for actions in (SEARCH_ACTIONS, TOOL_ACTIO
 class Turn:
     """The parse of one assistant turn.
 
-    ``mem``/``mem_span`` are set whenever the text holds a well-formed mem block (the first ``<mem>`` tag directly
+    ``mem``/``mem_chars`` are set whenever the text holds a well-formed mem block (the first ``<mem>`` tag directly
     followed by ``</mem>``), even if the turn is otherwise invalid; ``think``, ``action`` and ``content`` only for
-    valid turns. Inner texts are stripped; ``mem_span`` is ``[start, end)`` from ``<`` of ``<mem>`` to past ``</mem>``.
+    valid turns. Inner texts are stripped; ``mem_chars`` is the character span ``[start, end)`` from ``<`` of ``<mem>``
+    to past ``</mem>`` (`locate_mem_span` maps it to ``mem_span``, the inclusive token span of training rows).
     """
 
     valid: bool
@@ -73,7 +74,7 @@ class Turn:
     think: str | None
     action: Literal["search", "tool_call", "answer"] | None
     content: str | None
-    mem_span: tuple[int, int] | None
+    mem_chars: tuple[int, int] | None
 
 
 def _first_mem_block(text: str, tags: list[re.Match[str]]) -> tuple[str, tuple[int, int]] | None:
@@ -95,7 +96,7 @@ def parse_turn(text: str, actions: tuple[str, ...] = SEARCH_ACTIONS) -> Turn:
     action tags (`SEARCH_ACTIONS`, or `TOOL_ACTIONS` for an environment); other tags are plain text.
 
     >>> t = parse_turn("<mem>m</mem> <think>t</think> <answer> Paris </answer>")
-    >>> (t.valid, t.action, t.content, t.mem_span)
+    >>> (t.valid, t.action, t.content, t.mem_chars)
     (True, 'answer', 'Paris', (0, 12))
     >>> parse_turn("<mem>m</mem><answer>x</answer>").reason
     'missing <think> block'
@@ -105,10 +106,10 @@ def parse_turn(text: str, actions: tuple[str, ...] = SEARCH_ACTIONS) -> Turn:
     pattern = _TAG_RES.get(actions) or _tag_re(actions)
     tags = list(pattern.finditer(text))
     mem_block = _first_mem_block(text, tags)
-    mem, mem_span = mem_block if mem_block is not None else (None, None)
+    mem, mem_chars = mem_block if mem_block is not None else (None, None)
 
     def invalid(reason: str) -> Turn:
-        return Turn(False, reason, mem, None, None, None, mem_span)
+        return Turn(False, reason, mem, None, None, None, mem_chars)
 
     if any(tag.group(2) == "information" for tag in tags):
         return invalid("the model wrote an <information> tag")
@@ -153,7 +154,7 @@ def parse_turn(text: str, actions: tuple[str, ...] = SEARCH_ACTIONS) -> Turn:
     content = blocks[2][1]
     if not content:
         return invalid(f"empty <{written[0]}>")
-    return Turn(True, None, mem, blocks[1][1], written[0], content, mem_span)
+    return Turn(True, None, mem, blocks[1][1], written[0], content, mem_chars)
 
 
 def extract_answer(turn_texts: Sequence[str]) -> str | None:
@@ -319,7 +320,7 @@ def locate_mem_span(
     (0, 2)
     """
     text, offsets = token_char_offsets(token_ids, tokenizer)
-    span = parse_turn(text, actions).mem_span
+    span = parse_turn(text, actions).mem_chars
     return None if span is None else locate_char_span(offsets, *span)
 
 

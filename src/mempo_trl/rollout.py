@@ -199,11 +199,11 @@ def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]
     history = episode.history()
     pairs = []
     for t, record in enumerate(episode.rounds):
-        if t == 0 or record.turn.mem_span is None or len(history) < t:
+        if t == 0 or record.turn.mem_chars is None or len(history) < t:
             continue
         full_messages = round_messages(episode.base_messages, history[:t], "full_history")
         full_ids = render_prompt(tokenizer, full_messages, episode.tools)
-        start, end = record.turn.mem_span
+        start, end = record.turn.mem_chars
         mem_ids = memory_context_ids(tokenizer, base_ids, record.text[start:end])
         pairs.append(
             MemoryScoringPair(
@@ -243,7 +243,7 @@ def training_rows(episodes: Sequence[Episode], tokenizer, score_memory: bool) ->
     for e, episode in enumerate(episodes):
         pairs = {p.round_index: p for p in memory_scoring_items(episode, tokenizer)} if score_memory else {}
         for t, record in enumerate(episode.rounds):
-            span = record.turn.mem_span
+            span = record.turn.mem_chars
             rows.append(
                 TrainingRow(
                     episode_index=e,
@@ -258,6 +258,18 @@ def training_rows(episodes: Sequence[Episode], tokenizer, score_memory: bool) ->
                 )
             )
     return tuple(rows)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What `RolloutEngine.play` hands to the rest of a training step: this process's finished ``episodes`` (in the
+    order of its input rows), one `TrainingRow` per round of them (``rows``, in episode then round order) and the
+    seconds spent generating and retrieving (``timings``). Later stages read the rows and the episodes' answers; none
+    of them calls back into the rollout."""
+
+    episodes: tuple[Episode, ...]
+    rows: tuple[TrainingRow, ...]
+    timings: RolloutTimings
 
 
 class RolloutEngine:
@@ -462,6 +474,18 @@ class RolloutEngine:
             raise outage or RetrieverOutage(f"{lost} other process(es) lost the retrieval server (see their log).")
         return episodes, timings
 
+    def play(
+        self,
+        rows: Sequence[dict],
+        generate: GenerateFn,
+        global_active: Callable[[int], int] | None = None,
+        score_memory: bool = False,
+    ) -> Rollout:
+        """`run`, then the training rows of its episodes (`training_rows`; with ``score_memory``, the rounds the memory
+        reward scores carry both of their contexts): everything a training step needs from the rollout, at once."""
+        episodes, timings = self.run(rows, generate, global_active)
+        return Rollout(tuple(episodes), training_rows(episodes, self.tokenizer, score_memory), timings)
+
     def _make_record(self, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float] | None):
         completion_ids, text, truncated, token_span = _cut_turn(
             list(completion_ids), self.tokenizer, self.eos_token_ids, self.protocol.stops
@@ -471,8 +495,8 @@ class RolloutEngine:
         turn = parse_turn(text, self.actions)
         if turn.valid and turn.action == "tool_call" and parse_tool_call(turn.content) is None:
             turn = Turn(False, "<tool_call> is not a JSON call {\"name\": ..., \"arguments\": {...}}", turn.mem,
-                        None, None, None, turn.mem_span)  # fmt: skip
-        mem_span = token_span(*turn.mem_span) if turn.mem_span is not None else None
+                        None, None, None, turn.mem_chars)  # fmt: skip
+        mem_span = token_span(*turn.mem_chars) if turn.mem_chars is not None else None
         return RoundRecord(
             prompt_ids=prompt_ids,
             completion_ids=completion_ids,

@@ -29,7 +29,7 @@ from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import answer_probability, memory_reward, quantile_threshold
 from mempo_trl.model_card import mempo_model_card
 from mempo_trl.rewards import OutcomeScore, episode_metrics, episode_outcome, mempo_outcome_reward
-from mempo_trl.rollout import Episode, RolloutEngine, RolloutTimings, TrainingRow, training_rows
+from mempo_trl.rollout import Episode, Rollout, RolloutEngine, RolloutTimings, TrainingRow
 from mempo_trl.scoring import (
     SHARED_PREFIX_ATTENTION,
     answer_token_logps,
@@ -209,6 +209,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             **kwargs,
         )
         self.memory_settings = args.memory_settings()
+        self._score_memory = protocol.context_mode == "memory" and self.memory_settings.memory_coef != 0.0
         attention = self.model.config._attn_implementation
         if args.memory_scoring == "shared_prefix" and attention not in SHARED_PREFIX_ATTENTION:
             raise ValueError(
@@ -316,11 +317,13 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
 
         Where `GRPOTrainer` samples one completion per prompt and gives it one advantage, this method:
 
-        1. plays each row as a multi-turn episode, the context rebuilt every round (`RolloutEngine.run`);
-        2. makes one training row per round (prompt = its context, completion = the turn), padded with fully masked
-           placeholder rows to the same count on every process (`RoundBatch`);
-        3. scores each whole trajectory with the reward functions, gathered over processes (`_outcome_rewards`),
-           and with `dynamic_sampling`, refills or drops the groups whose rewards are all equal (`_dynamic_sampling`);
+        1. plays each row as a multi-turn episode, the context rebuilt every round, and gets one training row per
+           round (prompt = its context, completion = the turn; with the memory reward, its scoring contexts) from
+           the rollout at once (`RolloutEngine.play`);
+        2. scores each episode once (`episode_outcome`, `episode_metrics`) and each whole trajectory with the reward
+           functions, gathered over processes (`_outcome_rewards`); with `dynamic_sampling`, refills or drops the
+           groups whose rewards are all equal (`_dynamic_sampling`);
+        3. pads the rows with fully masked placeholder rows to the same count on every process (`_round_batch`);
         4. scores P_full / P_mem of the gold answer for rounds >= 2 and their memory reward (`_memory_rewards`);
         5. gathers the rounds of all processes and calls `mempo_advantages` for per-token advantages of shape
            (rows, completion tokens) instead of one scalar per completion (`_advantages`);
@@ -328,21 +331,22 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
            (`mempo_trl.grpo_mirror`), then the episode, memory, token and timing metrics (`_log_round_metrics`).
         """
         mode = "train" if self.model.training else "eval"
-        episodes, timings = self._play_episodes(inputs)
-        self._warn_no_memory_target(episodes)
-        outcomes = [episode_outcome(ep) for ep in episodes]
-        rewards_per_func, rewards = self._outcome_rewards(inputs, episodes, outcomes)
+        rollout = self._play_episodes(inputs)
+        outcomes, stats = self._score_episodes(rollout.episodes)
+        rewards_per_func, rewards = self._outcome_rewards(inputs, rollout.episodes, outcomes, stats)
         dropped = torch.zeros_like(rewards, dtype=torch.bool)
         if mode == "train" and self.args.dynamic_sampling != "keep":
-            episodes, outcomes, rewards_per_func, rewards, dropped = self._dynamic_sampling(
-                inputs, episodes, outcomes, timings, rewards_per_func, rewards
+            rollout, outcomes, stats, rewards_per_func, rewards, dropped = self._dynamic_sampling(
+                inputs, rollout, outcomes, stats, rewards_per_func, rewards
             )
+        episodes, timings = list(rollout.episodes), rollout.timings
         local_dropped = dropped[self.accelerator.process_index * len(episodes) :][: len(episodes)].tolist()
-        score_memory = self.protocol.context_mode == "memory" and self.memory_settings.memory_coef != 0.0
-        batch = self._round_batch(episodes, mode, score_memory, local_dropped)
+        batch = self._round_batch(episodes, rollout.rows, mode, local_dropped)
         scoring_start = time.perf_counter()
         with profiling_context(self, "memory_scoring"):
-            scored = self._memory_rewards(batch.rows) if score_memory else MemoryScores.unscored(len(batch.rows))
+            scored = MemoryScores.unscored(len(batch.rows))
+            if self._score_memory:
+                scored = self._memory_rewards(batch.rows)
             if any(local_dropped):  # a dropped group teaches nothing, its memory rounds included
                 gone = torch.tensor([local_dropped[row.episode_index] for row in batch.rows], dtype=torch.bool)
                 scored = MemoryScores(*(column.masked_fill(gone, math.nan) for column in scored))
@@ -359,7 +363,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         ]
         prompts = [ep.base_messages for ep in episodes]
         self._log_grpo_metrics(mode, batch.rows, rewards_per_func, rewards, advantages.outcome, prompts, trajectories)
-        self._log_round_metrics(batch, outcomes, scored, advantages.memory, timings, scoring_seconds)
+        self._log_round_metrics(batch, stats, scored, advantages.memory, timings, scoring_seconds)
         if mode == "train":
             self._step_account.tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in batch.rows)
             self._step_account.generation += timings.generation
@@ -385,13 +389,22 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             self._step_account = StepAccount()
         return loss
 
-    def _play_episodes(self, inputs: list[dict]) -> tuple[list[Episode], RolloutTimings]:
-        """One multi-turn episode per input row, all processes stepping together."""
+    def _play_episodes(self, inputs: list[dict]) -> Rollout:
+        """One multi-turn episode per input row, all processes stepping together, with its training rows."""
         with profiling_context(self, "rollout"), self._rollout_context():
             global_active = self._global_sum if self.accelerator.num_processes > 1 else None
-            return self.rollout_engine.run(inputs, self._generate_turns, global_active)
+            rollout = self.rollout_engine.play(inputs, self._generate_turns, global_active, self._score_memory)
+        self._warn_no_memory_target(rollout.episodes)
+        return rollout
 
-    def _warn_no_memory_target(self, episodes: list[Episode]) -> None:
+    @staticmethod
+    def _score_episodes(episodes) -> tuple[list[OutcomeScore | None], list[dict[str, float]]]:
+        """Each episode's `episode_outcome` (EM/F1/sub-EM against its golds, the reward functions' ``outcome``
+        column) and `episode_metrics` (the ``episode/*`` numbers), scored once per step."""
+        outcomes = [episode_outcome(ep) for ep in episodes]
+        return outcomes, [episode_metrics(ep, outcome) for ep, outcome in zip(episodes, outcomes)]
+
+    def _warn_no_memory_target(self, episodes: Sequence[Episode]) -> None:
         """Warn once when environment episodes have no gold answer: their rounds get the outcome advantage only."""
         if self._warned_no_target or self.rollout_engine.environment_factory is None:
             return
@@ -405,12 +418,17 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             )
 
     def _outcome_rewards(
-        self, inputs: list[dict], episodes: list[Episode], outcomes: list[OutcomeScore | None]
+        self,
+        inputs: list[dict],
+        episodes: Sequence[Episode],
+        outcomes: list[OutcomeScore | None],
+        stats: list[dict[str, float]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-function ``(N, F)`` and weighted ``(N,)`` rewards of the trajectories of ALL processes.
 
         The reward functions see the final turn as ``completions`` plus ``trajectory`` (all turn texts),
-        ``format_valid`` and ``outcome`` (each episode's `episode_outcome`, scored once); TRL's `_calculate_rewards` gathers them over processes. With an environment they also get
+        ``format_valid`` and ``outcome`` (from each episode's ``stats`` and `episode_outcome`, scored once); TRL's
+        `_calculate_rewards` gathers them over processes. With an environment they also get
         ``environments`` (one instance per episode, as in TRL) and the environment's ``golden_answers`` when the row
         has none. As in TRL, a trajectory that every reward function returned None for is unscorable: reward NaN,
         left out of its group's mean and std, advantage 0 (`group_outcome_advantages`).
@@ -418,8 +436,13 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         prompts = [ep.base_messages for ep in episodes]
         completions = [[{"role": "assistant", "content": ep.rounds[-1].text}] for ep in episodes]
         reward_inputs = [
-            {**row, "trajectory": [r.text for r in ep.rounds], "format_valid": ep.format_valid, "outcome": outcome}
-            for row, ep, outcome in zip(inputs, episodes, outcomes)
+            {
+                **row,
+                "trajectory": [r.text for r in ep.rounds],
+                "format_valid": bool(stat["format_valid"]),
+                "outcome": o,
+            }
+            for row, ep, o, stat in zip(inputs, episodes, outcomes, stats)
         ]
         if self.rollout_engine.environment_factory is not None:
             self.environments = [ep.environment for ep in episodes]
@@ -433,13 +456,14 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         return rewards_per_func, rewards
 
-    def _round_batch(self, episodes: list[Episode], mode: str, score_memory: bool, dropped: list[bool]) -> RoundBatch:
-        """The batch of one training row per round (`training_rows`), padded with placeholder rows (one pad token,
-        completion fully masked) so that every process has the same number of rows, a multiple of
-        ``steps_per_generation``. The rows of the episodes that are ``dropped`` (one flag per episode) get a fully
-        masked completion."""
+    def _round_batch(
+        self, episodes: list[Episode], rows: Sequence[TrainingRow], mode: str, dropped: list[bool]
+    ) -> RoundBatch:
+        """The training ``rows`` of ``episodes`` as tensors, padded with placeholder rows (one pad token, completion
+        fully masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``. The
+        rows of the episodes that are ``dropped`` (one flag per episode) get a fully masked completion."""
         device = self.accelerator.device
-        rows = training_rows(episodes, self._tokenizer, score_memory)
+        rows = tuple(rows)
         per_step = self.args.steps_per_generation if mode == "train" else 1
         num_dummy = math.ceil(self._global_max(len(rows)) / per_step) * per_step - len(rows)
         pad_id = self._tokenizer.pad_token_id
@@ -461,14 +485,15 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         }
         return RoundBatch(mode, episodes, rows, tensors)
 
-    def _dynamic_sampling(self, inputs, episodes, outcomes, timings, rewards_per_func, rewards):
+    def _dynamic_sampling(self, inputs, rollout: Rollout, outcomes, stats, rewards_per_func, rewards):
         """`MemPOConfig.dynamic_sampling` on a training batch: refill its all-equal groups, then say which to drop.
 
         ``rewards_per_func`` ``(N, F)`` and ``rewards`` ``(N,)`` cover all processes' trajectories, ``inputs`` and
-        ``episodes`` (and their ``outcomes``) this process's ``n`` (global rows ``rank * n ... rank * n + n - 1``). Each refill round plays the
-        whole batch again, on one fresh prompt per group slot (the same draw on every process), and a slot whose group
-        is all-equal takes the round's group if that one is not (`refillable_groups`); trajectories, rewards and the
-        ``log_extra`` columns of reward functions are swapped in place. Returns the new ``episodes``, ``outcomes``,
+        ``rollout``'s episodes (and their ``outcomes`` and ``stats``) this process's ``n`` (global rows
+        ``rank * n ... rank * n + n - 1``). Each refill round plays the whole batch again, on one fresh prompt per
+        group slot (the same draw on every process), and a slot whose group is all-equal takes the round's group if
+        that one is not (`refillable_groups`): its episodes, training rows, scores, rewards and the ``log_extra``
+        columns of reward functions are swapped in. Returns the new ``rollout``, ``outcomes``, ``stats``,
         ``rewards_per_func``, ``rewards`` and the ``(N,)`` bool of the trajectories to drop (their groups are still
         all-equal), and logs the ``dynamic_sampling/*`` metrics.
         """
@@ -476,7 +501,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         zero_std = zero_std_groups(rewards, size, args.dynamic_sampling_tolerance)
         before = zero_std.float().mean().item()
         refilled = torch.zeros_like(zero_std)
-        n_local, rank = len(episodes), self.accelerator.process_index
+        n_local, rank = len(rollout.episodes), self.accelerator.process_index
         slots = [(rank * n_local + i) // size for i in range(n_local)]
         rounds = 0
         while args.dynamic_sampling == "refill" and zero_std.any() and rounds < args.dynamic_sampling_max_rounds:
@@ -485,23 +510,30 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             prompts = torch.randint(len(self.train_dataset), (zero_std.numel(),), generator=generator).tolist()
             new_inputs = [self.train_dataset[prompts[k]] for k in slots]
             extra_logs = {column: list(values) for column, values in self._pending_extra_logs.items()}
-            new_episodes, new_timings = self._play_episodes(new_inputs)
-            new_outcomes = [episode_outcome(ep) for ep in new_episodes]
-            new_per_func, new_rewards = self._outcome_rewards(new_inputs, new_episodes, new_outcomes)
+            fresh = self._play_episodes(new_inputs)
+            new_outcomes, new_stats = self._score_episodes(fresh.episodes)
+            new_per_func, new_rewards = self._outcome_rewards(new_inputs, fresh.episodes, new_outcomes, new_stats)
             take = refillable_groups(zero_std, zero_std_groups(new_rewards, size, args.dynamic_sampling_tolerance))
             rows = take.repeat_interleave(size)
             rewards = torch.where(rows, new_rewards, rewards)
             rewards_per_func = torch.where(rows.unsqueeze(1), new_per_func, rewards_per_func)
             local_take = [bool(take[k]) for k in slots]
-            episodes = [new if t else old for old, new, t in zip(episodes, new_episodes, local_take)]
-            outcomes = [new if t else old for old, new, t in zip(outcomes, new_outcomes, local_take)]
+            episodes = [b if t else a for a, b, t in zip(rollout.episodes, fresh.episodes, local_take)]
+            outcomes = [b if t else a for a, b, t in zip(outcomes, new_outcomes, local_take)]
+            stats = [b if t else a for a, b, t in zip(stats, new_stats, local_take)]
+            training = [row for row in rollout.rows if not local_take[row.episode_index]]
+            training += [row for row in fresh.rows if local_take[row.episode_index]]
+            training.sort(key=lambda row: (row.episode_index, row.round_index))
             for column in set(extra_logs) | set(self._pending_extra_logs):
                 old = extra_logs.get(column, [None] * n_local)
                 new = self._pending_extra_logs[column][len(extra_logs.get(column, [])) :]
                 new = new if len(new) == n_local else [None] * n_local
                 self._pending_extra_logs[column] = [b if t else a for a, b, t in zip(old, new, local_take)]
-            timings.generation += new_timings.generation
-            timings.retrieval += new_timings.retrieval
+            timings = RolloutTimings(
+                rollout.timings.generation + fresh.timings.generation,
+                rollout.timings.retrieval + fresh.timings.retrieval,
+            )
+            rollout = Rollout(tuple(episodes), tuple(training), timings)
             zero_std, refilled = zero_std & ~take, refilled | take
         metrics = self._metrics["train"]
         metrics["dynamic_sampling/frac_reward_zero_std_before"].append(before)
@@ -509,7 +541,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         metrics["dynamic_sampling/groups_dropped"].append(float(zero_std.sum().item()))
         metrics["dynamic_sampling/groups_refilled"].append(float(refilled.sum().item()))
         metrics["dynamic_sampling/refill_rounds"].append(float(rounds))
-        return episodes, outcomes, rewards_per_func, rewards, zero_std.repeat_interleave(size)
+        return rollout, outcomes, stats, rewards_per_func, rewards, zero_std.repeat_interleave(size)
 
     def _advantages(
         self, batch: RoundBatch, memory_rewards: torch.Tensor, rewards: torch.Tensor, mode: str
@@ -543,18 +575,18 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
     def _log_round_metrics(
         self,
         batch: RoundBatch,
-        outcomes: list[OutcomeScore | None],
+        stats: list[dict[str, float]],
         scored: MemoryScores,
         memory_adv,
         timings: RolloutTimings,
         scoring_seconds,
     ):
-        """Log the ``episode/*`` (`episode_metrics` of each episode and its step's ``outcomes``), ``tokens/*``,
+        """Log the ``episode/*`` (``stats``: each episode's `episode_metrics`), ``tokens/*``,
         ``memory/*`` and ``time/*`` metrics (docs/training.md), each averaged over all processes (``time/*``: the
         slowest process)."""
         values: dict[str, list[float]] = defaultdict(list)
-        for ep, outcome in zip(batch.episodes, outcomes, strict=True):
-            for name, value in episode_metrics(ep, outcome).items():
+        for episode_stats in stats:
+            for name, value in episode_stats.items():
                 values[f"episode/{name}"].append(value)
         columns = {name: column.tolist() for name, column in scored._asdict().items()}
         for i, row in enumerate(batch.rows):
