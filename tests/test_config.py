@@ -6,15 +6,17 @@ from dataclasses import fields
 
 import pytest
 from datasets import Dataset
+from trl import GRPOConfig
 
 import mempo_trl.settings as settings_module
 from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl.commands.train_help import mempo_fields
 from mempo_trl.data import DataError
 from mempo_trl.kit.envs import KeyVaultEnv, key_vault_rows
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.protocol import DEFAULT_INSTRUCTION, ENVIRONMENT_INSTRUCTION, TurnProtocol
+from mempo_trl.protocol import DEFAULT_INSTRUCTION, ENVIRONMENT_INSTRUCTION
 from mempo_trl.retrieval import Passage
-from mempo_trl.settings import MemoryRewardSettings
+from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings
 
 
 BASE = dict(use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4, num_generations=4)
@@ -102,18 +104,20 @@ def test_single_token_action_tags_stop_generation(tiny_model_dir, tmp_path):
 
 
 def test_turn_and_memory_settings_have_one_home(tmp_path):
-    """`MemPOConfig`'s flat turn and `memory_*` fields take their default and help from `TurnProtocol` and
-    `MemoryRewardSettings`, and hand the objects out whole."""
+    """`MemPOConfig`'s own MemPO fields are exactly its homes' (`SETTINGS_HOMES`: `TurnProtocol`,
+    `MemoryRewardSettings`, `DynamicSamplingSettings`), take their default, help and choices from there (what
+    `mempo-trl train --help` prints, read from the homes), and are handed out whole."""
     args = MemPOConfig(output_dir=str(tmp_path), **BASE)
     config_fields = {f.name: f for f in fields(MemPOConfig)}
-    for source in (TurnProtocol, MemoryRewardSettings):
-        for f in fields(source):
-            if f.name in ("action", "max_completion_length"):  # the rollout's own; GRPOConfig's field
-                continue
-            assert config_fields[f.name].default == f.default, f.name
-            assert config_fields[f.name].metadata["help"] == f.metadata["help"], f.name
-            assert config_fields[f.name].metadata.get("choices") == (list(f.metadata["choices"]) if "choices" in
-                                                                      f.metadata else None), f.name  # fmt: skip
+    own = set(config_fields) - {f.name for f in fields(GRPOConfig)}
+    declared = mempo_fields()
+    assert own == {f.name for f in declared}
+    for f in declared:
+        assert config_fields[f.name].default == f.default, f.name
+        assert config_fields[f.name].metadata["help"] == f.metadata["help"], f.name
+        assert config_fields[f.name].metadata.get("choices") == (list(f.metadata["choices"]) if "choices" in
+                                                                  f.metadata else None), f.name  # fmt: skip
+    assert args.dynamic_sampling_settings() == DynamicSamplingSettings()
     assert args.memory_settings() == MemoryRewardSettings()
     custom = MemPOConfig(output_dir=str(tmp_path), memory_pooling="question_round", max_turns=3, **BASE)
     assert custom.memory_settings().memory_pooling == "question_round"

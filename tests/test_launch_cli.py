@@ -7,6 +7,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import trl
 import yaml
 
 from mempo_trl.commands.launch import (
@@ -17,7 +18,7 @@ from mempo_trl.commands.launch import (
     split_launch_args,
 )
 from mempo_trl.protocol import TurnProtocol
-from mempo_trl.settings import MemoryRewardSettings
+from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,10 +82,12 @@ def test_a_launch_with_a_bad_input_is_one_error_line_before_any_process_starts(t
     assert "launching" not in result.stdout
 
 
-def test_help_is_short_lists_mempo_fields_first_and_imports_neither_torch_nor_trl(tmp_path):
+def test_help_is_short_lists_mempo_fields_first_and_imports_neither_torch_nor_transformers(tmp_path):
+    """The help is generated from the dataclasses that declare the fields (TRL's `ScriptArguments` too, from TRL,
+    which loads it without torch or transformers)."""
     code = (
         "import sys; from mempo_trl.cli import main; rc = main(['train', '--help']); "
-        "print('HEAVY', sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules), rc)"
+        "print('HEAVY', sorted(m for m in ('torch', 'transformers') if m in sys.modules), rc)"
     )
     result = _run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
@@ -94,7 +97,9 @@ def test_help_is_short_lists_mempo_fields_first_and_imports_neither_torch_nor_tr
     assert text.index("--max_turns") < text.index("--dataset_name") < text.index("--corpus")
     assert text.index("--memory_coef") < text.index("  --accelerate_config")
     assert "(default: 8)" in text and text.count("--max_turns") == 1
-    for source, name in ((TurnProtocol, "max_turns"), (MemoryRewardSettings, "memory_pooling")):  # where declared
+    homes = ((TurnProtocol, "max_turns"), (MemoryRewardSettings, "memory_pooling"),
+             (DynamicSamplingSettings, "dynamic_sampling"), (trl.ScriptArguments, "dataset_config"))  # fmt: skip
+    for source, name in homes:  # where declared
         assert next(f for f in fields(source) if f.name == name).metadata["help"] in text, name
     assert "mempo-trl train --help_all" in text
 

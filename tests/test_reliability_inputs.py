@@ -47,6 +47,12 @@ def test_a_single_file_is_never_its_own_heldout_split(tmp_path, capsys, tiny_mod
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+def test_dataset_streaming_is_refused_not_ignored(tmp_path, capsys, tiny_model_dir, demo_paths):
+    """TRL's `dataset_streaming` is accepted by the parser; MemPO validates every row first, so it says no."""
+    assert train(tmp_path, tiny_model_dir, dataset_name=str(demo_paths.train), dataset_streaming=True) == 2
+    assert one_error_line(capsys).startswith("error: dataset_streaming is not supported: MemPO validates every row")
+
+
 def test_an_empty_parquet_file_is_one_error_line(tmp_path, capsys, tiny_model_dir):
     empty = tmp_path / "empty.parquet"
     pyarrow.parquet.write_table(pyarrow.table({"question": pyarrow.array([], pyarrow.string())}), empty)

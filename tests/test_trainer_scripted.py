@@ -23,6 +23,7 @@ from mempo_trl import MemPOTrainer, rewards
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
 from mempo_trl.protocol import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
+from mempo_trl.settings import DynamicSamplingSettings
 
 
 def turn(mem, action, content):
@@ -344,7 +345,7 @@ def test_a_steps_data_visits_each_module_once_downwards(scripted_trainer, dynami
     sampling, memory scoring, the memory reward, the advantages and the finite check, each entered once, in that
     order (docs/algorithm.md, "Module map"); TRL's log-probs and loss follow in the trainer."""
     trainer, _, _, _ = scripted_trainer
-    trainer.args.dynamic_sampling = dynamic_sampling
+    trainer.dynamic_sampling_settings = DynamicSamplingSettings(dynamic_sampling)
     trainer.model.train()
     inputs = [{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT for _ in range(2)]
     walk = step_walk(trainer, inputs)

@@ -4,9 +4,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from mempo_trl.dynamic_sampling import DYNAMIC_SAMPLING
 from mempo_trl.protocol import TurnProtocol
-from mempo_trl.settings import MemoryRewardSettings, field_type_problems, flat_field
+from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings, field_type_problems, flat_field
 
 
 TOKEN_LEVEL_LOSSES = ("dapo", "bnpo", "cispo", "vespo")
@@ -113,8 +112,8 @@ class MemPOConfig(GRPOConfig):
     (placeholders dilute it) and `"dr_grpo"` divides by rows x `max_completion_length`. Those are rejected.
     """
 
-    # The turn protocol's and the memory reward's settings, declared (default, help, choices, bounds) and validated
-    # where they live: `TurnProtocol` and `MemoryRewardSettings`.
+    # The settings of the turn protocol, the memory reward and dynamic sampling, declared (default, help, choices,
+    # bounds) and validated where they live: `TurnProtocol`, `MemoryRewardSettings`, `DynamicSamplingSettings`.
     max_turns: int = flat_field(TurnProtocol, "max_turns")
     retrieval_topk: int = flat_field(TurnProtocol, "retrieval_topk")
     context_mode: str = flat_field(TurnProtocol, "context_mode")
@@ -135,20 +134,9 @@ class MemPOConfig(GRPOConfig):
     memory_scoring_batch_size: int = flat_field(MemoryRewardSettings, "memory_scoring_batch_size")
     memory_scoring: str = flat_field(MemoryRewardSettings, "memory_scoring")
 
-    dynamic_sampling: str = field(
-        default="keep",
-        metadata={
-            "help": "Groups whose rewards are all equal: `keep` (TRL), `drop` them from the loss, or `refill` the "
-            "batch with groups of fresh prompts (DAPO dynamic sampling), up to `dynamic_sampling_max_rounds` rounds.",
-            "choices": list(DYNAMIC_SAMPLING),
-        },
-    )
-    dynamic_sampling_tolerance: float = field(
-        default=1e-6, metadata={"help": "A group's rewards are all equal when they span at most this much."}
-    )
-    dynamic_sampling_max_rounds: int = field(
-        default=3, metadata={"help": "With `refill`: extra generation rounds per batch at most."}
-    )
+    dynamic_sampling: str = flat_field(DynamicSamplingSettings, "dynamic_sampling")
+    dynamic_sampling_tolerance: float = flat_field(DynamicSamplingSettings, "dynamic_sampling_tolerance")
+    dynamic_sampling_max_rounds: int = flat_field(DynamicSamplingSettings, "dynamic_sampling_max_rounds")
 
     # TRL's GRPOConfig turns checkpointing on through `gradient_checkpointing`, a name transformers 5 deprecates (a
     # FutureWarning on every run); the same default under the current name, and an explicit old name still wins.
@@ -169,17 +157,12 @@ class MemPOConfig(GRPOConfig):
             raise ValueError("Invalid MemPOConfig:\n- " + "\n- ".join(problems))
         super().__post_init__()
         problems += TurnProtocol.problems(self) + MemoryRewardSettings.problems(self)
+        problems += DynamicSamplingSettings.problems(self)
         if self.loss_type not in TOKEN_LEVEL_LOSSES:
             problems.append(
                 f"loss_type={self.loss_type!r} does not work with one row per turn; use one of {TOKEN_LEVEL_LOSSES} "
                 "(see the MemPOConfig docstring)."
             )
-        if self.dynamic_sampling not in DYNAMIC_SAMPLING:
-            problems.append(f"dynamic_sampling must be one of {DYNAMIC_SAMPLING}, got {self.dynamic_sampling!r}.")
-        if self.dynamic_sampling_tolerance < 0:
-            problems.append(f"dynamic_sampling_tolerance must be >= 0, got {self.dynamic_sampling_tolerance}.")
-        if self.dynamic_sampling_max_rounds < 1:
-            problems.append(f"dynamic_sampling_max_rounds must be >= 1, got {self.dynamic_sampling_max_rounds}.")
         if self.multi_objective_aggregation != "sum_then_normalize":
             problems.append("MemPOTrainer supports multi_objective_aggregation='sum_then_normalize' only.")
         if problems:
@@ -192,6 +175,10 @@ class MemPOConfig(GRPOConfig):
     def memory_settings(self) -> MemoryRewardSettings:
         """The `memory_*` fields as one `MemoryRewardSettings`."""
         return MemoryRewardSettings.from_config(self)
+
+    def dynamic_sampling_settings(self) -> DynamicSamplingSettings:
+        """The `dynamic_sampling*` fields as one `DynamicSamplingSettings`."""
+        return DynamicSamplingSettings.from_config(self)
 
     def __copy__(self) -> "MemPOConfig":
         """A shallow copy of every field, `hub_token` included (`__getstate__` leaves it out of pickles only)."""

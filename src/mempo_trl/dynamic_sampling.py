@@ -2,13 +2,10 @@
 
 Such a group has outcome advantage 0 on every row, so in GRPO it only dilutes the token-level loss. `MemPOTrainer`
 keeps it (TRL's behaviour), drops it from the loss, or replaces it with groups of further prompts
-(`MemPOConfig.dynamic_sampling`); the decisions are the pure functions below.
+(`mempo_trl.settings.DynamicSamplingSettings`); the decisions are the pure functions below.
 """
 
 import torch
-
-
-DYNAMIC_SAMPLING = ("keep", "drop", "refill")
 
 
 def zero_std_groups(rewards: torch.Tensor, num_generations: int, tolerance: float = 0.0) -> torch.Tensor:

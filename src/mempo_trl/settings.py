@@ -1,6 +1,7 @@
 """Where a MemPO setting is declared once: its default, help, choices and bounds, as dataclass field metadata.
 
-`TurnProtocol` (`mempo_trl.protocol`) and `MemoryRewardSettings` (here) declare their fields with `setting`;
+`TurnProtocol` (`mempo_trl.protocol`), `MemoryRewardSettings` and `DynamicSamplingSettings` (here) declare their
+fields with `setting`;
 `MemPOConfig` re-exposes them as flat fields (`flat_field`: the names recipes and TRL's parser use), the agent's
 override arguments are generated from them (`override_field`), `mempo-trl train --help` prints their help, and
 `setting_problems` is their one validation. No torch and no TRL are imported here, so that the CLI's help stays fast.
@@ -137,6 +138,50 @@ class MemoryRewardSettings:
 
     @classmethod
     def from_config(cls, config: Any) -> "MemoryRewardSettings":
+        """The settings of a `MemPOConfig` (or anything with the same attributes)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class DynamicSamplingSettings:
+    """What happens to the training groups whose outcome rewards are all equal (DAPO's dynamic sampling;
+    `mempo_trl.dynamic_sampling`, the `MemPOConfig` docstring). `MemPOConfig.dynamic_sampling_settings()` hands them
+    out; an invalid value raises `ValueError`.
+
+    Example:
+        >>> DynamicSamplingSettings(dynamic_sampling="refill").dynamic_sampling_max_rounds
+        3
+        >>> DynamicSamplingSettings(dynamic_sampling_max_rounds=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: dynamic_sampling_max_rounds must be >= 1, got 0.
+    """
+
+    dynamic_sampling: str = setting(
+        "keep",
+        "Groups whose rewards are all equal: `keep` (TRL), `drop` them from the loss, or `refill` the batch with "
+        "groups of fresh prompts (DAPO dynamic sampling), up to `dynamic_sampling_max_rounds` rounds.",
+        choices=("keep", "drop", "refill"),
+    )
+    dynamic_sampling_tolerance: float = setting(
+        1e-6, "A group's rewards are all equal when they span at most this much.", minimum=0.0
+    )
+    dynamic_sampling_max_rounds: int = setting(
+        3, "With `refill`: extra generation rounds per batch at most.", minimum=1
+    )
+
+    def __post_init__(self):
+        problems = self.problems(self)
+        if problems:
+            raise ValueError(" ".join(problems))
+
+    @classmethod
+    def problems(cls, values: Any) -> list[str]:
+        """Why ``values`` (these settings, or a `MemPOConfig`) cannot be used: choices and bounds."""
+        return setting_problems(cls, values)
+
+    @classmethod
+    def from_config(cls, config: Any) -> "DynamicSamplingSettings":
         """The settings of a `MemPOConfig` (or anything with the same attributes)."""
         return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 

@@ -209,6 +209,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             **kwargs,
         )
         self.memory_settings = args.memory_settings()
+        self.dynamic_sampling_settings = args.dynamic_sampling_settings()
         self._score_memory = protocol.context_mode == "memory" and self.memory_settings.memory_coef != 0.0
         attention = self.model.config._attn_implementation
         if args.memory_scoring == "shared_prefix" and attention not in SHARED_PREFIX_ATTENTION:
@@ -335,7 +336,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         outcomes, stats = self._score_episodes(rollout.episodes)
         rewards_per_func, rewards = self._outcome_rewards(inputs, rollout.episodes, outcomes, stats)
         dropped = torch.zeros_like(rewards, dtype=torch.bool)
-        if mode == "train" and self.args.dynamic_sampling != "keep":
+        if mode == "train" and self.dynamic_sampling_settings.dynamic_sampling != "keep":
             rollout, outcomes, stats, rewards_per_func, rewards, dropped = self._dynamic_sampling(
                 inputs, rollout, outcomes, stats, rewards_per_func, rewards
             )
@@ -497,14 +498,15 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         ``rewards_per_func``, ``rewards`` and the ``(N,)`` bool of the trajectories to drop (their groups are still
         all-equal), and logs the ``dynamic_sampling/*`` metrics.
         """
-        args, size = self.args, self.num_generations
-        zero_std = zero_std_groups(rewards, size, args.dynamic_sampling_tolerance)
+        args, size, settings = self.args, self.num_generations, self.dynamic_sampling_settings
+        zero_std = zero_std_groups(rewards, size, settings.dynamic_sampling_tolerance)
         before = zero_std.float().mean().item()
         refilled = torch.zeros_like(zero_std)
         n_local, rank = len(rollout.episodes), self.accelerator.process_index
         slots = [(rank * n_local + i) // size for i in range(n_local)]
         rounds = 0
-        while args.dynamic_sampling == "refill" and zero_std.any() and rounds < args.dynamic_sampling_max_rounds:
+        refill = settings.dynamic_sampling == "refill"
+        while refill and zero_std.any() and rounds < settings.dynamic_sampling_max_rounds:
             rounds += 1
             generator = torch.Generator().manual_seed(args.seed * 1_000_003 + self._step * 1_009 + rounds)
             prompts = torch.randint(len(self.train_dataset), (zero_std.numel(),), generator=generator).tolist()
@@ -513,7 +515,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             fresh = self._play_episodes(new_inputs)
             new_outcomes, new_stats = self._score_episodes(fresh.episodes)
             new_per_func, new_rewards = self._outcome_rewards(new_inputs, fresh.episodes, new_outcomes, new_stats)
-            take = refillable_groups(zero_std, zero_std_groups(new_rewards, size, args.dynamic_sampling_tolerance))
+            take = refillable_groups(zero_std, zero_std_groups(new_rewards, size, settings.dynamic_sampling_tolerance))
             rows = take.repeat_interleave(size)
             rewards = torch.where(rows, new_rewards, rewards)
             rewards_per_func = torch.where(rows.unsqueeze(1), new_per_func, rewards_per_func)

@@ -23,8 +23,24 @@ REWARD_FUNCS = {"mempo_outcome_reward", "mempo_all_parts_reward", "mempo_format_
 
 @dataclass
 class ScriptArguments(trl.ScriptArguments):
-    """TRL's script arguments (`dataset_name`, `dataset_config`, `dataset_train_split`, `dataset_test_split`) and
-    MemPO's: rewards, output handling, environment and held-out evaluation."""
+    """TRL's script arguments (`dataset_name`, `dataset_config`, `dataset_train_split`, `dataset_test_split`; the
+    help of three says what MemPO reads) and MemPO's: rewards, output handling, environment and held-out evaluation.
+    TRL's `ignore_bias_buffers` (a DDP switch of its DPO scripts) is not used."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "QA data: a .jsonl/.json/.parquet file, a directory of {split}.jsonl files or a `datasets` "
+                  "name (FlashRAG or Search-R1 rows); with `environment`, a .jsonl of its reset rows."},
+    )  # fmt: skip
+    dataset_test_split: str = field(
+        default="test",
+        metadata={"help": "Split (or QA file) to evaluate on (`heldout_questions`, `eval_strategy`); never the "
+                  "training rows."},
+    )  # fmt: skip
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={"help": "Not supported: every row is validated before training starts (true is refused)."},
+    )
 
     overwrite_output_dir: bool = field(
         default=False,
@@ -388,6 +404,9 @@ def check_before_training(
         raise ValueError("no model: set model_name_or_path (a model directory or a Hub id; `mempo-trl kit learner` "
                          "writes a small one).")  # fmt: skip
     check_model_path(model_args.model_name_or_path)
+    if script_args.dataset_streaming:
+        raise ValueError("dataset_streaming is not supported: MemPO validates every row of `dataset_name` before "
+                         "training (set dataset_streaming: false).")  # fmt: skip
     if script_args.environment and script_args.heldout_questions > 0:
         raise ValueError(
             "heldout_questions evaluates the search task; evaluate an environment agent with "

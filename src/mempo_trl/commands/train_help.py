@@ -1,97 +1,63 @@
-"""`mempo-trl train --help`: the fields a MemPO run is about, first and short, printed without importing torch or TRL.
+"""`mempo-trl train --help`: the fields a MemPO run is about, first and short, printed without importing torch.
 
-MemPO's own fields are read from the source of `MemPOConfig` (importing it would import TRL, tens of seconds), its
-turn and memory fields from where they are declared (`TurnProtocol`, `MemoryRewardSettings`: their field metadata);
-the recipe's `ScriptArguments` are read from source too; the retrieval and launch options come from their dataclasses. `--help_all` prints TRL's full parser help (every
-field of `GRPOConfig`, `TrainingArguments` and `ModelConfig`).
+Every section is generated from the dataclasses that declare the fields, with their own help: MemPO's fields from
+their homes (`TurnProtocol`, `MemoryRewardSettings`, `DynamicSamplingSettings`, whose fields `MemPOConfig` re-exposes
+flat), the recipe's `ScriptArguments` (TRL's, with MemPO's additions), the retrieval options; the TRL fields a recipe
+usually sets are listed by name. `--help_all` prints TRL's full parser help (every field of `GRPOConfig`,
+`TrainingArguments` and `ModelConfig`).
 """
 
-import ast
-import importlib.util
 from dataclasses import MISSING, fields
-from pathlib import Path
 
 from mempo_trl.protocol import TurnProtocol
-from mempo_trl.settings import MemoryRewardSettings
+from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings
 
 
 COMMON_TRL_FIELDS = (
-    "model_name_or_path", "output_dir", "overwrite_output_dir", "max_steps", "learning_rate", "num_generations",
+    "model_name_or_path", "output_dir", "max_steps", "learning_rate", "num_generations",
     "per_device_train_batch_size", "max_completion_length", "temperature", "beta", "seed", "use_cpu", "bf16",
-    "use_peft", "lora_r", "lora_target_modules", "use_vllm", "vllm_mode", "report_to", "push_to_hub", "hub_model_id",
-    "resume_from_checkpoint",
+    "activation_checkpointing", "use_peft", "lora_r", "lora_target_modules", "use_vllm", "vllm_mode", "report_to",
+    "push_to_hub", "hub_model_id", "resume_from_checkpoint",
 )  # fmt: skip
 """GRPOConfig / ModelConfig fields a MemPO recipe usually sets, listed by name only."""
 
-RECIPE = "mempo_trl.commands.recipe"
-TRL_DATA_FIELDS = [
-    ("dataset_name", "str", "", "QA data: a .jsonl/.json/.parquet file, a directory of {split}.jsonl files or a "
-     "`datasets` name (FlashRAG or Search-R1 rows); with `environment`, a .jsonl of its reset rows."),
-    ("dataset_config", "str", "", "`datasets` config name of `dataset_name`."),
-    ("dataset_train_split", "str", "'train'", "Split to train on."),
-    ("dataset_test_split", "str", "'test'", "Split (or QA file) to evaluate on (`heldout_questions`, "
-     "`eval_strategy`); never the training rows."),
-]  # fmt: skip
-"""The fields of TRL's `ScriptArguments` a MemPO recipe uses (importing it would import TRL)."""
+SETTINGS_HOMES = ((TurnProtocol, ("action", "max_completion_length")), (MemoryRewardSettings, ()),
+                  (DynamicSamplingSettings, ()))  # fmt: skip
+"""The classes whose fields `MemPOConfig` re-exposes flat (`flat_field`), each with the fields it keeps to itself:
+the turn protocol's ``action`` follows the retriever or environment, and ``max_completion_length`` is GRPO's own."""
 
 
-SETTINGS = {"TurnProtocol": TurnProtocol, "MemoryRewardSettings": MemoryRewardSettings}
-"""The classes whose fields `MemPOConfig` re-exposes with `flat_field`."""
-
-
-def config_fields(module: str = "mempo_trl.config", cls: str = "MemPOConfig") -> list[tuple[str, str, str, str]]:
-    """(name, type, default, help) of the fields `cls` declares itself, read from its source; a `flat_field(Source,
-    name)` field takes its default and help from ``Source``'s field (`mempo_trl.settings`).
+def mempo_fields() -> list:
+    """The dataclass fields `MemPOConfig` adds to `GRPOConfig` for MemPO, from their homes (`SETTINGS_HOMES`).
 
     Example:
-        >>> config_fields()[0]
-        ('max_turns', 'int', '8', 'Rounds per episode at most.')
+        >>> mempo_fields()[0].name, mempo_fields()[0].default
+        ('system_prompt', 'You are a helpful assistant.')
     """
-    source = Path(importlib.util.find_spec(module).origin).read_text(encoding="utf-8")
-    tree = ast.parse(source)
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
-    found = []
-    for item in node.body:
-        if not isinstance(item, ast.AnnAssign) or not isinstance(item.value, ast.Call):
-            continue
-        kind = ast.get_source_segment(source, item.annotation)
-        if isinstance(item.value.func, ast.Name) and item.value.func.id == "flat_field":
-            source_cls, name = (SETTINGS[item.value.args[0].id], item.value.args[1].value)
-            declared = next(f for f in fields(source_cls) if f.name == name)
-            default = repr(declared.default)
-            found.append(
-                (
-                    item.target.id,
-                    kind,
-                    default if len(default) <= 60 else default[:56] + "...",
-                    declared.metadata["help"],
-                )
-            )
-            continue
-        keywords = {k.arg: k.value for k in item.value.keywords}
-        default = ast.get_source_segment(source, keywords["default"]) if "default" in keywords else ""
-        text = ""
-        if "metadata" in keywords:
-            metadata = keywords["metadata"]
-            for key, value in zip(metadata.keys, metadata.values):
-                if isinstance(key, ast.Constant) and key.value == "help":
-                    text = ast.literal_eval(value)
-        found.append((item.target.id, kind, default, text))
-    return found
+    return [f for home, kept in SETTINGS_HOMES for f in fields(home) if f.name not in kept]
 
 
-def _dataclass_fields(cls) -> list[tuple[str, str, str, str]]:
+UNUSED_FIELDS = ("ignore_bias_buffers",)
+"""Fields of TRL's `ScriptArguments` that MemPO's recipe does not read (left out of the help)."""
+
+
+def _dataclass_fields(declared) -> list[tuple[str, str, str, str]]:
+    """(name, type, default, help) of a dataclass's fields (or of a list of fields); a field with choices shows them
+    as its type."""
     rows = []
-    for f in fields(cls):
+    for f in fields(declared) if isinstance(declared, type) else declared:
+        if f.name in UNUSED_FIELDS:
+            continue
         default = (
             f.default
             if f.default is not MISSING
             else (f.default_factory() if f.default_factory is not MISSING else "")
         )
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        rows.append(
-            (f.name, kind, repr(default) if isinstance(default, str) else str(default), f.metadata.get("help", ""))
-        )
+        if "choices" in f.metadata:
+            kind = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
+        shown = repr(default) if isinstance(default, str) else str(default)
+        rows.append((f.name, kind, shown if len(shown) <= 60 else shown[:56] + "...", f.metadata.get("help", "")))
     return rows
 
 
@@ -99,7 +65,7 @@ def _section(title: str, rows) -> list[str]:
     lines = [title]
     for name, kind, default, text in rows:
         shown = f" (default: {default})" if default not in ("", "None") else ""
-        lines.append(f"  --{name} {kind.upper().replace(' | NONE', '')}")
+        lines.append(f"  --{name} {kind if kind.startswith('{') else kind.upper().replace(' | NONE', '')}")
         lines.append(f"      {text}{shown}")
     return [*lines, ""]
 
@@ -107,6 +73,7 @@ def _section(title: str, rows) -> list[str]:
 def short_help() -> str:
     """The text of `mempo-trl train --help`."""
     from mempo_trl.commands.launch import packaged_accelerate_configs
+    from mempo_trl.commands.recipe import ScriptArguments
     from mempo_trl.retrieval.settings import RetrieverArguments
 
     launch = [
@@ -123,8 +90,8 @@ def short_help() -> str:
         "Train a MemPO search agent (TRL's GRPOTrainer with a multi-turn search rollout and the memory advantage).",
         "Every field can be set in the YAML recipe (`--config`) or on the command line, which wins.",
         "",
-        *_section("MemPO (MemPOConfig's own fields):", config_fields()),
-        *_section("Data and rewards (ScriptArguments):", TRL_DATA_FIELDS + config_fields(RECIPE, "ScriptArguments")),
+        *_section("MemPO (MemPOConfig's own fields):", _dataclass_fields(mempo_fields())),
+        *_section("Data and rewards (ScriptArguments):", _dataclass_fields(ScriptArguments)),
         *_section("Retrieval:", _dataclass_fields(RetrieverArguments)),
         *_section("Launch (mempo-trl starts `accelerate launch` itself):", launch),
         "TRL fields a recipe usually sets (GRPOConfig, ModelConfig):",
