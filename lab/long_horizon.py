@@ -200,6 +200,10 @@ pretrained, so it needs no copy task, no made-up-name copies and no vocabulary o
 memory (``mem_drop``; the start of the memory arms) and in full-history contexts (the ``full_history`` arm's
 start)."""
 
+SMOLLM2_CHECKPOINT_EVERY = 20
+"""SFT steps between the checkpoints of a SmolLM2 warm start (the newest kept, ~1.6 GB with its optimizer): a stopped
+warm start resumes from it."""
+
 SMOLLM2_PASSAGE_WORDS = 100
 """``--learner smollm2`` plays the world where full history is costly: wiki-length results (``--passage_words``
 defaults to 100 for it, and its published configuration is that one)."""
@@ -496,11 +500,16 @@ def smollm2_warm_starts(out: Path, paths: dict[str, Path], world: dict, warm: di
         warm_marker = warm_dir / WARM_START_FILE
         if warm_marker.is_file() and json.loads(warm_marker.read_text()).get("horizon") == key:
             continue
-        shutil.rmtree(warm_dir, ignore_errors=True)
-        shutil.copytree(base, warm_dir)
+        # A stopped warm start resumes from its newest checkpoint, unless that was made for another key.
+        started = warm_dir / "horizon_key.json"
+        if not (started.is_file() and json.loads(started.read_text()) == key):
+            shutil.rmtree(warm_dir, ignore_errors=True)
+            shutil.copytree(base, warm_dir)
+            started.write_text(json.dumps(key))
         retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
         stats = sft_warm_start(warm_dir, read_jsonl(paths["warm"]), retriever, WarmSettings(**warm),
-                               max(world["horizons"]) + 2, use_cpu=device == "cpu", context_mode=mode)  # fmt: skip
+                               max(world["horizons"]) + 2, use_cpu=device == "cpu", context_mode=mode,
+                               checkpoint_every=SMOLLM2_CHECKPOINT_EVERY)  # fmt: skip
         print(f"warm start ({mode}): {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
               f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
         warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))
