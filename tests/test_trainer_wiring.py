@@ -207,8 +207,8 @@ def test_memory_scoring_uses_untempered_log_probs(scoring, tiny_model_dir, tmp_p
     seen = {}
     memory_rewards = trainer._memory_rewards
 
-    def spy(rows):
-        seen["rows"], seen["scored"] = rows, memory_rewards(rows)
+    def spy(rows, dropped=()):
+        seen["rows"], seen["scored"] = rows, memory_rewards(rows, dropped)
         return seen["scored"]
 
     monkeypatch.setattr(trainer, "_memory_rewards", spy)

@@ -272,8 +272,20 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 return answer_token_logps(model, items, pad_id, bs, num_chunks)
             return shared_prefix_answer_logps(model, items, group_keys, pad_id, bs, num_chunks)
 
-    def _memory_rewards(self, rows: Sequence[TrainingRow]) -> MemoryScores:
-        """Step 4: P_full, P_mem and the memory reward of the rows that carry scoring contexts."""
+    def _memory_rewards(self, rows: Sequence[TrainingRow], dropped: Sequence[bool] = ()) -> MemoryScores:
+        """Step 4: P_full, P_mem and the memory reward of the rows that carry scoring contexts (none when the memory
+        advantage is off), NaN on the rows of ``dropped`` episodes (one flag per episode): a dropped group teaches
+        nothing, its memory rounds included."""
+        if not self._score_memory:
+            return MemoryScores.unscored(len(rows))
+        scores = self._score_memory_rows(rows)
+        if any(dropped):
+            gone = torch.tensor([dropped[row.episode_index] for row in rows], dtype=torch.bool)
+            scores = MemoryScores(*(column.masked_fill(gone, math.nan) for column in scores))
+        return scores
+
+    def _score_memory_rows(self, rows: Sequence[TrainingRow]) -> MemoryScores:
+        """P_full, P_mem and the memory reward of the rows that carry scoring contexts."""
         scored = [i for i, row in enumerate(rows) if row.scoring is not None]
         pairs = [rows[i].scoring for i in scored]
         settings = self.memory_settings
@@ -340,37 +352,44 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             rollout, outcomes, stats, rewards_per_func, rewards, dropped = self._dynamic_sampling(
                 inputs, rollout, outcomes, stats, rewards_per_func, rewards
             )
-        episodes, timings = list(rollout.episodes), rollout.timings
+        episodes = list(rollout.episodes)
         local_dropped = dropped[self.accelerator.process_index * len(episodes) :][: len(episodes)].tolist()
         batch = self._round_batch(episodes, rollout.rows, mode, local_dropped)
         scoring_start = time.perf_counter()
         with profiling_context(self, "memory_scoring"):
-            scored = MemoryScores.unscored(len(batch.rows))
-            if self._score_memory:
-                scored = self._memory_rewards(batch.rows)
-            if any(local_dropped):  # a dropped group teaches nothing, its memory rounds included
-                gone = torch.tensor([local_dropped[row.episode_index] for row in batch.rows], dtype=torch.bool)
-                scored = MemoryScores(*(column.masked_fill(gone, math.nan) for column in scored))
+            scored = self._memory_rewards(batch.rows, local_dropped)
             advantages = self._advantages(batch, scored.reward, rewards.masked_fill(dropped, torch.nan), mode)
         if mode == "train":
             check_finite("advantage", advantages.advantages, self.state.global_step + 1, self.accelerator)
         scoring_seconds = time.perf_counter() - scoring_start
-        sampling_logps = [r.logprobs for r in batch.rows]
-        sampling_logps = sampling_logps if all(lp is not None for lp in sampling_logps) else None
         output = {**batch.tensors, "advantages": advantages.advantages}
-        output.update(self._loss_log_probs(batch.tensors, sampling_logps, mode))
+        output.update(self._loss_log_probs(batch.tensors, self._sampling_logps(batch.rows), mode))
+        self._log_step(batch, stats, rewards_per_func, rewards, advantages, scored, rollout.timings, scoring_seconds)
+        return output
+
+    @staticmethod
+    def _sampling_logps(rows: Sequence[TrainingRow]) -> list[tuple[float, ...]] | None:
+        """The sampling log-probs of the rows' completions (vLLM's), or None when any row has none."""
+        logps = [row.logprobs for row in rows]
+        return logps if all(lp is not None for lp in logps) else None
+
+    def _log_step(self, batch, stats, rewards_per_func, rewards, advantages, scored, timings, scoring_seconds):
+        """What `GRPOTrainer` logs (`_log_grpo_metrics`: the trajectories as completions), then MemPO's metrics
+        (`_log_round_metrics`), and in training the step's account (tokens and seconds, `training_step`)."""
         trajectories = [
-            "\n".join(r.text + ("\n" + r.information if r.information else "") for r in ep.rounds) for ep in episodes
+            "\n".join(r.text + ("\n" + r.information if r.information else "") for r in ep.rounds)
+            for ep in batch.episodes
         ]
-        prompts = [ep.base_messages for ep in episodes]
-        self._log_grpo_metrics(mode, batch.rows, rewards_per_func, rewards, advantages.outcome, prompts, trajectories)
+        prompts = [ep.base_messages for ep in batch.episodes]
+        self._log_grpo_metrics(
+            batch.mode, batch.rows, rewards_per_func, rewards, advantages.outcome, prompts, trajectories
+        )
         self._log_round_metrics(batch, stats, scored, advantages.memory, timings, scoring_seconds)
-        if mode == "train":
+        if batch.mode == "train":
             self._step_account.tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in batch.rows)
             self._step_account.generation += timings.generation
             self._step_account.retrieval += timings.retrieval
             self._step_account.memory_scoring += scoring_seconds
-        return output
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """GRPOTrainer's training step, then `check_finite` on its loss: a NaN or infinite loss raises
