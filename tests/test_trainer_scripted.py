@@ -268,7 +268,7 @@ def test_a_process_with_nothing_to_score_still_issues_the_shared_prefix_forwards
     )
     monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", lambda *a, **k: pytest.fail("batched scorer used"))
     assert [column.numel() for column in trainer._memory_rewards(())] == [0, 0, 0]
-    assert calls == [(0, [], 2)]
+    assert calls == [(0, [], 2), (0, [], 2)]  # the full contexts, then the mem contexts
 
 
 def test_episode_metrics_come_from_one_outcome_score_per_episode(scripted_trainer, monkeypatch):

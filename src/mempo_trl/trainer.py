@@ -291,14 +291,16 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         settings = self.memory_settings
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             # Shared-prefix scoring packs the contexts of one trajectory together: its full contexts are prefixes of
-            # each other, and its mem contexts start with the same system and user messages.
+            # each other, and so are its mem contexts up to their memory. The two kinds are scored apart: a mem
+            # context shares only the system and user messages with the full history, so in one row its block would
+            # attend over the whole history's keys for nothing.
             group_keys = [rows[i].episode_index for i in scored] if self.shared_prefix_scoring else None
-            if settings.memory_full_from_reference:
-                full_logps, full_mask = self._score_items([p.full for p in pairs], True, group_keys)
+            if settings.memory_full_from_reference or self.shared_prefix_scoring:
+                reference = settings.memory_full_from_reference
+                full_logps, full_mask = self._score_items([p.full for p in pairs], reference, group_keys)
                 mem_logps, mem_mask = self._score_items([p.mem for p in pairs], False, group_keys)
-            else:
-                both_keys = group_keys + group_keys if group_keys is not None else None
-                logps, mask = self._score_items([p.full for p in pairs] + [p.mem for p in pairs], False, both_keys)
+            else:  # one padded batch, sorted by length, for both kinds
+                logps, mask = self._score_items([p.full for p in pairs] + [p.mem for p in pairs], False)
                 full_logps, mem_logps = logps[: len(pairs)], logps[len(pairs) :]
                 full_mask, mem_mask = mask[: len(pairs)], mask[len(pairs) :]
         threshold = settings.memory_threshold
