@@ -76,8 +76,28 @@ def setting_problems(source: type, values: Any) -> list[str]:
     return problems
 
 
+class SettingsHome:
+    """A home of settings: a frozen dataclass of `setting` fields, validated when built (`problems`: an invalid
+    value raises `ValueError`), and built from a `MemPOConfig`'s flat fields of the same names (`from_config`)."""
+
+    def __post_init__(self):
+        problems = self.problems(self)
+        if problems:
+            raise ValueError(" ".join(problems))
+
+    @classmethod
+    def problems(cls, values: Any) -> list[str]:
+        """Why ``values`` (these settings, or a `MemPOConfig`) cannot be used: choices and bounds."""
+        return setting_problems(cls, values)
+
+    @classmethod
+    def from_config(cls, config: Any):
+        """The settings of a `MemPOConfig` (or anything with the same attributes)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+
 @dataclass(frozen=True)
-class MemoryRewardSettings:
+class MemoryRewardSettings(SettingsHome):
     """How the memory reward is scored and turned into the memory advantage (docs/algorithm.md, "Memory reward").
 
     The `memory_*` fields of `MemPOConfig` (`MemPOConfig.memory_settings()` hands them out as one object);
@@ -121,11 +141,6 @@ class MemoryRewardSettings:
         choices=("auto", "batched", "shared_prefix"),
     )
 
-    def __post_init__(self):
-        problems = self.problems(self)
-        if problems:
-            raise ValueError(" ".join(problems))
-
     @classmethod
     def problems(cls, values: Any) -> list[str]:
         """Why ``values`` (these settings, or a `MemPOConfig`) cannot be used: bounds, choices and combinations."""
@@ -136,14 +151,9 @@ class MemoryRewardSettings:
             )
         return problems
 
-    @classmethod
-    def from_config(cls, config: Any) -> "MemoryRewardSettings":
-        """The settings of a `MemPOConfig` (or anything with the same attributes)."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
-
 
 @dataclass(frozen=True)
-class DynamicSamplingSettings:
+class DynamicSamplingSettings(SettingsHome):
     """What happens to the training groups whose outcome rewards are all equal (DAPO's dynamic sampling;
     `mempo_trl.dynamic_sampling`, the `MemPOConfig` docstring). `MemPOConfig.dynamic_sampling_settings()` hands them
     out; an invalid value raises `ValueError`.
@@ -169,21 +179,6 @@ class DynamicSamplingSettings:
     dynamic_sampling_max_rounds: int = setting(
         3, "With `refill`: extra generation rounds per batch at most.", minimum=1
     )
-
-    def __post_init__(self):
-        problems = self.problems(self)
-        if problems:
-            raise ValueError(" ".join(problems))
-
-    @classmethod
-    def problems(cls, values: Any) -> list[str]:
-        """Why ``values`` (these settings, or a `MemPOConfig`) cannot be used: choices and bounds."""
-        return setting_problems(cls, values)
-
-    @classmethod
-    def from_config(cls, config: Any) -> "DynamicSamplingSettings":
-        """The settings of a `MemPOConfig` (or anything with the same attributes)."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
 def field_type_problems(config, strict: bool = False) -> list[str]:
