@@ -14,7 +14,7 @@ from pathlib import Path
 
 SECTIONS = (
     (r"^## Quick start", r"^## "),
-    (r"^- \*\*Try the launch on a laptop first\*\*", r"^- \*\*"),
+    (r"^- \*\*Try the launch on a laptop first\*\*", r"^(- \*\*|## )"),
 )
 
 

@@ -2,6 +2,8 @@
 that is there (GitHub's anchor rule), so moving a section cannot leave the front door pointing nowhere."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,19 @@ def test_relative_links_resolve(page):
         elif anchor and file.suffix == ".md" and anchor not in anchors(file):
             broken.append(f"{target} (no heading #{anchor} in {file.relative_to(ROOT)})")
     assert not broken, f"{page.relative_to(ROOT)}: broken links: {broken}"
+
+
+def test_ci_runs_the_commands_of_the_quick_start_and_the_cpu_launches_only():
+    """`.ci/readme_commands.py` reads the quick start and the laptop-launch bullet of "Training on GPUs", and stops at
+    the next heading: a bullet that ran on into the rest of the README made CI run the Evaluation section's `eval`
+    (into the quick start's output directory, refused) and would have run the tests and the lab's experiments."""
+    done = subprocess.run([sys.executable, str(ROOT / ".ci" / "readme_commands.py"), str(ROOT / "README.md")],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    commands = done.stdout.splitlines()
+    assert commands[0] == "mempo-trl kit learner --output_dir kit/learner"
+    assert commands[-1].startswith(
+        "mempo-trl train --config examples/configs/tiny_cpu.yaml --accelerate_config cpu_zero3"
+    )
+    assert not [c for c in commands if "pytest" in c or "lab/" in c or "outputs/eval_all" in c]
+    outputs = [m.group(1) for c in commands if (m := re.search(r"--output_dir (\S+)", c))]
+    assert len(outputs) == len(set(outputs))  # as a newcomer runs them in order, none overwrites another's results
