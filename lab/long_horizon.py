@@ -19,7 +19,10 @@ the whole corpus; every trained policy is evaluated in both context modes (`afte
 Each run is evaluated greedily per K on one split (`--split test` for published numbers, touched only by the
 published command; `--split validation` for choosing settings) before and after training. Resumable: a run writes
 `runs/<split>/<arm>_s<seed>/run.json` when it ends and a rerun with the same settings skips it, so a later session adds
-seeds; a run stopped midway resumes from its newest checkpoint (every `CHECKPOINT_EVERY` steps). `--jobs N` trains N
+seeds; a run stopped midway resumes from its newest checkpoint (every `CHECKPOINT_EVERY` steps). The default settings
+also keep each finished run's record in git (`--records`, default ``lab/results/long_horizon_runs/<split>/``), keyed by
+the warm start's sha256 (`warm_fingerprint`): a session on a fresh machine rebuilds the warm start and takes every kept
+run of that very warm start instead of training it again. `--jobs N` trains N
 runs side by side as processes (on one GPU with `--device cuda`). Run directories stay out of git (default `--out
 runs/long_horizon`); the published configuration (no `--set`, `--split test`, not `--quick`, no `--passage_words`, no
 `--outcome_reward`)
@@ -432,6 +435,19 @@ def _data_digest(paths: dict[str, Path]) -> str:
     import hashlib
 
     return hashlib.sha256(b"".join(p.read_bytes() for p in paths.values())).hexdigest()
+
+
+def warm_fingerprint(warm_dirs: dict[str, Path]) -> str:
+    """The sha256 of the warm start(s) every run trains from (the weights of each context mode's warm model, in
+    `CONTEXT_MODES` order): part of every run's key, so a kept record (``--records``) is reused only by a run from
+    the very same warm start."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for mode in CONTEXT_MODES:
+        for weights in sorted(Path(warm_dirs[mode]).glob("*.safetensors")):
+            digest.update(weights.read_bytes())
+    return digest.hexdigest()
 
 
 def kit_warm_start(out: Path, paths: dict[str, Path], world: dict, warm: dict, device: str) -> Path:
@@ -895,6 +911,9 @@ def run_one(job: dict) -> dict:
         "train_em": [e["episode/em"] for e in log], "train_reward": [e.get("reward") for e in log],
     }  # fmt: skip
     (run_dir / "run.json").write_text(json.dumps(record, indent=1))
+    if job["record_copy"]:
+        Path(job["record_copy"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(job["record_copy"]).write_text(json.dumps(record, indent=1) + "\n")
     em = ", ".join(f"K={k} {before[k]['em']:.2f}->{after[k]['em']:.2f}" for k in after)
     print(f"{arm} seed {seed}: EM {em} ({seconds / 60:.1f} min)", flush=True)
     return record
@@ -1067,6 +1086,11 @@ def experiment_settings(
     return {**settings, "learner": learner} if smollm2 else settings
 
 
+def _ran(record: Path, key: dict) -> bool:
+    """Whether ``record`` is a finished run's ``run.json`` (or its kept copy) with the settings ``key``."""
+    return record.is_file() and json.loads(record.read_text())["settings"] == key
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/long_horizon", help="world, warm model and runs (resumable)")
@@ -1090,6 +1114,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="kit: the learner built from scratch (default); smollm2: SmolLM2-135M-Instruct, fully "
                              "fine-tuned; its world, warm starts and runs go to <out>/smollm2, its summary is "
                              "long_horizon_smollm2.json")  # fmt: skip
+    parser.add_argument("--records", default=None, metavar="DIR",
+                        help="keep a copy of each finished run's run.json here, and take a run from here instead of "
+                             "training it when its settings and warm start match (default: lab/results/"
+                             "long_horizon_runs for the default settings, none otherwise)")  # fmt: skip
     parser.add_argument("--passage_words", type=int, default=None, metavar="N",
                         help="pad every passage to ~N words (wiki-length); world, warm start and runs go to "
                              "<out>/passage_words_N")  # fmt: skip
@@ -1131,11 +1159,17 @@ def main(argv: list[str] | None = None) -> int:
     tuned_path = (
         Path(f"lab/results/{summary_name}_tuned.json") if defaults else out / f"{summary_name}_tuned{variant}.json"
     )
+    # Each finished run of the default settings is kept in git, so that a later session (a fresh machine, no runs/)
+    # rebuilds the warm start and goes on from where the last one stopped.
+    records_root = (
+        Path(args.records) if args.records else Path(f"lab/results/{summary_name}_runs") if defaults else None
+    )
     # The warm check of the default settings is the one the README cites: it is also written to bench/results.
     cited = defaults and args.warm_only and args.out == parser.get_default("out")
     committed = Path(f"lab/results/{summary_name}_warm_check_{args.split}.json")
     try:  # every output is checked before the (long) warm start and runs
-        for directory in {out, results.parent, tuned_path.parent, *([committed.parent] if cited else [])}:
+        kept = [records_root] if records_root else []
+        for directory in {out, results.parent, tuned_path.parent, *([committed.parent] if cited else []), *kept}:
             check_writable(directory)
     except OutputError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -1145,7 +1179,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and the machine is shared
     start = time.perf_counter()
     paths, warm_dirs = prepare(out, world, warm, args.device, args.learner)
-    print(f"world and warm start ready in {out} ({time.perf_counter() - start:.0f} s)", flush=True)
+    settings = {**settings, "warm_sha256": warm_fingerprint(warm_dirs)}
+    print(f"world and warm start ready in {out} ({time.perf_counter() - start:.0f} s; warm start sha256 "
+          f"{settings['warm_sha256'][:12]})", flush=True)  # fmt: skip
     oracle = print_oracle_tokens(out, paths, warm_dirs["memory"], budget, args.split)
     if args.warm_only:
         if args.learner == "kit":
@@ -1178,13 +1214,17 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir, key = runs / name, run_settings(settings, arm, tune_settings or tuned.get(arm))
                 warm_dir = warm_dirs[{**settings["budget"], **key["arm"]}.get("context_mode", "memory")]
                 done = run_dir / "run.json"
-                if done.is_file() and json.loads(done.read_text())["settings"] == key:
+                record_copy = records_root / runs.name / f"{name}.json" if records_root else None
+                if not _ran(done, key) and record_copy and _ran(record_copy, key):
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(record_copy, done)  # a kept run of this warm start and settings
+                if _ran(done, key):
                     print(f"{name}: done already ({done})", flush=True)
                     continue
                 jobs.append({
                     "arm": arm, "seed": seed, "tune_point": point, "key": key, "settings": settings,
                     "run_dir": str(run_dir), "warm_dir": str(warm_dir), "paths": {k: str(v) for k, v in paths.items()},
-                    "bm25": str(out / "bm25"), "device": args.device,
+                    "bm25": str(out / "bm25"), "device": args.device, "record_copy": record_copy and str(record_copy),
                 })  # fmt: skip
     if args.jobs > 1 and len(jobs) > 1:
         with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:

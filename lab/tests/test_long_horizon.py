@@ -4,6 +4,7 @@ import doctest
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,7 +101,8 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys, monkeypatch):
     searched = []  # what each run's RL episodes search
     train = MemPOTrainer.train
     monkeypatch.setattr(MemPOTrainer, "train", lambda self, **kw: searched.append(self.retriever) or train(self, **kw))
-    assert module.main(["--quick", "--out", str(out)]) == 0
+    kept = tmp_path / "kept"  # what lab/results/long_horizon_runs is for the default settings
+    assert module.main(["--quick", "--out", str(out), "--records", str(kept)]) == 0
     summary = json.loads((out / "long_horizon.json").read_text())
     assert sorted(summary["horizons"]) == ["1", "4"]
     for cells in summary["horizons"].values():
@@ -160,6 +162,19 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys, monkeypatch):
     assert check["value_copy_nll"]["rows_from_memory"] == 2 and check["value_copy_nll"]["from_memory"] > 0.0
     out_text = capsys.readouterr().out
     assert "K=4: EM memory" in out_text and "validation names: " in out_text and "nats (first token)" in out_text
+    # A later session (a fresh machine: no runs/) takes the kept runs of the same warm start instead of training them
+    # again, and trains a run whose kept record came from another warm start.
+    names = ["full_history_s0", "mempo_s0", "outcome_only_dynamic_s0", "outcome_only_s0"]
+    assert sorted(p.stem for p in (kept / "test").glob("*.json")) == names
+    sha = module.warm_fingerprint(dict.fromkeys(module.CONTEXT_MODES, out / "warm_model"))
+    assert json.loads((kept / "test" / "mempo_s0.json").read_text())["settings"]["warm_sha256"] == sha
+    other = kept / "test" / "outcome_only_s0.json"
+    other.write_text(other.read_text().replace(sha, "0" * 64))
+    shutil.rmtree(out / "runs")
+    assert module.main(["--quick", "--out", str(out), "--records", str(kept)]) == 0
+    assert capsys.readouterr().out.count("done already") == 3
+    assert json.loads(other.read_text())["settings"]["warm_sha256"] == sha
+    assert sorted(p.parent.name for p in (out / "runs" / "test").glob("*/run.json")) == names
 
 
 @pytest.mark.slow
