@@ -909,6 +909,7 @@ def run_one(job: dict) -> dict:
         "arm": arm, "seed": seed, "tune_point": job["tune_point"], "settings": key, "warm_start": job["warm_dir"], "seconds": seconds, "resumed_from": resume and resume.name,
         "before": before, "after": after, "after_by_mode": after_by_mode,
         "train_em": [e["episode/em"] for e in log], "train_reward": [e.get("reward") for e in log],
+        "versions": _versions(), "machine": _machine(),
     }  # fmt: skip
     (run_dir / "run.json").write_text(json.dumps(record, indent=1))
     if job["record_copy"]:
