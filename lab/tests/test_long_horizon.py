@@ -268,7 +268,8 @@ def test_quick_mode_with_wiki_length_passages_and_a_context_budget(tmp_path):
     assert min(len(p["contents"].split("\n", 1)[1].split()) for p in corpus) >= 100
     run = json.loads((variant / "runs" / "test_max_context_tokens_600" / "mempo_s0" / "run.json").read_text())
     settings = long_horizon.experiment_settings(True, "test", {"max_context_tokens": 600}, 100)
-    assert run["settings"] == long_horizon.run_settings(settings, "mempo")
+    warm = long_horizon.warm_fingerprint(dict.fromkeys(long_horizon.CONTEXT_MODES, variant / "warm_model"))
+    assert run["settings"] == long_horizon.run_settings({**settings, "warm_sha256": warm}, "mempo")
     summary = json.loads((variant / "long_horizon_max_context_tokens_600.json").read_text())
     assert sorted(summary["horizons"]) == ["1", "4"]
     for cells in summary["horizons"].values():
