@@ -1000,8 +1000,12 @@ def print_oracle_tokens(out: Path, paths: dict, tokenizer_dir: Path, budget: dic
 
 
 def _machine() -> dict:
+    """Where a result was made: results repeat on the CPU model that made them (a warm start built on an AMD EPYC and
+    on an Intel Xeon of this workplace differ: float kernels), so the model name is recorded too."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M) if cpuinfo.is_file() else []
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count()}  # fmt: skip
+            "cpu": names[0] if names else None, "cpus": os.cpu_count()}  # fmt: skip
 
 
 def targets(horizons: dict) -> dict:
