@@ -20,9 +20,11 @@ Each run is evaluated greedily per K on one split (`--split test` for published 
 published command; `--split validation` for choosing settings) before and after training. Resumable: a run writes
 `runs/<split>/<arm>_s<seed>/run.json` when it ends and a rerun with the same settings skips it, so a later session adds
 seeds; a run stopped midway resumes from its newest checkpoint (every `CHECKPOINT_EVERY` steps). The default settings
-also keep each finished run's record in git (`--records`, default ``lab/results/long_horizon_runs/<split>/``), keyed by
-the warm start's sha256 (`warm_fingerprint`): a session on a fresh machine rebuilds the warm start and takes every kept
-run of that very warm start instead of training it again. `--jobs N` trains N
+also keep each finished run's record in git (`--records`, default ``lab/results/long_horizon_runs/<sha>/<split>/``,
+``<sha>`` the first 12 digits of the warm start's sha256, `warm_fingerprint`): a session on a fresh machine rebuilds the
+warm start and takes every kept run of that very warm start instead of training it again. The warm start is the same
+on the same CPU model, not across models (an AMD EPYC and an Intel Xeon of this workplace build different ones), so
+each warm start's runs are kept apart and a summary never mixes two. `--jobs N` trains N
 runs side by side as processes (on one GPU with `--device cuda`). Run directories stay out of git (default `--out
 runs/long_horizon`); the published configuration (no `--set`, `--split test`, not `--quick`, no `--passage_words`, no
 `--outcome_reward`)
@@ -1120,9 +1122,9 @@ def main(argv: list[str] | None = None) -> int:
                              "fine-tuned; its world, warm starts and runs go to <out>/smollm2, its summary is "
                              "long_horizon_smollm2.json")  # fmt: skip
     parser.add_argument("--records", default=None, metavar="DIR",
-                        help="keep a copy of each finished run's run.json here, and take a run from here instead of "
-                             "training it when its settings and warm start match (default: lab/results/"
-                             "long_horizon_runs for the default settings, none otherwise)")  # fmt: skip
+                        help="keep a copy of each finished run's run.json in DIR/<warm start sha256[:12]>/<split>/, "
+                             "and take a run from there instead of training it when its settings match (default: "
+                             "lab/results/long_horizon_runs for the default settings, none otherwise)")  # fmt: skip
     parser.add_argument("--passage_words", type=int, default=None, metavar="N",
                         help="pad every passage to ~N words (wiki-length); world, warm start and runs go to "
                              "<out>/passage_words_N")  # fmt: skip
@@ -1219,7 +1221,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir, key = runs / name, run_settings(settings, arm, tune_settings or tuned.get(arm))
                 warm_dir = warm_dirs[{**settings["budget"], **key["arm"]}.get("context_mode", "memory")]
                 done = run_dir / "run.json"
-                record_copy = records_root / runs.name / f"{name}.json" if records_root else None
+                kept_dir = records_root / settings["warm_sha256"][:12] / runs.name if records_root else None
+                record_copy = kept_dir / f"{name}.json" if kept_dir else None
                 if not _ran(done, key) and record_copy and _ran(record_copy, key):
                     run_dir.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(record_copy, done)  # a kept run of this warm start and settings

@@ -165,15 +165,19 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys, monkeypatch):
     # A later session (a fresh machine: no runs/) takes the kept runs of the same warm start instead of training them
     # again, and trains a run whose kept record came from another warm start.
     names = ["full_history_s0", "mempo_s0", "outcome_only_dynamic_s0", "outcome_only_s0"]
-    assert sorted(p.stem for p in (kept / "test").glob("*.json")) == names
     sha = module.warm_fingerprint(dict.fromkeys(module.CONTEXT_MODES, out / "warm_model"))
-    assert json.loads((kept / "test" / "mempo_s0.json").read_text())["settings"]["warm_sha256"] == sha
-    other = kept / "test" / "outcome_only_s0.json"
-    other.write_text(other.read_text().replace(sha, "0" * 64))
+    assert sorted(p.stem for p in (kept / sha[:12] / "test").glob("*.json")) == names
+    assert json.loads((kept / sha[:12] / "test" / "mempo_s0.json").read_text())["settings"]["warm_sha256"] == sha
+    mine = kept / sha[:12] / "test" / "outcome_only_s0.json"
+    other = kept / ("0" * 12) / "test" / "outcome_only_s0.json"  # the same run from another warm start
+    other.parent.mkdir(parents=True)
+    other.write_text(mine.read_text().replace(sha, "0" * 64))
+    mine.unlink()
     shutil.rmtree(out / "runs")
     assert module.main(["--quick", "--out", str(out), "--records", str(kept)]) == 0
     assert capsys.readouterr().out.count("done already") == 3
-    assert json.loads(other.read_text())["settings"]["warm_sha256"] == sha
+    assert json.loads(mine.read_text())["settings"]["warm_sha256"] == sha
+    assert json.loads(other.read_text())["settings"]["warm_sha256"] == "0" * 64  # kept apart, untouched
     assert sorted(p.parent.name for p in (out / "runs" / "test").glob("*/run.json")) == names
 
 
