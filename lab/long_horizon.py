@@ -22,9 +22,9 @@ published command; `--split validation` for choosing settings) before and after 
 seeds; a run stopped midway resumes from its newest checkpoint (every `CHECKPOINT_EVERY` steps). The default settings
 also keep each finished run's record in git (`--records`, default ``lab/results/long_horizon_runs/<sha>/<split>/``,
 ``<sha>`` the first 12 digits of the warm start's sha256, `warm_fingerprint`): a session on a fresh machine rebuilds the
-warm start and takes every kept run of that very warm start instead of training it again. The warm start is the same
-on the same CPU model, not across models (an AMD EPYC and an Intel Xeon of this workplace build different ones), so
-each warm start's runs are kept apart and a summary never mixes two. `--jobs N` trains N
+warm start and takes every kept run of that very warm start instead of training it again. Rebuilt on one machine the
+warm start is the same; an AMD EPYC and an Intel Xeon of this workplace built different ones (float kernels), so each
+warm start's runs are kept apart and a summary never mixes two. `--jobs N` trains N
 runs side by side as processes (on one GPU with `--device cuda`). Run directories stay out of git (default `--out
 runs/long_horizon`); the published configuration (no `--set`, `--split test`, not `--quick`, no `--passage_words`, no
 `--outcome_reward`)
