@@ -2,8 +2,9 @@
 # SmolLM2-135M-Instruct trained end to end on the CPU, offline (examples/configs/smollm2_cpu.yaml says what each
 # stage is). Usage: examples/smollm2_cpu.sh [RUN_DIR (default runs/smollm2)] [SFT_STEPS (24)] [RL_STEPS (1)]
 #   [EVAL_QUESTIONS (20)]; $TRAIN_ARGS adds flags to `mempo-trl train`. A finished stage is skipped when run
-#   again, the SFT resumes from its checkpoint, and the RL from its newest checkpoint. Each stage's output, the
-#   numbers included, is in RUN_DIR/*.log.
+#   again (a stage whose final save was cut short is not finished), the SFT resumes from its checkpoint, and the RL
+#   from its newest complete checkpoint (`python3` must import mempo_trl). Each stage's output, the numbers
+#   included, is in RUN_DIR/*.log.
 set -euo pipefail
 RUN=${1:-runs/smollm2}
 SFT_STEPS=${2:-24}
@@ -13,10 +14,13 @@ MEMPO=${MEMPO:-mempo-trl}
 WORLD=$RUN/learner/world
 mkdir -p "$RUN"
 
-stage() {  # stage NAME DONE_FILE COMMAND...: run COMMAND (output in RUN/NAME.log) unless DONE_FILE exists
-    local name=$1 done_file=$2
+stage() {  # stage NAME DONE_FILE COMMAND...: run COMMAND (output in RUN/NAME.log) unless DONE_FILE exists and no
+    local name=$1 done_file=$2  # save was cut short beside it (mempo_save_incomplete.json)
     shift 2
-    if [ -e "$done_file" ]; then echo "[$name] done ($done_file)"; return; fi
+    if [ -e "$done_file" ] && [ ! -e "$(dirname "$done_file")/mempo_save_incomplete.json" ]; then
+        echo "[$name] done ($done_file)"
+        return
+    fi
     echo "[$name] $(date -u +%H:%M:%S) $*"
     local start=$SECONDS
     "$@" 2>&1 | tee "$RUN/$name.log"
@@ -37,10 +41,10 @@ stage sft "$RUN/sft/warm_start.json" $MEMPO kit warm-start --model_name_or_path 
     --train_file "$WORLD/warm.jsonl" --corpus "$WORLD/corpus.jsonl" --max_steps "$SFT_STEPS" \
     --per_device_train_batch_size 2 --learning_rate 1e-4 --checkpoint_every 8
 evaluate after_sft "$RUN/sft" both
-RESUME=()
-LAST=$(ls -d "$RUN"/rl/checkpoint-* 2>/dev/null | sort -V | tail -1 || true)
+RESUME=()  # the newest checkpoint that a kill did not cut short
+LAST=$(python3 -c 'import sys; from mempo_trl.checkpoints import newest_complete_checkpoint as n; print(n(sys.argv[1]) or "")' "$RUN/rl")
 if [ -n "$LAST" ]; then RESUME=(--resume_from_checkpoint "$LAST"); fi
-stage rl "$RUN/rl/adapter_config.json" $MEMPO train --config "$(dirname "$0")/configs/smollm2_cpu.yaml" \
+stage rl "$RUN/rl/mempo_metrics.json" $MEMPO train --config "$(dirname "$0")/configs/smollm2_cpu.yaml" \
     --model_name_or_path "$RUN/sft" --output_dir "$RUN/rl" --max_steps "$RL_STEPS" --dataset_name "$WORLD" \
     --corpus "$WORLD/corpus.jsonl" "${RESUME[@]}" ${TRAIN_ARGS:-}
 stage merge "$RUN/rl_merged/model.safetensors" $MEMPO merge-lora --model_name_or_path "$RUN/rl" \

@@ -65,6 +65,54 @@ def test_warm_start_on_a_world_needs_its_rows_and_corpus_together(tmp_path):
     )
 
 
+STUB = """import json, sys
+with open(sys.argv[1], "a") as log:
+    log.write(json.dumps(sys.argv[2:]) + "\\n")
+sys.exit(3 if sys.argv[2] == "merge-lora" else 0)
+"""
+"""A stand-in for `mempo-trl`: logs its arguments, succeeds, and fails at `merge-lora` (which ends the script)."""
+
+
+def test_smollm2_script_resumes_rl_from_the_newest_complete_checkpoint(tmp_path):
+    """A kill while saving: checkpoint-2 is partial and the final save is marked cut short. The script resumes from
+    checkpoint-1 and counts the RL stage done only once the final save completed."""
+    import torch
+    from safetensors.torch import save_file
+
+    run = tmp_path / "run"
+    for done in ("model/model.safetensors", "learner/world/test.jsonl", "eval_before_sft/results.json",
+                 "sft/warm_start.json", "eval_after_sft/results.json", "rl/mempo_metrics.json",
+                 "rl/mempo_save_incomplete.json"):  # fmt: skip
+        (run / done).parent.mkdir(parents=True, exist_ok=True)
+        (run / done).write_text("{}")
+    for step in (1, 2):
+        checkpoint = run / "rl" / f"checkpoint-{step}"
+        checkpoint.mkdir()
+        (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        save_file({"w": torch.zeros(2)}, checkpoint / "model.safetensors")
+        for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+            torch.save({}, checkpoint / name)
+    (run / "rl" / "checkpoint-2" / "optimizer.pt").unlink()
+    (tmp_path / "stub.py").write_text(STUB)
+    log = tmp_path / "calls.jsonl"
+    env = {**os.environ, "MEMPO": f"{sys.executable} {tmp_path / 'stub.py'} {log}",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(REPO / "src")}  # fmt: skip
+
+    def script() -> list[list[str]]:
+        log.unlink(missing_ok=True)
+        done = subprocess.run(["bash", str(REPO / "examples" / "smollm2_cpu.sh"), str(run)], capture_output=True,
+                              text=True, timeout=120, env=env, cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]  # the stub's merge-lora
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    train, merge = script()
+    assert train[0] == "train" and merge[0] == "merge-lora"
+    assert train[train.index("--resume_from_checkpoint") + 1] == str(run / "rl" / "checkpoint-1")
+    (run / "rl" / "mempo_save_incomplete.json").unlink()  # the final save completed
+    assert [call[0] for call in script()] == ["merge-lora"]
+
+
 @pytest.mark.slow
 def test_kit_smollm2_writes_a_standard_trainable_folder(tmp_path, smollm2_tokenizer):
     import torch

@@ -348,17 +348,55 @@ def check_checkpoint_model(
         )
 
 
-def prepare_resume(training_args, model_name_or_path: str | None = None, revision: str | None = None) -> str | None:
+def check_checkpoint_kind(checkpoint: str | os.PathLike, use_peft: bool) -> None:
+    """Raise `CheckpointError` when `checkpoint` holds a LoRA adapter (`adapter_config.json`) and `use_peft` is
+    false, or full weights and `use_peft` is true, naming the flag that fixes it.
+
+    Example:
+        >>> check_checkpoint_kind("full1/checkpoint-1", use_peft=True)
+        Traceback (most recent call last):
+        mempo_trl.checkpoints.CheckpointError: checkpoint full1/checkpoint-1 holds the full model's weights ...
+    """
+    adapter = Path(checkpoint, "adapter_config.json")
+    if adapter.is_file() and not use_peft:
+        rank = read_json_field(adapter, "r")
+        lora_r = f" --lora_r {rank}" if isinstance(rank, int) else ""
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds a LoRA adapter ({adapter}), and this run trains the full model. Resume it "
+            f"with --use_peft true{lora_r} (the LoRA settings of the run that saved it)."
+        )
+    if not adapter.is_file() and use_peft:
+        weights = next((name for name in WEIGHT_FILES if Path(checkpoint, name).is_file()), "its weight files")
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds the full model's weights ({weights}), not a LoRA adapter, and this run has "
+            "--use_peft true. Resume it without --use_peft (use_peft: false), as the run that saved it."
+        )
+
+
+def read_json_field(path: Path, key: str):
+    """`key` of the JSON object in `path`, or None when it cannot be read."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def prepare_resume(
+    training_args, model_name_or_path: str | None = None, revision: str | None = None, use_peft: bool | None = None
+) -> str | None:
     """Resolve and validate `training_args.resume_from_checkpoint` in place (before any model is loaded): its files,
-    and that it holds `model_name_or_path` (`check_checkpoint_model`). Return `finished_message` when that checkpoint
-    already ends the run, else None (also when the run's final save was cut short: training then loads the
-    checkpoint and saves the model again)."""
+    that it holds `model_name_or_path` (`check_checkpoint_model`) and, when `use_peft` is given, the kind of weights
+    this run trains (`check_checkpoint_kind`). Return `finished_message` when that checkpoint already ends the run,
+    else None (also when the run's final save was cut short: training then loads the checkpoint and saves the model
+    again)."""
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     training_args.resume_from_checkpoint = resume
     if resume is None:
         return None
     if model_name_or_path:
         check_checkpoint_model(resume, model_name_or_path, revision)
+    if use_peft is not None:
+        check_checkpoint_kind(resume, use_peft)
     saved = saved_world_size(resume)
     if saved != training_args.world_size and training_args.process_index == 0:
         print(

@@ -6,14 +6,17 @@ claiming), `check_writable` (a cache or other directory that is expected to hold
 port a server will listen on) and `check_report_to` (logging backends). Each raises `OutputError` with one sentence
 naming the path and the fix.
 
-A run records the entries it writes in `RUN_RECORD` when it ends. `--overwrite_output_dir` deletes only a previous
-run's outputs (`run_outputs`): what its record names, `checkpoint-N`, and the files a run writes by name (weights,
-config, tokenizer, card, ...) in a directory a run has written to; any other file is kept.
+A run notes what was in the directory when it claims it (`RUN_GOING`) and records the entries it wrote, each with its
+`fingerprint`, when it ends (`RUN_RECORD`). `--overwrite_output_dir` deletes only a previous run's outputs
+(`run_outputs`), and only once the new run's inputs are checked: recorded entries that still match their fingerprint
+and, after a run that never ended (killed), the entries with a name a run writes that appeared after it began. Names
+alone prove nothing: a name a run writes that no run recorded is refused, and any other file is kept.
 """
 
 import atexit
 import errno
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -30,18 +33,20 @@ from mempo_trl.checkpoints import checkpoint_step, checkpoints_by_step, newest_c
 PROBE_PREFIX = ".mempo-write-probe-"
 RUN_RECORD = "_mempo_outputs.json"
 """The entries runs wrote into an output directory (`_` keeps it off the Hub, as TRL's `push_to_hub` skips `_*`)."""
-RUN_MARKERS = re.compile(
+RUN_GOING = "_mempo_run_going.json"
+"""The entries that were in an output directory before the run writing there now: removed when the run ends, so
+one left behind names what a killed run found."""
+RECORDS = (RUN_RECORD, RUN_GOING)
+RUN_NAMES = re.compile(
     r"checkpoint-\d+|mempo_metrics\.json|mempo_agent\.json|mempo_save_incomplete\.json|results\.json|"
-    r"trajectories\.jsonl|" + re.escape(RUN_RECORD)
-)
-"""Names only a mempo-trl run writes: a directory holding one is a run's output directory."""
-RUN_FILES = re.compile(
+    r"trajectories\.jsonl|_mempo_outputs\.json|_mempo_run_going\.json|"
     r"README\.md|config\.json|generation_config\.json|(model|adapter_model)(-\d+-of-\d+)?\.safetensors|"
     r"(model|adapter_model)\.safetensors\.index\.json|pytorch_model.*\.bin|adapter_config\.json|"
     r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|vocab\.json|"
     r"merges\.txt|chat_template\.(jinja|json)|training_args\.bin|base_model|runs|context_tokens\.png"
 )
-"""Names a run writes that other things use too (a project's README.md): a run's only where a marker is."""
+"""Names a run writes (many used by other things too: a project's README.md). One that no run recorded is never
+deleted, and never written over: a directory holding one is refused."""
 HELD_ENV = "MEMPO_OUTPUT_DIR_HELD"
 """Set by the process that holds the output directory's lock, for the processes it launches (they skip the lock)."""
 REPORT_TO_PACKAGES = {
@@ -102,10 +107,11 @@ def prepare_output_dir(
 
     `inputs` maps what each input is ("model") to its path; an output directory that is, contains or
     lies inside one of them is refused, as is one that resolves to `/`, the home directory or a directory above the
-    current one. An existing directory with a previous run's outputs (`run_outputs`) is accepted when `resume` is set
-    or `overwrite` is true; one with only other files when `overwrite` is true, unless one of them has a name a run
-    writes (a project's README.md). `check_existing=False` checks only that it can be written (the other processes of
-    a distributed run). Does not lock: `claim_output_dir` does.
+    current one. An existing directory with a previous run's outputs (`run_outputs`) is accepted when `resume`
+    continues that run (`resumes_inside`) or `overwrite` is true; one with only other files when `overwrite` is true,
+    unless one of them has a name a run writes that no run recorded (a project's README.md). `check_existing=False`
+    checks only that it can be written (the other processes of a distributed run). Does not lock: `claim_output_dir`
+    does.
 
     Example:
         >>> prepare_output_dir("outputs/run1")  # outputs/run1 holds a model from an earlier run
@@ -148,16 +154,30 @@ def check_apart(directory: str | os.PathLike, inputs: dict) -> None:
             )
 
 
+def resumes_inside(directory: str | os.PathLike, resume: bool | str | None) -> bool:
+    """Whether `resume` continues the run of `directory`: `true` (its newest checkpoint) or a checkpoint in it.
+
+    Example:
+        >>> resumes_inside("runB", "runA/checkpoint-1"), resumes_inside("runB", "runB/checkpoint-2")
+        (False, True)
+    """
+    if resume is True or (isinstance(resume, str) and resume.lower() == "true"):
+        return True
+    if not isinstance(resume, str | os.PathLike) or not str(resume) or str(resume).lower() == "false":
+        return False
+    return Path(resume).expanduser().resolve().parent == Path(directory).expanduser().resolve()
+
+
 def check_existing_entries(path: Path, overwrite: bool, resume: bool | str | None) -> None:
-    """`OutputError` if `path` holds a previous run's outputs and neither `overwrite` nor `resume` is set, holds
-    other files and `overwrite` is not set, or holds other files with names a run writes."""
+    """`OutputError` if `path` holds a name a run writes that no run recorded (`run_outputs`), holds a previous
+    run's outputs and neither `overwrite` nor a `resume` of that run (`resumes_inside`) is set, or holds other files
+    and `overwrite` is not set. A checkpoint of another directory resumes into `path` as a new run would."""
     names = entries(path)
     results = run_outputs(path)
-    if not names or resume:
-        return
-    others = [name for name in names if name not in results]
-    if not results and any(RUN_FILES.fullmatch(name) for name in others):
-        clashing = [name for name in others if RUN_FILES.fullmatch(name)]
+    if resumes_inside(path, resume) or not [name for name in names if name not in RECORDS or name not in results]:
+        return  # its own run continues, or nothing is there but records of nothing
+    clashing = [name for name in names if name not in results and RUN_NAMES.fullmatch(name)]
+    if clashing:
         raise OutputError(
             f"output directory {path} holds {shown(clashing)}, which no mempo-trl run recorded and a run would "
             "overwrite. Move them away or choose another output directory."
@@ -195,57 +215,164 @@ def entries(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if not p.name.startswith(PROBE_PREFIX))
 
 
+def fingerprint(path: Path) -> str:
+    """What `path` holds, in 16 hex digits: the relative path, kind and size of each entry under it (links are not
+    followed). A copy (`cp -r`) has the same; an edit that changes a size, an added or removed file do not.
+
+    Example:
+        >>> fingerprint(Path("outputs/run1/config.json"))
+        '3f1c0a9d5e7b2c44'
+    """
+    digest = hashlib.sha256()
+    walked = [(path, "")]
+    if path.is_dir() and not path.is_symlink():
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            for name in sorted(dirs + files):
+                walked.append((Path(root, name), str(Path(root, name).relative_to(path))))
+    for entry, relative in walked:
+        info = entry.lstat()
+        kind = "l" if entry.is_symlink() else "d" if entry.is_dir() else "f"
+        size = os.readlink(entry) if kind == "l" else info.st_size if kind == "f" else ""
+        digest.update(f"{relative}\0{kind}\0{size}\n".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()[:16]
+
+
+def fingerprints(path: Path) -> dict[str, str]:
+    """`fingerprint` of each entry of `path` but the `RECORDS` (entries that vanish meanwhile are left out)."""
+    found = {}
+    for name in entries(path):
+        try:
+            if name not in RECORDS:
+                found[name] = fingerprint(path / name)
+        except OSError:
+            continue
+    return found
+
+
+def read_json(path: Path, key: str, kind: type):
+    """The `kind` value of `key` in the JSON object of `path`, or None when missing, unreadable or of another type."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, kind) else None
+
+
+def read_record(path: Path) -> dict[str, str | None] | None:
+    """The entries `RUN_RECORD` of `path` lists, with their fingerprints (None in a record of an older version,
+    which lists names only); None when it is missing or unreadable.
+
+    Example:
+        >>> read_record(Path("outputs/run1"))  # a finished run
+        {'README.md': '9c2e41f0a8d3b7e1', 'checkpoint-2': '04b7d2c6e1f9a385', ...}
+    """
+    written = read_json(path / RUN_RECORD, "written", list | dict)
+    if written is None:
+        return None
+    if isinstance(written, list):
+        written = dict.fromkeys(written)
+    return {
+        name: fp if isinstance(fp, str) else None
+        for name, fp in written.items()
+        if isinstance(name, str) and "/" not in name and "\0" not in name and name not in ("", ".", "..")
+    }
+
+
 def run_outputs(directory: str | os.PathLike) -> list[str]:
-    """The names in `directory` that mempo-trl runs wrote: those `RUN_RECORD` lists, `RUN_MARKERS` (`checkpoint-N`,
-    `mempo_metrics.json`, ...) and, where one of those is present, `RUN_FILES` (weights, config, tokenizer, card).
+    """The names in `directory` that mempo-trl runs provably wrote there: the entries its `RUN_RECORD` lists that
+    still match their fingerprint (a record without fingerprints: those with a name a run writes, `RUN_NAMES`), and
+    after a run that never ended (`RUN_GOING` left behind), the entries with a name a run writes that appeared after
+    it began; with the `RECORDS` themselves.
 
     Example:
         >>> run_outputs("outputs/run1")  # a finished run, plus the user's notes.txt
         ['README.md', '_mempo_outputs.json', 'config.json', 'mempo_agent.json', 'mempo_metrics.json', ...]
     """
     path = Path(directory)
-    names = entries(path) if path.is_dir() else []
-    recorded = set(read_record(path))
-    marked = recorded.union(name for name in names if RUN_MARKERS.fullmatch(name))
-    return [name for name in names if name in marked or (marked and RUN_FILES.fullmatch(name))]
-
-
-def read_record(path: Path) -> list[str]:
-    """The names `RUN_RECORD` of `path` lists (none when it is missing or unreadable)."""
-    try:
-        written = json.loads((path / RUN_RECORD).read_text(encoding="utf-8")).get("written", [])
-    except (OSError, ValueError, AttributeError):
-        return []
-    return [name for name in written if isinstance(name, str) and "/" not in name and name not in ("", ".", "..")]
+    written = read_record(path) if path.is_dir() else None
+    kept = read_json(path / RUN_GOING, "kept", list) if path.is_dir() else None
+    ours = [RUN_RECORD] * (written is not None) + [RUN_GOING] * (kept is not None)
+    for name in entries(path) if ours else []:
+        if name in RECORDS:
+            continue
+        if name in (written or {}):
+            try:
+                proven = fingerprint(path / name) == written[name] if written[name] else RUN_NAMES.fullmatch(name)
+            except OSError:
+                proven = False
+        else:
+            proven = kept is not None and name not in kept and RUN_NAMES.fullmatch(name)
+        if proven:
+            ours.append(name)
+    return sorted(ours)
 
 
 def remove_run_outputs(directory: str | os.PathLike) -> list[str]:
-    """Delete the previous runs' outputs of `directory` (`run_outputs`; a link is removed, never followed) and keep
-    every other file. Returns the names removed."""
+    """Delete the previous runs' outputs of `directory` (`run_outputs` but the record, which the claim rewrites; a
+    link is removed, never followed) and keep every other file; say what was removed. Returns the names removed."""
     path = Path(directory)
-    removed = run_outputs(path)
+    removed = [name for name in run_outputs(path) if name not in RECORDS]
     for name in removed:
         entry = path / name
         shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink(missing_ok=True)
+    if removed:
+        print(f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {path}")
+    claim = CLAIMS.get(path.resolve())
+    if claim is not None:
+        claim.forget(removed)
     return removed
+
+
+def write_json(path: Path, value: dict) -> None:
+    """Write `value` as the JSON file `path` at once (a temporary file renamed), unless it holds `value` already."""
+    if path.is_file() and read_json(path, next(iter(value)), object) == next(iter(value.values())):
+        return
+    temporary = path.parent / f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    temporary.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
 
 
 @dataclass
 class OutputClaim:
     """An output directory this process holds locked (`fcntl.flock` on the directory itself; the OS releases it when
-    the process ends, however it ends) and the entries it held when claimed."""
+    the process ends, however it ends), the fingerprints of its entries when claimed, which of them earlier runs
+    wrote (`run_outputs`), and whether the claim created it."""
 
     path: Path
     fd: int
-    before: set[str]
+    before: dict[str, str]
+    earlier: set[str]
+    created: bool
+
+    def begin(self) -> None:
+        """Write `RUN_GOING`: what was there besides earlier runs' outputs, so that a run killed before `release`
+        still tells its outputs from the other files."""
+        write_json(self.path / RUN_GOING, {"kept": sorted(set(self.before) - self.earlier)})
+
+    def forget(self, removed: list[str]) -> None:
+        """Drop `removed` (deleted by `remove_run_outputs`) from what was there."""
+        for name in removed:
+            self.before.pop(name, None)
+        self.earlier -= set(removed)
 
     def release(self) -> None:
-        """Add the entries that appeared since the claim to `RUN_RECORD`, then unlock."""
+        """Record the entries this run wrote or changed, with those of earlier runs it left as they were, in
+        `RUN_RECORD` (none: no record, and a directory this claim created and left empty is removed); remove
+        `RUN_GOING`. Then unlock."""
         try:
-            written = set(entries(self.path)) - self.before
+            now = fingerprints(self.path)
+            written = {
+                name: fp for name, fp in now.items()
+                if name not in self.before or fp != self.before[name] or name in self.earlier
+            }  # fmt: skip
             if written:
-                names = sorted(written.union(read_record(self.path)) | {RUN_RECORD})
-                (self.path / RUN_RECORD).write_text(json.dumps({"written": names}, indent=2) + "\n", encoding="utf-8")
+                write_json(self.path / RUN_RECORD, {"written": dict(sorted(written.items()))})
+            else:
+                (self.path / RUN_RECORD).unlink(missing_ok=True)
+            (self.path / RUN_GOING).unlink(missing_ok=True)
+            if self.created and not entries(self.path):
+                self.path.rmdir()
         except OSError:
             pass  # the directory went away or cannot be written: nothing to record
         finally:
@@ -263,15 +390,16 @@ def claim_output_dir(
     inputs: dict | None = None,
 ) -> Path:
     """`prepare_output_dir`, holding `directory` locked against other runs until `release_output_dirs` (at the
-    latest, when this process exits); with `overwrite` (and no `resume`), the previous run's outputs are deleted and
-    named. A directory another process holds is refused. Processes launched by the holder (`HELD_ENV`) share its
-    claim.
+    latest, when this process exits), and recording what is there (`OutputClaim.begin`). Deletes nothing: with
+    `overwrite`, the command calls `remove_run_outputs` once its inputs are checked. A directory another process
+    holds is refused. Processes launched by the holder (`HELD_ENV`) share its claim.
 
     Example:
         >>> claim_output_dir("outputs/run1")  # another `mempo-trl train` is writing there
         Traceback (most recent call last):
         mempo_trl.outputs.OutputError: output directory outputs/run1 is in use by another mempo-trl run ...
     """
+    created = not Path(directory).expanduser().is_dir()
     path = prepare_output_dir(directory, resume=resume, check_existing=False, inputs=inputs)
     key = path.resolve()
     if key not in CLAIMS and os.environ.get(HELD_ENV) != str(key):
@@ -287,15 +415,17 @@ def claim_output_dir(
                 ) from None
             print(f"mempo-trl: WARNING: output directory {path} cannot be locked ({e.strerror}): a second run into "
                   "it would not be refused.")  # fmt: skip
-        CLAIMS[key] = OutputClaim(path, fd, set(entries(path)))
+        try:
+            check_existing_entries(path, overwrite, resume)
+        except OutputError:
+            os.close(fd)
+            raise
+        earlier = set(run_outputs(path)) - set(RECORDS)
+        CLAIMS[key] = OutputClaim(path, fd, fingerprints(path), earlier, created)
         os.environ[HELD_ENV] = str(key)
-    check_existing_entries(path, overwrite, resume)
-    if overwrite and not resume:
-        removed = remove_run_outputs(path)
-        if removed:
-            print(f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {path}")
-            if key in CLAIMS:
-                CLAIMS[key].before -= set(removed)
+        CLAIMS[key].begin()
+    else:
+        check_existing_entries(path, overwrite, resume)
     return path
 
 
@@ -314,8 +444,8 @@ atexit.register(release_output_dirs)
 def drop_abandoned_checkpoints(output_dir: str | os.PathLike, resume: str | None) -> list[str]:
     """Delete the `checkpoint-N` of `output_dir` later than the checkpoint `resume` continues from: they belong to
     the branch of the run that resuming from an earlier step abandons, and `--resume_from_checkpoint true` must never
-    pick them. Returns the names removed (and prints them)."""
-    step = checkpoint_step(resume) if resume else None
+    pick them. A checkpoint of another directory abandons nothing here. Returns the names removed (and prints them)."""
+    step = checkpoint_step(resume) if resume and resumes_inside(output_dir, resume) else None
     if step is None:
         return []
     later = [p for p in checkpoints_by_step(output_dir) if checkpoint_step(p) > step and not p.is_symlink()]

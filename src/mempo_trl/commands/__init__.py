@@ -154,7 +154,7 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     """
     from trl import TrlParser
 
-    from mempo_trl.outputs import OutputArguments, claim_output_dir
+    from mempo_trl.outputs import OutputArguments, claim_output_dir, remove_run_outputs
 
     names = {f.name for t in dataclass_types for f in fields(t)}
     writes = "output_dir" in names and "overwrite_output_dir" not in names
@@ -174,6 +174,8 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     for args in parsed:
         if getattr(args, "output_dir", None):
             claim_output_dir(args.output_dir, overwrite=output.overwrite_output_dir, inputs=inputs)
+            if output.overwrite_output_dir:
+                remove_run_outputs(args.output_dir)
     return tuple(parsed)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import trl
+from transformers import TrainerCallback
 
 from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever, describe_retriever
 
@@ -250,6 +251,26 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     return trainer
 
 
+class ReplaceAtFirstStep(TrainerCallback):
+    """Delete what a run replaces only when its first step begins, once data, corpus, model and the checkpoint it
+    resumes are loaded (a failed load deletes nothing): with `overwrite`, the previous run's outputs
+    (`mempo_trl.outputs.remove_run_outputs`), and, resuming an earlier checkpoint of `output_dir`, the later ones
+    (`drop_abandoned_checkpoints`)."""
+
+    def __init__(self, overwrite: bool):
+        self.overwrite, self.done = overwrite, False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        from mempo_trl.outputs import drop_abandoned_checkpoints, remove_run_outputs, resumes_inside
+
+        if self.done or not state.is_world_process_zero:
+            return
+        self.done = True
+        if self.overwrite and not resumes_inside(args.output_dir, args.resume_from_checkpoint):
+            remove_run_outputs(args.output_dir)
+        drop_abandoned_checkpoints(args.output_dir, args.resume_from_checkpoint)
+
+
 def release_process_groups(trainer) -> None:
     """Wait for every process, then destroy all process groups while Python is still alive.
 
@@ -272,7 +293,7 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
     work: on a stop signal, a retriever that fails for the whole retry budget (`RetrieverOutage`) or answers
     wrongly, or a non-finite loss or advantage, a checkpoint of the last finished step is saved and the error is
     raised again naming it (`--resume_from_checkpoint ...`); so does any other error of a single-process run after
-    a step. A final save that fails keeps the model in a temporary directory named in the error (`save_model_or_rescue`). The final save is marked incomplete until the metrics
+    a step. An error before this process finished a step (a resume that fails while loading) saves nothing. A final save that fails keeps the model in a temporary directory named in the error (`save_model_or_rescue`). The final save is marked incomplete until the metrics
     and card are written (`mempo_trl.checkpoints.begin_final_save`). A stop signal during that save waits for it and
     skips the evaluation after training; one during that evaluation stops it at once. Either way the metrics and
     card are written without it, nothing is pushed, and `TrainingStopped` says that the model is saved.
@@ -294,6 +315,7 @@ def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> d
         disk_full_error,
         end_final_save,
         is_disk_full,
+        read_trainer_state,
         save_model_or_rescue,
     )
     from mempo_trl.commands import error_message
@@ -302,11 +324,13 @@ def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> d
     from mempo_trl.retrieval import RetrievalError, RetrieverOutage
 
     check_room_to_save(trainer)
+    resume = training_args.resume_from_checkpoint
+    start = read_trainer_state(resume)["global_step"] if resume else 0
     try:
-        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        result = trainer.train(resume_from_checkpoint=resume)
     except (RetrievalError, NonFiniteError) as err:
         when = "once the server answers again" if isinstance(err, RetrieverOutage) else "once that is fixed"
-        if trainer.state.global_step == 0:  # nothing trained yet: nothing to save
+        if trainer.state.global_step <= start:  # no step ran here: nothing to save (and never over `resume`)
             message = f"training stopped: {str(err).rstrip('.')}. No step had finished; {when}, rerun."
             raise type(err)(message) from err
         checkpoint = save_checkpoint_and_release(trainer)
@@ -319,8 +343,8 @@ def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> d
             step = trainer.state.global_step
             doing = f"training stopped at step {step}: saving {Path(training_args.output_dir, f'checkpoint-{step}')}"
             raise disk_full_error(doing, training_args) from err
-        if trainer.state.global_step == 0 or training_args.world_size > 1:
-            raise  # nothing to save, or the other processes would never join the save
+        if trainer.state.global_step <= start or training_args.world_size > 1:
+            raise  # no step ran here (a failed load writes nothing), or the other processes would not join the save
         checkpoint = save_checkpoint_and_release(trainer)
         resume = f"Saved {checkpoint}; once that is fixed, rerun with --resume_from_checkpoint {checkpoint}."
         if error_message(err) is None:  # a bug: keep its traceback, after saying where the work is
@@ -428,7 +452,6 @@ def check_before_training(
 def main(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments) -> int:
     """Check the inputs, build the trainer, train, save (and push); print where everything went."""
     from mempo_trl.checkpoints import prepare_resume
-    from mempo_trl.outputs import drop_abandoned_checkpoints
 
     if training_args.ddp_find_unused_parameters is None:
         # Trainer's default without activation checkpointing is True, and DDP then warns every run that it found none:
@@ -436,14 +459,15 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
         training_args.ddp_find_unused_parameters = False
     check_before_training(script_args, training_args, model_args, retriever_args)
     # validates the checkpoint (its files, and that it holds this model) before any model is loaded
-    finished = prepare_resume(training_args, model_args.model_name_or_path, model_args.model_revision)
+    finished = prepare_resume(
+        training_args, model_args.model_name_or_path, model_args.model_revision, model_args.use_peft
+    )
     if finished:
         if int(os.environ.get("RANK", "0")) == 0:
             print(finished)
         return 0
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
-    if int(os.environ.get("RANK", "0")) == 0:
-        drop_abandoned_checkpoints(training_args.output_dir, training_args.resume_from_checkpoint)
+    trainer.add_callback(ReplaceAtFirstStep(script_args.overwrite_output_dir))
     metrics = train(trainer, training_args, script_args.dataset_name)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"model saved to {training_args.output_dir}")
