@@ -183,3 +183,13 @@ def reward_failing_after_step_1(completions, trainer_state, **kwargs):
     if trainer_state.global_step >= 1:
         raise ValueError("the reward service went away")
     return [0.0] * len(completions)
+
+
+def record_as_run(directory: Path, *names: str) -> None:
+    """Write ``directory/_mempo_outputs.json`` as a run that wrote `names` there records them (with fingerprints)."""
+    import json
+
+    from mempo_trl.outputs import RUN_RECORD, fingerprint
+
+    record = {"written": {name: fingerprint(directory / name) for name in names}}
+    (directory / RUN_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

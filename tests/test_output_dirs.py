@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import cpu_recipe, one_error_line
+from helpers import cpu_recipe, one_error_line, record_as_run
 
 from mempo_trl.cli import main
 from mempo_trl.kit.demo_world import demo_paths
-from mempo_trl.outputs import fingerprint
 
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's code, whatever is installed
@@ -63,8 +62,7 @@ def test_overwrite_deletes_only_the_previous_runs_outputs(tmp_path, tiny_model_d
     (out / "checkpoint-7" / "trainer_state.json").write_text("{}")
     for name in ("mempo_metrics.json", "model.safetensors", "README.md", "training_args.bin"):
         (out / name).write_text("previous run")
-    names = ("checkpoint-7", "mempo_metrics.json", "model.safetensors", "README.md", "training_args.bin")
-    (out / "_mempo_outputs.json").write_text(json.dumps({"written": {n: fingerprint(out / n) for n in names}}))
+    record_as_run(out, "checkpoint-7", "mempo_metrics.json", "model.safetensors", "README.md", "training_args.bin")
     recipe = cpu_recipe(tmp_path, tiny_model_dir, output_dir=str(out), save_strategy="no")
     result = subprocess.run(
         [sys.executable, "-m", "mempo_trl", "train", "--config", str(recipe), "--overwrite_output_dir", "true"],
@@ -112,8 +110,7 @@ def test_eval_and_train_share_the_rules_other_files_alone_need_overwrite(tmp_pat
     # A previous evaluation's results are replaced; notes.txt stays, as with train.
     (out / "README.md").unlink()
     (out / "trajectories.jsonl").write_text("an earlier evaluation")
-    record = {"written": {"trajectories.jsonl": fingerprint(out / "trajectories.jsonl")}}
-    (out / "_mempo_outputs.json").write_text(json.dumps(record))
+    record_as_run(out, "trajectories.jsonl")
     corpus = ["--corpus", str(demo_paths().corpus), "--max_eval_samples", "1", "--disable_tqdm", "true"]
     assert main([*argv, *corpus, "--overwrite_output_dir", "true"]) == 0
     assert f"removed the previous run's trajectories.jsonl from {out}" in capsys.readouterr().out
@@ -170,8 +167,8 @@ def test_symlinked_output_dirs_never_delete_through_the_link(tmp_path, capsys, t
     target.mkdir()
     for name in ("important.txt", "mempo_metrics.json"):
         (target / name).write_text("keep")
-    record = {"written": {"mempo_metrics.json": fingerprint(target / "mempo_metrics.json")}}  # a run's metrics
-    (target / "_mempo_outputs.json").write_text(json.dumps(record))
+    record_as_run(target, "mempo_metrics.json")  # a run's metrics
+    record = (target / "_mempo_outputs.json").read_bytes()
     (tmp_path / "linkout").symlink_to(target)
     recipe = cpu_recipe(tmp_path, tiny_model_dir, output_dir=str(tmp_path / "linkout"))
     assert main(["train", "--config", str(recipe), "--overwrite_output_dir", "true"]) == 2
@@ -179,8 +176,7 @@ def test_symlinked_output_dirs_never_delete_through_the_link(tmp_path, capsys, t
         f"error: output directory {tmp_path / 'linkout'} is a link to {target}: --overwrite_output_dir deletes "
         f"nothing through a link. Pass {target} itself, or choose another output directory."
     )
-    assert tree(target) == {"_mempo_outputs.json": json.dumps(record).encode(), "important.txt": b"keep",
-                            "mempo_metrics.json": b"keep"}  # fmt: skip
+    assert tree(target) == {"_mempo_outputs.json": record, "important.txt": b"keep", "mempo_metrics.json": b"keep"}
 
 
 # ------------------------------------------------------------------------------------------ F13: merge-lora

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import cpu_recipe, free_port, one_error_line, start_retriever, stop, write_corpus
+from helpers import cpu_recipe, free_port, one_error_line, record_as_run, start_retriever, stop, write_corpus
 
 from mempo_trl.cli import main
 from mempo_trl.retrieval import HttpRetriever, RetrievalError, RetrieverOutage
@@ -239,10 +239,11 @@ def test_train_refuses_to_overwrite_earlier_results_unless_told(tmp_path, capsys
     out = tmp_path / "out"
     (out / "checkpoint-3").mkdir(parents=True)  # empty: not a checkpoint to resume (test_reliability_runs.py)
     (out / "model.safetensors").write_text("an earlier model")
+    record_as_run(out, "checkpoint-3", "model.safetensors")
     assert main(train_settings(tmp_path, tiny_model_dir)) == 2
     assert one_error_line(capsys) == (
-        f"error: output directory {out} already holds results (checkpoint-3, model.safetensors). Pass "
-        "--overwrite_output_dir to replace them (other files there are kept), or choose another output directory."
+        f"error: output directory {out} already holds results (_mempo_outputs.json, checkpoint-3, model.safetensors). "
+        "Pass --overwrite_output_dir to replace them (other files there are kept), or choose another output directory."
     )
     assert (out / "model.safetensors").read_text() == "an earlier model"
     assert main([*train_settings(tmp_path, tiny_model_dir), "--overwrite_output_dir", "true"]) == 0
@@ -273,8 +274,10 @@ def test_every_command_checks_its_output_dir_first(tmp_path, capsys, tiny_model_
     used = tmp_path / "used"
     used.mkdir()
     (used / "results.json").write_text("{}")
+    record_as_run(used, "results.json")
     assert main([*argv, flag, str(used)]) == 2
-    assert one_error_line(capsys).startswith(f"error: output directory {used} already holds results (results.json)")
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: output directory {used} already holds results (_mempo_outputs.json, results.json)")
 
 
 def test_warm_start_checks_the_model_dir_first(tmp_path, capsys):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import cpu_recipe, one_error_line
+from helpers import cpu_recipe, one_error_line, record_as_run
 
 from mempo_trl.cli import main
 
@@ -118,20 +118,13 @@ def test_a_tampered_or_edited_record_never_deletes_a_users_file(tmp_path, capsys
 
 
 def test_a_checkpoint_of_another_directory_never_touches_this_ones_results(tmp_path, capsys, finished):
+    """G2: runB's checkpoint-2 is later than runA's checkpoint-1, yet no branch of runB's is abandoned."""
     run_a, run_b = copy_run(finished, tmp_path / "runA"), copy_run(finished, tmp_path / "runB")
-    (run_b / "checkpoint-4").mkdir()  # runB's own later checkpoint (a copy of its checkpoint-2)
-    for path in (run_b / "checkpoint-2").iterdir():
-        shutil.copy2(path, run_b / "checkpoint-4")
-    record = json.loads((run_b / "_mempo_outputs.json").read_text())
-    from mempo_trl.outputs import fingerprint
-
-    record["written"]["checkpoint-4"] = fingerprint(run_b / "checkpoint-4")
-    (run_b / "_mempo_outputs.json").write_text(json.dumps(record))
     before_a, before_b = tree(run_a), tree(run_b)
     argv = ["train", "--config", finished[1], "--max_steps", 2, "--resume_from_checkpoint", run_a / "checkpoint-1"]
     line = error_line(mempo(*argv, "--output_dir", run_b))
     assert line.startswith(f"error: output directory {run_b} already holds results (README.md, "), line
-    assert f"Pass --resume_from_checkpoint {run_b / 'checkpoint-4'} to continue it, --overwrite_output_dir" in line
+    assert f"Pass --resume_from_checkpoint {run_b / 'checkpoint-2'} to continue it, --overwrite_output_dir" in line
     assert tree(run_b) == before_b
     # Into a directory of its own it continues runA's checkpoint, and runA stays as it was.
     assert main([*map(str, argv), "--output_dir", str(tmp_path / "runC")]) == 0
@@ -208,6 +201,18 @@ def test_overwrite_deletes_the_previous_run_only_after_the_inputs_are_checked(tm
     argv = ["train", "--config", finished[1], "--output_dir", out, "--overwrite_output_dir", "true", flag, value]
     assert error_line(mempo(*argv, cwd=tmp_path)).startswith(message)
     assert tree(out) == before
+
+
+def test_eval_overwrite_keeps_the_previous_results_when_its_input_is_bad(tmp_path, capsys, tiny_model_dir):
+    out, bad = tmp_path / "eval1", tmp_path / "bad.jsonl"
+    out.mkdir()
+    (out / "results.json").write_text('{"previous": true}')
+    record_as_run(out, "results.json")
+    bad.write_text('{"id": "a", "question": "", "golden_answers": ["x"]}\n')
+    argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(bad), "--output_dir", str(out)]
+    assert main([*argv, "--overwrite_output_dir", "true"]) == 2
+    assert one_error_line(capsys).startswith(f"error: {bad}, line 1: field 'question' must be a string with visible")
+    assert (out / "results.json").read_text() == '{"previous": true}'
 
 
 def test_a_run_refused_late_leaves_no_output_dir_behind(tmp_path, finished):

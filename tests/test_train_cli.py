@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import cpu_recipe
+from helpers import cpu_recipe, record_as_run
 
 from mempo_trl.cli import main
 from mempo_trl.kit.demo_world import demo_paths
@@ -92,6 +92,7 @@ def test_overwrite_output_dir_removes_the_previous_runs_results(capsys, recipe, 
     for name in ("model.safetensors", "README.md", "mempo_metrics.json"):
         (out / name).write_text("previous run")
     (out / "checkpoint-3").mkdir()
+    record_as_run(out, "model.safetensors", "README.md", "mempo_metrics.json", "checkpoint-3")
     lora = recipe(use_peft=True, lora_r=2, lora_target_modules=["q_proj", "v_proj"])
     assert main(["train", "--config", lora, "--overwrite_output_dir"]) == 0
     printed = capsys.readouterr().out

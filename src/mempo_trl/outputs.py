@@ -190,7 +190,7 @@ def check_existing_entries(path: Path, overwrite: bool, resume: bool | str | Non
             )
         return
     target = path.resolve() if path.is_symlink() else path
-    if results:
+    if set(results) - set(RECORDS):
         newest = newest_complete_checkpoint(path)
         resume_hint = f"--resume_from_checkpoint {newest} to continue it, " if newest else ""
         raise OutputError(
@@ -215,9 +215,10 @@ def entries(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if not p.name.startswith(PROBE_PREFIX))
 
 
-def fingerprint(path: Path) -> str:
+def fingerprint(path: Path, times: bool = False) -> str:
     """What `path` holds, in 16 hex digits: the relative path, kind and size of each entry under it (links are not
-    followed). A copy (`cp -r`) has the same; an edit that changes a size, an added or removed file do not.
+    followed), and with `times` their modification times. A copy (`cp -r`) has the same without `times`; an edit
+    that changes a size, an added or removed file do not.
 
     Example:
         >>> fingerprint(Path("outputs/run1/config.json"))
@@ -234,17 +235,18 @@ def fingerprint(path: Path) -> str:
         info = entry.lstat()
         kind = "l" if entry.is_symlink() else "d" if entry.is_dir() else "f"
         size = os.readlink(entry) if kind == "l" else info.st_size if kind == "f" else ""
-        digest.update(f"{relative}\0{kind}\0{size}\n".encode("utf-8", "surrogateescape"))
+        stamp = info.st_mtime_ns if times else ""
+        digest.update(f"{relative}\0{kind}\0{size}\0{stamp}\n".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()[:16]
 
 
-def fingerprints(path: Path) -> dict[str, str]:
+def fingerprints(path: Path, times: bool = False) -> dict[str, str]:
     """`fingerprint` of each entry of `path` but the `RECORDS` (entries that vanish meanwhile are left out)."""
     found = {}
     for name in entries(path):
         try:
             if name not in RECORDS:
-                found[name] = fingerprint(path / name)
+                found[name] = fingerprint(path / name, times)
         except OSError:
             continue
     return found
@@ -336,14 +338,15 @@ def write_json(path: Path, value: dict) -> None:
 @dataclass
 class OutputClaim:
     """An output directory this process holds locked (`fcntl.flock` on the directory itself; the OS releases it when
-    the process ends, however it ends), the fingerprints of its entries when claimed, which of them earlier runs
-    wrote (`run_outputs`), and whether the claim created it."""
+    the process ends, however it ends), the fingerprints of its entries when claimed (with times: a rewrite shows),
+    which of them earlier runs wrote (`run_outputs`), whether the claim created it and whether it replaces them (`--overwrite_output_dir`)."""
 
     path: Path
     fd: int
     before: dict[str, str]
     earlier: set[str]
     created: bool
+    replace: bool = False
 
     def begin(self) -> None:
         """Write `RUN_GOING`: what was there besides earlier runs' outputs, so that a run killed before `release`
@@ -361,11 +364,9 @@ class OutputClaim:
         `RUN_RECORD` (none: no record, and a directory this claim created and left empty is removed); remove
         `RUN_GOING`. Then unlock."""
         try:
-            now = fingerprints(self.path)
-            written = {
-                name: fp for name, fp in now.items()
-                if name not in self.before or fp != self.before[name] or name in self.earlier
-            }  # fmt: skip
+            now, sizes = fingerprints(self.path, times=True), fingerprints(self.path)
+            ours = [name for name, fp in now.items() if self.before.get(name) != fp or name in self.earlier]
+            written = {name: sizes[name] for name in ours if name in sizes}
             if written:
                 write_json(self.path / RUN_RECORD, {"written": dict(sorted(written.items()))})
             else:
@@ -421,12 +422,21 @@ def claim_output_dir(
             os.close(fd)
             raise
         earlier = set(run_outputs(path)) - set(RECORDS)
-        CLAIMS[key] = OutputClaim(path, fd, fingerprints(path), earlier, created)
+        replace = overwrite and not resumes_inside(path, resume)
+        CLAIMS[key] = OutputClaim(path, fd, fingerprints(path, times=True), earlier, created, replace)
         os.environ[HELD_ENV] = str(key)
         CLAIMS[key].begin()
     else:
         check_existing_entries(path, overwrite, resume)
     return path
+
+
+def replace_run_outputs(directory: str | os.PathLike) -> list[str]:
+    """`remove_run_outputs` of `directory` if this process claimed it with `overwrite` (once the command's inputs
+    are checked); returns the names removed."""
+    path = Path(directory)
+    claim = CLAIMS.get(path.resolve())
+    return remove_run_outputs(path) if claim is not None and claim.replace else []
 
 
 def release_output_dirs() -> None:

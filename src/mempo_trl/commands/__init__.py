@@ -140,12 +140,14 @@ def add_command(subparsers: argparse._SubParsersAction, name: str, help: str, ma
     return parser
 
 
-def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) -> tuple:
+def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None, replace_later: bool = False) -> tuple:
     """Parse `argv` (and `--config file.yaml`) into instances of `dataclass_types`, TRL-style.
 
     A bad argument raises `CommandError` (one `error:` line). A command with an `output_dir` also gets
     `--overwrite_output_dir` (`OutputArguments`), and its `output_dir` is checked and held (`claim_output_dir`,
-    apart from the `INPUT_FIELDS` inputs and the recipe) here, before the command does any work.
+    apart from the `INPUT_FIELDS` inputs and the recipe) here, before the command does any work; with
+    `--overwrite_output_dir` the previous run's outputs are deleted here too, or with `replace_later` when the
+    command calls `mempo_trl.outputs.replace_run_outputs` once its inputs are checked.
 
     Example:
         >>> from mempo_trl.commands.retrieval import IndexArguments
@@ -154,7 +156,7 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     """
     from trl import TrlParser
 
-    from mempo_trl.outputs import OutputArguments, claim_output_dir, remove_run_outputs
+    from mempo_trl.outputs import OutputArguments, claim_output_dir, replace_run_outputs
 
     names = {f.name for t in dataclass_types for f in fields(t)}
     writes = "output_dir" in names and "overwrite_output_dir" not in names
@@ -174,8 +176,8 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     for args in parsed:
         if getattr(args, "output_dir", None):
             claim_output_dir(args.output_dir, overwrite=output.overwrite_output_dir, inputs=inputs)
-            if output.overwrite_output_dir:
-                remove_run_outputs(args.output_dir)
+            if not replace_later:
+                replace_run_outputs(args.output_dir)
     return tuple(parsed)
 
 

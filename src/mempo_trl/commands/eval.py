@@ -26,6 +26,7 @@ from pathlib import Path
 from mempo_trl.commands import add_command, parse
 from mempo_trl.commands.ask import AgentArguments, load_agent
 from mempo_trl.evaluation import EvalResult, compare_modes, evaluate, plot_context_tokens
+from mempo_trl.outputs import replace_run_outputs
 from mempo_trl.protocol import CONTEXT_MODES
 from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
         raise ImportError("mempo-trl eval draws context_tokens.png with matplotlib: pip install 'mempo_trl[eval]'.")
     agent_args, eval_args, retriever_args = parse(
-        "mempo-trl eval", [AgentArguments, EvalArguments, RetrieverArguments], argv
+        "mempo-trl eval", [AgentArguments, EvalArguments, RetrieverArguments], argv, replace_later=True
     )
     context_mode = None if agent_args.context_mode == "both" else agent_args.context_mode
     if eval_args.environment:
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     results = [evaluate(agent, rows, context_mode=m, progress=not eval_args.disable_tqdm) for m in modes]
     comparison = compare_modes(*results) if len(results) == 2 else None
+    replace_run_outputs(out)  # with --overwrite_output_dir: the previous results go once the new ones are ready
     with (out / TRAJECTORIES_FILE).open("w", encoding="utf-8") as f:
         for result in results:
             for record in result.records:

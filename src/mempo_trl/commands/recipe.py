@@ -45,9 +45,10 @@ class ScriptArguments(trl.ScriptArguments):
 
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Replace the results of an earlier run in `output_dir` (they are deleted first; other files "
-                  "there are kept), or write into a directory that holds other files. Without it (or "
-                  "`resume_from_checkpoint`) such a directory is refused before anything is loaded."},
+        metadata={"help": "Replace the results of an earlier run in `output_dir` (deleted when training starts, once "
+                  "the inputs are loaded; other files there are kept), or write into a directory that holds other "
+                  "files. Without it (or `resume_from_checkpoint` of that run) such a directory is refused before "
+                  "anything is loaded."},
     )  # fmt: skip
     reward_funcs: list[str] = field(
         default_factory=lambda: ["mempo_outcome_reward"],
