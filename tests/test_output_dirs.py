@@ -222,15 +222,25 @@ def test_a_second_run_into_a_running_output_dir_is_refused(tmp_path, capsys, tin
     assert "model.safetensors" in written and "mempo_metrics.json" in written
 
 
-def test_the_lock_of_a_killed_run_is_gone_with_it(tmp_path, tiny_model_dir):
-    recipe = cpu_recipe(tmp_path, tiny_model_dir, max_steps=500, save_strategy="no", logging_steps=1)
-    first, lines = start(["train", "--config", str(recipe)], tmp_path)
+def test_the_lock_of_a_killed_run_is_gone_with_it(tmp_path, capsys, tiny_model_dir):
+    """A run killed before it records its outputs: what appeared after it began, with names a run writes, is its."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("there before")
+    recipe = cpu_recipe(tmp_path, tiny_model_dir, max_steps=500, save_strategy="steps", save_steps=1, logging_steps=1)
+    first, lines = start(["train", "--config", str(recipe), "--overwrite_output_dir", "true"], tmp_path)
     try:
-        wait_for(first, lines, "step 1/500")
+        wait_for(first, lines, "step 2/500")  # checkpoint-1 is saved
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=60)
-    assert main(["train", "--config", str(recipe), "--max_steps", "1", "--overwrite_output_dir", "true"]) == 0
+    (out / "later.txt").write_text("added after the kill")
+    argv = ["train", "--config", str(recipe), "--max_steps", "1", "--save_strategy", "no"]
+    assert main([*argv, "--overwrite_output_dir", "true"]) == 0
+    removed = next(line for line in capsys.readouterr().out.splitlines() if "removed the previous run's" in line)
+    assert "checkpoint-1" in removed and "notes.txt" not in removed and "later.txt" not in removed, removed
+    assert not list(out.glob("checkpoint-*")) and (out / "model.safetensors").is_file()
+    assert (out / "notes.txt").read_text() == "there before" and (out / "later.txt").is_file()
 
 
 # ------------------------------------------------------------------------------------------ R3: abandoned branch

@@ -178,9 +178,11 @@ def check_existing_entries(path: Path, overwrite: bool, resume: bool | str | Non
         return  # its own run continues, or nothing is there but records of nothing
     clashing = [name for name in names if name not in results and RUN_NAMES.fullmatch(name)]
     if clashing:
+        newest = newest_complete_checkpoint(path)
+        fix = f"Pass --resume_from_checkpoint {newest} to continue it, move" if newest else "Move"
         raise OutputError(
             f"output directory {path} holds {shown(clashing)}, which no mempo-trl run recorded and a run would "
-            "overwrite. Move them away or choose another output directory."
+            f"overwrite. {fix} them away or choose another output directory."
         )
     if overwrite:
         if path.is_symlink() and results:
