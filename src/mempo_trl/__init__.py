@@ -49,6 +49,7 @@ _EXPORTS = {
     "build_retriever": "mempo_trl.retrieval",
     "load_qa": "mempo_trl.data",
     "DataError": "mempo_trl.data",
+    "compose_objectives": "mempo_trl.compose",
     "load_tokenizer": "mempo_trl.loading",
     "check_model_files": "mempo_trl.loading",
     "evaluate": "mempo_trl.evaluation",
