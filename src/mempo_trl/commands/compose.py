@@ -44,10 +44,9 @@ class ComposeArguments:
     max_rows: int | None = field(default=None, metadata={"help": "At most N rows per K and split (default: all)."})
 
     def __post_init__(self):
-        bad = [k for k in self.objectives if k < 1]
-        if bad or not self.objectives:
+        if not self.objectives or min(self.objectives) < 1 or len(set(self.objectives)) < len(self.objectives):
             raise ValueError(
-                f"objectives must be whole numbers >= 1 (e.g. --objectives 2 4 8), got {self.objectives}."
+                f"objectives must be distinct whole numbers >= 1 (e.g. --objectives 2 4 8), got {self.objectives}."
             )
         if self.max_rows is not None and self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}.")
