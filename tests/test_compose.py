@@ -18,7 +18,12 @@ from mempo_trl.rewards import mempo_all_parts_reward, mempo_outcome_reward
 
 def qa_rows(n: int, prefix: str = "q", **extra) -> list[dict]:
     return [
-        {"id": f"{prefix}{i}", "question": f"Question {prefix}{i}?", "golden_answers": [f"A{i}", f"alias {i}"], **extra}
+        {
+            "id": f"{prefix}{i}",
+            "question": f"Question {prefix}{i}?",
+            "golden_answers": [f"A{i}", f"alias {i}"],
+            **extra,
+        }
         for i in range(n)
     ]
 
@@ -42,7 +47,12 @@ def test_doctests():
 
 def test_a_row_numbers_its_questions_and_joins_the_first_aliases():
     rows = [
-        {"id": "7", "question": " Where was Ada born? ", "golden_answers": ["Ulm", "Ulm, Germany"], "data_source": "nq"},
+        {
+            "id": "7",
+            "question": " Where was Ada born? ",
+            "golden_answers": ["Ulm", "Ulm, Germany"],
+            "data_source": "nq",
+        },
         {"id": "9", "question": "Who is Ada's brother?", "golden_answers": ["Max"], "data_source": "hotpotqa"},
     ]
     (row,) = compose_objectives(rows, 2, seed=0)
