@@ -3,6 +3,7 @@
 
 import doctest
 import json
+import re
 
 import datasets
 import pytest
@@ -84,11 +85,12 @@ def test_rows_are_seeded_and_use_each_question_once():
 
 
 def test_no_row_mixes_splits():
-    rows = qa_rows(6, "t", extra_info={"split": "train"}) + qa_rows(4, "v", extra_info={"split": "test"})
-    composed = compose_objectives(rows, 2, seed=0)
-    assert len(composed) == 5
-    for row in composed:
-        assert len({part_id[0] for part_id in row["sub_ids"]}) == 1, row["sub_ids"]
+    rows = qa_rows(5, "t", extra_info={"split": "train"}) + qa_rows(5, "v", extra_info={"split": "test"})
+    for seed in range(5):
+        composed = compose_objectives(rows, 2, seed=seed)
+        assert len(composed) == 4  # two per split: one question of each is left over
+        for row in composed:
+            assert len({part_id[0] for part_id in row["sub_ids"]}) == 1, row["sub_ids"]
 
 
 def test_aliases_holding_the_separator_are_dropped():
@@ -196,6 +198,54 @@ def test_compose_cli_bad_input_is_one_line_and_writes_nothing(problem, tmp_path,
 
 
 # ---------------------------------------------------------------- the sweep (mempo-trl eval --objectives)
+
+
+class PartlyRight:
+    """`GenerateFn`: round 1 searches; round 2 answers ``answers[question]`` (the question found in the prompt)."""
+
+    def __init__(self, tokenizer, answers: dict[str, str]):
+        self.tokenizer, self.answers = tokenizer, answers
+
+    def __call__(self, prompts):
+        out = []
+        for ids in prompts:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            question = re.search(r"Question: (.*?)<\|im_end\|>", text, re.DOTALL).group(1)
+            action = ("answer", self.answers[question]) if "<information>" in text else ("search", "facts")
+            turn = f"<mem> notes </mem>\n<think> thinking </think>\n<{action[0]}> {action[1]} </{action[0]}>"
+            out.append(self.tokenizer(turn, add_special_tokens=False).input_ids)
+        return out, None
+
+
+def test_sweep_table_on_a_scripted_agent(tiny_model_dir):
+    """Every K=1 row answered right; every K=2 row with its first part right and its second wrong: share of parts
+    0.5, all parts 0, in both context modes, with one search and two turns per question."""
+    from helpers import EchoRetriever
+
+    from mempo_trl.agent import MemPOAgent
+    from mempo_trl.loading import load_tokenizer
+    from mempo_trl.protocol import TurnProtocol
+    from mempo_trl.sweep import evaluate_objectives, objectives_table
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    pool = qa_rows(6)
+    rows = {1: compose_objectives(pool, 1, max_rows=2), 2: compose_objectives(pool, 2, max_rows=2)}
+    answers = {r["question"]: r["golden_answers"][0] for r in rows[1]}
+    answers.update({r["question"]: f"{r['sub_answers'][0][1]}; nope" for r in rows[2]})
+    agent = MemPOAgent(tokenizer, EchoRetriever(), PartlyRight(tokenizer, answers), TurnProtocol(max_turns=3))
+    table = objectives_table(evaluate_objectives(agent, rows, progress=False))
+    scores = [
+        (r["objectives"], r["context_mode"], r["em"], r["f1"], r["em_all_parts"], r["f1_all_parts"]) for r in table
+    ]
+    assert scores == [
+        (1, "memory", 1.0, 1.0, 1.0, 1.0),
+        (1, "full_history", 1.0, 1.0, 1.0, 1.0),
+        (2, "memory", 0.5, 0.5, 0.0, 0.0),
+        (2, "full_history", 0.5, 0.5, 0.0, 0.0),
+    ]
+    assert all(r["num_questions"] == 2 and r["format_valid"] == 1.0 for r in table)
+    assert all(r["turns_per_question"] == 2.0 and r["searches_per_question"] == 1.0 for r in table)
+    assert all(r["peak_context_tokens"] < r["total_tokens_per_question"] for r in table)
 
 
 @pytest.fixture(scope="module")
