@@ -201,7 +201,8 @@ def test_compose_cli_bad_input_is_one_line_and_writes_nothing(problem, tmp_path,
 
 
 class PartlyRight:
-    """`GenerateFn`: round 1 searches; round 2 answers ``answers[question]`` (the question found in the prompt)."""
+    """`GenerateFn`: rounds 1 and 2 search (``facts 1``, ``facts 2``); round 3 answers ``answers[question]`` (the
+    question found in the prompt)."""
 
     def __init__(self, tokenizer, answers: dict[str, str]):
         self.tokenizer, self.answers = tokenizer, answers
@@ -211,7 +212,10 @@ class PartlyRight:
         for ids in prompts:
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
             question = re.search(r"Question: (.*?)<\|im_end\|>", text, re.DOTALL).group(1)
-            action = ("answer", self.answers[question]) if "<information>" in text else ("search", "facts")
+            if "facts 2" in text:
+                action = ("answer", self.answers[question])
+            else:
+                action = ("search", "facts 2" if "facts 1" in text else "facts 1")
             turn = f"<mem> notes </mem>\n<think> thinking </think>\n<{action[0]}> {action[1]} </{action[0]}>"
             out.append(self.tokenizer(turn, add_special_tokens=False).input_ids)
         return out, None
@@ -219,7 +223,8 @@ class PartlyRight:
 
 def test_sweep_table_on_a_scripted_agent(tiny_model_dir):
     """Every K=1 row answered right; every K=2 row with its first part right and its second wrong: share of parts
-    0.5, all parts 0, in both context modes, with one search and two turns per question."""
+    0.5, all parts 0, in both context modes, with two searches and three turns per question; the full history's
+    third context holds both searches, the memory's only the last."""
     from helpers import EchoRetriever
 
     from mempo_trl.agent import MemPOAgent
@@ -244,8 +249,10 @@ def test_sweep_table_on_a_scripted_agent(tiny_model_dir):
         (2, "full_history", 0.5, 0.5, 0.0, 0.0),
     ]
     assert all(r["num_questions"] == 2 and r["format_valid"] == 1.0 for r in table)
-    assert all(r["turns_per_question"] == 2.0 and r["searches_per_question"] == 1.0 for r in table)
-    assert all(r["peak_context_tokens"] < r["total_tokens_per_question"] for r in table)
+    assert all(r["turns_per_question"] == 3.0 and r["searches_per_question"] == 2.0 for r in table)
+    for memory, full in (table[0:2], table[2:4]):
+        assert memory["peak_context_tokens"] < full["peak_context_tokens"]
+        assert memory["total_tokens_per_question"] < full["total_tokens_per_question"]
 
 
 @pytest.fixture(scope="module")
