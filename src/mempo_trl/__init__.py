@@ -53,6 +53,7 @@ _EXPORTS = {
     "load_tokenizer": "mempo_trl.loading",
     "check_model_files": "mempo_trl.loading",
     "evaluate": "mempo_trl.evaluation",
+    "evaluate_objectives": "mempo_trl.sweep",
     "MemPOAgent": "mempo_trl.agent",
     "TurnProtocol": "mempo_trl.protocol",
     "AgentResult": "mempo_trl.agent",
