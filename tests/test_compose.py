@@ -327,3 +327,17 @@ def test_eval_objectives_reads_a_composed_directory(learner_world, tmp_path, cac
     code = main([*argv, "--objectives", "4", "--output_dir", str(tmp_path / "missing")])
     line = one_error_line(capsys)
     assert code == 2 and str(composed / "k4" / "test.jsonl") in line and "--objectives 4" in line, line
+
+
+def test_compose_reads_a_saved_datasets_split(tmp_path, capsys):
+    """A `datasets` source (here a `save_to_disk` DatasetDict, read offline): only the asked split is composed."""
+    splits = {"train": qa_rows(4, "t"), "test": qa_rows(4, "v")}
+    datasets.DatasetDict({name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}).save_to_disk(
+        str(tmp_path / "saved")
+    )
+    out = tmp_path / "out"
+    argv = ["compose", "--dataset_name", str(tmp_path / "saved"), "--dataset_split", "test", "--objectives", "2"]
+    assert main([*argv, "--output_dir", str(out)]) == 0
+    rows = list(load_qa(out / "k2", split="test"))
+    assert len(rows) == 2 and sorted(i for r in rows for i in r["sub_ids"]) == ["v0", "v1", "v2", "v3"]
+    assert not (out / "k2" / "train.jsonl").exists()

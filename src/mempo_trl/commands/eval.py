@@ -10,6 +10,9 @@ The agent runs with the turn protocol saved with it (`mempo_agent.json`); a flag
 and says so. Contexts are held to the model's limit and `max_context_tokens` as in training (`context_overflow`): a
 question whose first context does not fit is refused before any is played. Writes ``results.json`` (metrics, settings, versions), ``trajectories.jsonl`` (one line per question
 and mode) and ``context_tokens.png`` (mean prompt tokens per round) into `output_dir`.
+
+With `--objectives 1 2 4 8` it runs the objectives sweep instead (`mempo_trl.sweep`, docs/objectives.md): one set of
+K-question rows per K, and ``objectives.json``, ``trajectories.jsonl`` and ``objectives.png``.
 """
 
 import argparse
