@@ -42,7 +42,8 @@ def check_source_rows(rows: Sequence[dict], source_name: str = "dataset") -> Non
     """
     seen: dict[tuple[str, str], int] = {}
     for number, row in enumerate(rows, 1):
-        where = f"{source_name}, row {number}"
+        key = (str(row.get("data_source", "unknown")), str(row.get("id", number - 1)))
+        where = f"{source_name}, row {number} (id {key[1]!r} of {key[0]!r})"
         golds = row.get("golden_answers")
         if not isinstance(golds, list) or not any(isinstance(g, str) and has_answer_text(g) for g in golds):
             raise DataError(
@@ -54,10 +55,9 @@ def check_source_rows(rows: Sequence[dict], source_name: str = "dataset") -> Non
                 f"{where}: field 'sub_answers' has {len(row['sub_answers'])} parts: the row is already "
                 "multi-objective. Compose from single-question rows (drop the rows with sub_answers)."
             )
-        key = (str(row.get("data_source", "unknown")), str(row.get("id", number - 1)))
         if key in seen:
             raise DataError(
-                f"{where}: field 'id' is {key[1]!r}, the id of row {seen[key]} too. Give every row its own id, so "
+                f"{source_name}, row {number}: field 'id' is {key[1]!r}, the id of row {seen[key]} too. Give every row its own id, so "
                 "that a composed row says which questions it holds."
             )
         seen[key] = number
