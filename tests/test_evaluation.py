@@ -100,6 +100,9 @@ def test_scripted_policy_metrics(tokenizer):
         (0.0, 0.0, 0.0, False),
     ]
     assert [r["answer"] for r in result.records] == ["Paris", "Paris France", "Marlowe", None, "Ulm; Bob", None]
+    # All parts: a question's worst part (one of two right scores 0), the same as EM/F1 on single questions.
+    all_parts = [(r["em_all_parts"], round(r["f1_all_parts"], 6)) for r in result.records]
+    assert all_parts == [(1.0, 1.0), (0.0, round(2 / 3, 6)), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0)]
     # The last allowed round's search is not run: Orbix searches twice in three rounds.
     assert retriever.queries == ["France capital", "Orbix", "Orbix founder"]
 
@@ -108,6 +111,8 @@ def test_scripted_policy_metrics(tokenizer):
     assert overall["em"] == pytest.approx(1.5 / 6)
     assert overall["f1"] == pytest.approx((1 + 2 / 3 + 0.5) / 6)
     assert overall["sub_em"] == pytest.approx(2.5 / 6)
+    assert overall["em_all_parts"] == pytest.approx(1 / 6)
+    assert overall["f1_all_parts"] == pytest.approx((1 + 2 / 3) / 6)
     assert overall["format_valid"] == pytest.approx(4 / 6)
     assert overall["turns_valid"] == pytest.approx(5 / 6)
     assert overall["turns_per_question"] == pytest.approx(9 / 6)
