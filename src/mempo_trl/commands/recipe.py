@@ -427,7 +427,7 @@ def check_before_training(
 
 def main(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments) -> int:
     """Check the inputs, build the trainer, train, save (and push); print where everything went."""
-    from mempo_trl.checkpoints import prepare_resume
+    from mempo_trl.checkpoints import check_checkpoint_lora, prepare_resume
     from mempo_trl.outputs import drop_abandoned_checkpoints
 
     if training_args.ddp_find_unused_parameters is None:
@@ -437,6 +437,8 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
     check_before_training(script_args, training_args, model_args, retriever_args)
     # validates the checkpoint (its files, and that it holds this model) before any model is loaded
     finished = prepare_resume(training_args, model_args.model_name_or_path, model_args.model_revision)
+    if training_args.resume_from_checkpoint:
+        check_checkpoint_lora(training_args.resume_from_checkpoint, model_args)
     if finished:
         if int(os.environ.get("RANK", "0")) == 0:
             print(finished)
