@@ -111,13 +111,18 @@ def test_merge_lora_of_the_intact_adapter_works(lora_run, tmp_path, capsys):
 # --------------------------------------------------------------------- G11: an adapter given where a model is meant
 
 
-def test_ask_and_train_say_a_lora_directory_needs_merge_lora(lora_run, tmp_path, tiny_model_dir, demo_paths, capsys):
+def test_ask_eval_and_train_say_a_lora_directory_needs_merge_lora(
+    lora_run, tmp_path, tiny_model_dir, demo_paths, capsys
+):
     fix = (
         f"error: model path {lora_run} is a LoRA adapter, not a model: merge it with `mempo-trl merge-lora "
         f"--model_name_or_path {lora_run} --output_dir {lora_run}-merged` and pass the merged directory."
     )
-    ask = ["ask", "Where was Alice born?", "--model_name_or_path", str(lora_run), "--corpus", str(demo_paths.corpus)]
-    assert main(ask) == 2
+    model = ["--model_name_or_path", str(lora_run), "--corpus", str(demo_paths.corpus)]
+    assert main(["ask", "Where was Alice born?", *model]) == 2
+    assert one_error_line(capsys) == fix
+    data = ["--dataset_name", str(demo_paths.test), "--output_dir", str(tmp_path / "eval")]
+    assert main(["eval", *model, *data]) == 2
     assert one_error_line(capsys) == fix
     recipe = cpu_recipe(tmp_path, tiny_model_dir)
     assert main(["train", "--config", str(recipe), "--model_name_or_path", str(lora_run)]) == 2

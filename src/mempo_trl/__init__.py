@@ -51,6 +51,7 @@ _EXPORTS = {
     "DataError": "mempo_trl.data",
     "load_tokenizer": "mempo_trl.loading",
     "check_model_files": "mempo_trl.loading",
+    "check_adapter_files": "mempo_trl.loading",
     "evaluate": "mempo_trl.evaluation",
     "MemPOAgent": "mempo_trl.agent",
     "TurnProtocol": "mempo_trl.protocol",
