@@ -5,6 +5,8 @@ Every case runs the real CLI in process (`mempo_trl.cli.main`) on copies of one 
 exit code 2, with nothing changed in the run it was given.
 """
 
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -64,6 +66,37 @@ def test_resume_with_another_lora_shape_names_the_flags_to_pass(
     assert line.startswith(f"error: checkpoint {checkpoint} holds a LoRA adapter of another shape than this run's (")
     assert found in line and f"see {checkpoint / 'adapter_config.json'}). Resume with {fix}, or start" in line, line
     assert files(run_copy) == before
+
+
+@pytest.mark.parametrize(
+    ("saved", "flags", "refused"),
+    [
+        ({"target_modules": ["v_proj", "q_proj", "o_proj"]}, {"lora_target_modules": "all-linear"}, None),
+        ({"target_modules": ["q_proj"]}, {"lora_target_modules": "q_proj"}, None),  # TRL unwraps a one-item list
+        ({"target_modules": "q_proj"}, {"lora_target_modules": ["q_proj"]}, None),
+        (
+            {"target_modules": ["q_proj", "v_proj"]},
+            {"lora_target_modules": None},
+            None,
+        ),  # peft's default: not compared
+        ({"modules_to_save": None}, {"lora_modules_to_save": ["lm_head"]}, "Resume with no --lora_modules_to_save,"),
+        ({"use_dora": True}, {}, "use_dora True there, --use_dora False here"),
+        ({"use_rslora": False}, {"use_rslora": True}, "Resume with --use_rslora False,"),
+    ],
+)
+def test_lora_shape_check_compares_what_fixes_the_weights(tmp_path, saved, flags, refused):
+    from trl import ModelConfig
+
+    from mempo_trl.checkpoints import CheckpointError, check_checkpoint_lora
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, **saved}))
+    model_args = ModelConfig(use_peft=True, lora_r=2, lora_alpha=4, **flags)
+    if refused is None:
+        check_checkpoint_lora(tmp_path, model_args)
+    else:
+        with pytest.raises(CheckpointError, match=re.escape(refused)):
+            check_checkpoint_lora(tmp_path, model_args)
+    check_checkpoint_lora(tmp_path, ModelConfig(use_peft=False, lora_r=64))  # a full-weight run: not compared here
 
 
 def test_resume_with_the_same_lora_shape_trains_on(run_copy, tmp_path, tiny_model_dir, capsys):

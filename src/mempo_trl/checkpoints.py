@@ -357,15 +357,27 @@ adapter and the run's LoRA settings must agree on them."""
 
 
 def _as_set(value) -> frozenset | object:
-    return frozenset(value) if isinstance(value, list | tuple | set) else value
+    """A list of module names as a set (order is not shape); one name (TRL's `ModelConfig` unwraps a one-item list) as
+    a one-item set; None as the empty set."""
+    if value is None:
+        return frozenset()
+    return frozenset([value]) if isinstance(value, str) else frozenset(value) if isinstance(value, list) else value
+
+
+def _flag(flag: str, value) -> str:
+    """The command-line form of ``--flag value`` (a list of names space-separated, None left unset)."""
+    if value is None:
+        return f"no --{flag}"
+    return f"--{flag} {' '.join(map(str, sorted(value))) if isinstance(value, list) else value}"
 
 
 def check_checkpoint_lora(checkpoint: str | os.PathLike, model_args) -> None:
     """Raise `CheckpointError` when the LoRA adapter saved in `checkpoint` (its ``adapter_config.json``) has another
     shape than the one `model_args` (TRL's `ModelConfig`, ``use_peft`` set) builds, naming the flags to pass.
 
-    Compares `LORA_SHAPE_FLAGS`; an unset ``lora_target_modules`` (peft's default for the model) is not compared.
-    A checkpoint without ``adapter_config.json``, or a run without ``use_peft``, is not compared.
+    Compares `LORA_SHAPE_FLAGS`; an unset ``lora_target_modules`` (peft's default for the model) or ``all-linear``
+    (saved as the modules it found) is not compared. A checkpoint without ``adapter_config.json``, or a run without
+    ``use_peft``, is not compared.
 
     Example:
         >>> check_checkpoint_lora("lora1/checkpoint-1", ModelConfig(use_peft=True, lora_r=8))  # doctest: +SKIP
@@ -384,19 +396,14 @@ def check_checkpoint_lora(checkpoint: str | os.PathLike, model_args) -> None:
     differ = []
     for key, flag in LORA_SHAPE_FLAGS:
         asked = getattr(model_args, flag, None)
-        if key not in saved or key == "target_modules" and asked is None:
+        if key not in saved or key == "target_modules" and (asked is None or str(asked).lower() == "all-linear"):
             continue
-        there, here = _as_set(saved[key]), _as_set(asked)
-        if key == "modules_to_save":
-            there, here = there or frozenset(), here or frozenset()
-        if there != here:
+        names = key in ("target_modules", "modules_to_save")
+        if (_as_set(saved[key]) != _as_set(asked)) if names else (saved[key] != asked):
             differ.append((key, saved[key], flag, asked))
     if differ:
         found = "; ".join(f"{key} {there!r} there, --{flag} {here!r} here" for key, there, flag, here in differ)
-        flags = " ".join(
-            f"--{flag} {' '.join(map(str, sorted(there))) if isinstance(there, list) else there}"
-            for _, there, flag, _ in differ
-        )
+        flags = " ".join(_flag(flag, there) for _, there, flag, _ in differ)
         raise CheckpointError(
             f"checkpoint {checkpoint} holds a LoRA adapter of another shape than this run's ({found}; see "
             f"{saved_path}). Resume with {flags}, or start a new run."
