@@ -458,13 +458,13 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
     finished = prepare_resume(training_args, model_args.model_name_or_path, model_args.model_revision)
     if training_args.resume_from_checkpoint:
         check_checkpoint_lora(training_args.resume_from_checkpoint, model_args)
-        changes = protocol_changes(training_args, bool(script_args.environment))
-        if changes and int(os.environ.get("RANK", "0")) == 0:
-            print(changes)
     if finished:
         if int(os.environ.get("RANK", "0")) == 0:
             print(finished)
         return 0
+    changes = training_args.resume_from_checkpoint and protocol_changes(training_args, bool(script_args.environment))
+    if changes and int(os.environ.get("RANK", "0")) == 0:
+        print(changes)
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
     if int(os.environ.get("RANK", "0")) == 0:
         drop_abandoned_checkpoints(training_args.output_dir, training_args.resume_from_checkpoint)
