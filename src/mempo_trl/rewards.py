@@ -1,7 +1,9 @@
-"""Outcome scores: SQuAD answer normalisation with Search-R1 ``qa_em`` semantics, token F1, multi-objective rows."""
+"""Outcome scores: SQuAD answer normalisation (after Unicode NFKC) with Search-R1 ``qa_em`` semantics, token F1,
+multi-objective rows."""
 
 import re
 import string
+import unicodedata
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,12 +17,17 @@ _PUNCTUATION = frozenset(string.punctuation)
 
 
 def normalize_answer(s: str) -> str:
-    """SQuAD normalisation: lower-case, drop punctuation and articles, collapse white space.
+    """SQuAD normalisation after a Unicode one: NFKC (``"Cafe\u0301"`` is ``"Café"``, full-width ``"Ｐａｒｉｓ"`` is
+    ``"Paris"``, ``"ﬁ"`` is ``"fi"``) and format characters dropped (zero-width spaces, soft hyphens), then lower-case,
+    drop punctuation and articles, collapse white space. ASCII text normalises exactly as SQuAD's.
 
     >>> normalize_answer("  The Eiffel-Tower, Paris! ")
     'eiffeltower paris'
+    >>> normalize_answer("Ｐａｒｉｓ\u200b") == normalize_answer("Paris")
+    True
     """
-    s = "".join(ch for ch in s.lower() if ch not in _PUNCTUATION)
+    s = unicodedata.normalize("NFKC", s)
+    s = "".join(ch for ch in s.lower() if ch not in _PUNCTUATION and unicodedata.category(ch) != "Cf")
     return " ".join(_ARTICLES.sub(" ", s).split())
 
 

@@ -211,6 +211,15 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         self.memory_settings = args.memory_settings()
         self.dynamic_sampling_settings = args.dynamic_sampling_settings()
         self._score_memory = protocol.context_mode == "memory" and self.memory_settings.memory_coef != 0.0
+        if (
+            protocol.context_mode == "memory"
+            and self.memory_settings.memory_coef == 0.0
+            and self.is_world_process_zero()
+        ):
+            print(
+                "mempo-trl: memory_coef is 0: the memory advantage is off, this run trains on the outcome reward only "
+                "(set memory_coef > 0 for MemPO)."
+            )
         attention = self.model.config._attn_implementation
         if args.memory_scoring == "shared_prefix" and attention not in SHARED_PREFIX_ATTENTION:
             raise ValueError(
@@ -245,6 +254,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 if rows is not None:
                     self.rollout_engine.check_first_contexts(rows, name)
         self._warned_no_target = False
+        self._warned_all_dropped = False
         self._step_account = StepAccount()
 
     # ------------------------------------------------------------------ memory reward
@@ -558,6 +568,14 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             )
             rollout = Rollout(tuple(episodes), tuple(training), timings)
             zero_std, refilled = zero_std & ~take, refilled | take
+        if zero_std.all() and not self._warned_all_dropped and self.accelerator.is_main_process:
+            self._warned_all_dropped = True
+            print(
+                f"mempo-trl: WARNING: step {self.state.global_step + 1}: dynamic_sampling={settings.dynamic_sampling!r} "
+                f"dropped every group (the outcome rewards of each span at most dynamic_sampling_tolerance="
+                f"{settings.dynamic_sampling_tolerance}): the step trains nothing. Lower the tolerance or use a reward "
+                "that varies (said once; dynamic_sampling/groups_dropped counts every step)."
+            )
         metrics = self._metrics["train"]
         metrics["dynamic_sampling/frac_reward_zero_std_before"].append(before)
         metrics["dynamic_sampling/frac_reward_zero_std_after"].append(zero_std.float().mean().item())

