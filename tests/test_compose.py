@@ -12,7 +12,7 @@ from helpers import one_error_line
 from mempo_trl import compose as compose_module
 from mempo_trl import sweep as sweep_module
 from mempo_trl.cli import main
-from mempo_trl.compose import compose_objectives
+from mempo_trl.compose import compose_objectives, composition_report
 from mempo_trl.data import DataError, load_qa
 from mempo_trl.rewards import mempo_all_parts_reward, mempo_outcome_reward
 
@@ -110,7 +110,6 @@ def test_aliases_holding_the_separator_are_dropped():
         ("too_many_objectives", ["4 objectives", "3 usable question", "fewer objectives"]),
         ("empty_golds", ["row 2", "golden_answers"]),
         ("duplicate_id", ["row 3", "'id'", "'q0'", "row 1"]),
-        ("already_multi", ["row 1", "sub_answers", "single-question rows"]),
     ],
 )
 def test_bad_sources_are_refused(problem, expected):
@@ -120,10 +119,8 @@ def test_bad_sources_are_refused(problem, expected):
         num_objectives = 4
     elif problem == "empty_golds":
         rows[1]["golden_answers"] = []
-    elif problem == "duplicate_id":
-        rows[2]["id"] = "q0"
     else:
-        rows[0].update(sub_questions=["a?", "b?"], sub_answers=[["a"], ["b"]])
+        rows[2]["id"] = "q0"
     with pytest.raises(DataError) as err:
         compose_objectives(rows, num_objectives, source_name="qa.jsonl")
     assert all(part in str(err.value) for part in expected), str(err.value)
@@ -341,3 +338,12 @@ def test_compose_reads_a_saved_datasets_split(tmp_path, capsys):
     rows = list(load_qa(out / "k2", split="test"))
     assert len(rows) == 2 and sorted(i for r in rows for i in r["sub_ids"]) == ["v0", "v1", "v2", "v3"]
     assert not (out / "k2" / "train.jsonl").exists()
+
+
+def test_rows_that_are_already_multi_objective_are_left_out_and_counted():
+    rows = qa_rows(5)
+    rows[0].update(sub_questions=["a?", "b?"], sub_answers=[["a"], ["b"]])
+    composed = compose_objectives(rows, 2, seed=0)
+    assert len(composed) == 2 and all("q0" not in row["sub_ids"] for row in composed)
+    report = composition_report(rows, composed)
+    assert report["multi_objective_rows_left_out"] == 1 and report["questions_unused"] == 1

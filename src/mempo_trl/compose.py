@@ -32,8 +32,7 @@ def _scorable_aliases(row: dict) -> list[str]:
 
 def check_source_rows(rows: Sequence[dict], source_name: str = "dataset") -> None:
     """Raise `DataError` naming the row (1-based) and the field for a row `compose_objectives` cannot use: no
-    ``golden_answers`` with answer text, an ``id`` (within its ``data_source``) seen on an earlier row, or a row that is
-    already multi-objective (``sub_answers``).
+    ``golden_answers`` with answer text, or an ``id`` (within its ``data_source``) seen on an earlier row.
 
     Example:
         >>> check_source_rows([{"id": "a", "question": "Who?", "golden_answers": ["Ada"]}] * 2, "qa.jsonl")  # doctest: +ELLIPSIS
@@ -49,11 +48,6 @@ def check_source_rows(rows: Sequence[dict], source_name: str = "dataset") -> Non
             raise DataError(
                 f"{where}: field 'golden_answers' is {golds!r:.80}, no answer to score a part against. Give every "
                 "row at least one answer string, or remove the row."
-            )
-        if row.get("sub_answers"):
-            raise DataError(
-                f"{where}: field 'sub_answers' has {len(row['sub_answers'])} parts: the row is already "
-                "multi-objective. Compose from single-question rows (drop the rows with sub_answers)."
             )
         if key in seen:
             raise DataError(
@@ -107,7 +101,7 @@ def compose_objectives(
     and every source question is used at most once (``max_rows`` caps the count, default all ``len // K``). Rows
     that name their split (``split`` or ``extra_info.split``) are dealt within it: no composed row mixes splits.
     Aliases holding ``;`` are dropped (a ``;``-separated answer cannot match them); a row left without any is not
-    used. Bad rows (`check_source_rows`) and a K larger than the pool raise `DataError`, before anything is composed.
+    used, nor is a row that is already multi-objective (``sub_answers``; `composition_report` counts both). Bad rows (`check_source_rows`) and a K larger than the pool raise `DataError`, before anything is composed.
 
     Example:
         >>> rows = [{"id": str(i), "question": f"q{i}?", "golden_answers": [f"a{i}"]} for i in range(5)]
@@ -122,7 +116,7 @@ def compose_objectives(
     check_source_rows(rows, source_name)
     pools: dict[str | None, list[dict]] = {}
     for row in rows:
-        if _scorable_aliases(row):
+        if _scorable_aliases(row) and not row.get("sub_answers"):
             pools.setdefault(_split_of(row), []).append(row)
     largest = max((len(pool) for pool in pools.values()), default=0)
     if num_objectives > largest:
@@ -146,12 +140,13 @@ def compose_objectives(
 
 
 def composition_report(source_rows: Sequence[dict], composed: Sequence[dict]) -> dict[str, Any]:
-    """What `compose_objectives` made of ``source_rows``: rows, questions used and left over, parts per data source.
+    """What `compose_objectives` made of ``source_rows``: rows, questions used and left over (the rows left out as
+    already multi-objective among them), parts per data source.
 
     Example:
         >>> rows = [{"id": str(i), "question": f"q{i}?", "golden_answers": [f"a{i}"]} for i in range(5)]
         >>> composition_report(rows, compose_objectives(rows, 2))
-        {'num_rows': 2, 'num_source_rows': 5, 'questions_used': 4, 'questions_unused': 1, 'parts_by_data_source': {'unknown': 4}}
+        {'num_rows': 2, 'num_source_rows': 5, 'questions_used': 4, 'questions_unused': 1, 'multi_objective_rows_left_out': 0, 'parts_by_data_source': {'unknown': 4}}
     """
     used = [source for row in composed for source in row["sub_data_sources"]]
     return {
@@ -159,5 +154,6 @@ def composition_report(source_rows: Sequence[dict], composed: Sequence[dict]) ->
         "num_source_rows": len(source_rows),
         "questions_used": len(used),
         "questions_unused": len(source_rows) - len(used),
+        "multi_objective_rows_left_out": sum(bool(row.get("sub_answers")) for row in source_rows),
         "parts_by_data_source": {source: used.count(source) for source in sorted(set(used))},
     }

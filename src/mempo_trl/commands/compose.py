@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
         print(f"wrote {path}: {len(rows)} rows of {k} question(s)")
+    first = report["objectives"][str(args.objectives[0])]
+    left_out = sum(first[split]["multi_objective_rows_left_out"] for split in args.dataset_split)
+    if left_out:
+        print(f"left out {left_out} row(s) that are already multi-objective (sub_answers)")
     (Path(args.output_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 0
 
