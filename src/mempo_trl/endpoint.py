@@ -199,9 +199,9 @@ class OpenAIChatGenerator:
         answer = self._cache.get(key)
         if answer is None:
             answer = self._request(body)
-            with self._lock:
-                self._cache[key] = answer
-                if self.cache_path is not None:
+            if self.cache_path is not None:
+                with self._lock:
+                    self._cache[key] = answer
                     with self.cache_path.open("a", encoding="utf-8") as f:
                         f.write(json.dumps({"key": key, "answer": answer}, ensure_ascii=False) + "\n")
                         f.flush()
