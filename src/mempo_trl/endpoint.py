@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from mempo_trl.data import append_lines
 from mempo_trl.protocol import ACTION_STOPS
 from mempo_trl.retrieval.http_client import retry_after_seconds
 
@@ -202,10 +203,7 @@ class OpenAIChatGenerator:
             if self.cache_path is not None:
                 with self._lock:
                     self._cache[key] = answer
-                    with self.cache_path.open("a", encoding="utf-8") as f:
-                        f.write(json.dumps({"key": key, "answer": answer}, ensure_ascii=False) + "\n")
-                        f.flush()
-                        os.fsync(f.fileno())
+                    append_lines(self.cache_path, [{"key": key, "answer": answer}])
         finished = answer["finish_reason"] != "length"
         stop_reason = answer.get("stop_reason", "")
         if answer["finish_reason"] != "stop" or stop_reason is None:  # vLLM's None: the model's own end of message

@@ -100,8 +100,11 @@ def endpoint_settings(args: AgentArguments, **more) -> dict | None:
     )  # fmt: skip
 
 
-def load_agent(args: AgentArguments, retriever, context_mode: str | None = None, environment_factory=None):
-    """`MemPOAgent.from_pretrained` with the arguments; an override of a saved setting prints one line."""
+def load_agent(
+    args: AgentArguments, retriever, context_mode: str | None = None, environment_factory=None, openai_cache=None
+):
+    """`MemPOAgent.from_pretrained` with the arguments; an override of a saved setting prints one line.
+    ``openai_cache``: the endpoint's request cache (`OpenAIChatGenerator`'s ``cache_path``), if any."""
     from mempo_trl.agent import MemPOAgent
 
     return MemPOAgent.from_pretrained(
@@ -115,7 +118,7 @@ def load_agent(args: AgentArguments, retriever, context_mode: str | None = None,
         temperature=args.temperature,
         batch_size=args.per_device_eval_batch_size,
         seed=args.seed,
-        openai=endpoint_settings(args),
+        openai=endpoint_settings(args, **({"cache_path": openai_cache} if openai_cache else {})),
         **{**args.protocol_overrides(), "context_mode": context_mode},
     )
 
