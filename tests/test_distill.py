@@ -43,7 +43,9 @@ def _entry(em, valid=True, overflow=False, rounds=2):
 def test_the_keep_rule_by_hand():
     # A 3-part row with 2 parts right has em 2/3: dropped by default, kept from min_share 0.6; a wrong answer stays
     # out whatever the share, an invalid or overflowed episode too, and format_valid keeps every valid one.
+    assert keep_reason(_entry(1.0)) == "kept"
     assert keep_reason(_entry(2 / 3)) == "wrong_answer"
+    assert keep_reason(_entry(0.5), min_share=0.5) == "kept"
     assert keep_reason(_entry(2 / 3), min_share=0.6) == "kept"
     assert keep_reason(_entry(0.0), min_share=0.6) == "wrong_answer"
     assert keep_reason(_entry(1.0, valid=False)) == "format_invalid"
@@ -149,6 +151,7 @@ def test_a_stopped_api_distill_resumes_without_repeating_a_request(qa, tiny_mode
     assert _distill_api(fake, data, out, tiny_model_dir, demo_paths) == 0
     assert len(fake.answered) == 2 * len(rows)
     assert json.loads((out / "distill_report.json").read_text())["played"] == 1
+    assert list(distill_module.read_episodes(out / "episodes.jsonl")) == [r["id"] for r in rows]
 
     # The same rows as one uninterrupted run.
     fresh = FakeOpenAI(fake.answers)
@@ -179,3 +182,33 @@ def test_distill_and_sft_refuse_bad_input_in_one_line(qa, tiny_model_dir, demo_p
     (out / PROTOCOL_FILE).unlink()
     assert main([*sft, "--dataset_name", str(out)]) == 2
     assert f"{out} has no {PROTOCOL_FILE}" in one_error_line(capsys)
+
+
+def test_sft_trains_on_the_contexts_training_renders_and_the_turn_only(qwen_model_dir, tmp_path):
+    """Under Qwen2.5's real tokenizer and chat template, TRL's tokenisation of a distilled round-2 row puts exactly
+    the context `RolloutEngine` generates from (`render_prompt`) before the turn, and labels only the turn's tokens
+    and the template's end of message."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from mempo_trl.context import render_prompt
+    from mempo_trl.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(qwen_model_dir)
+    protocol = TurnProtocol()
+    turn_1 = "<mem> Nothing yet. </mem>\n<think> I must search. </think>\n<search> Orbix founder </search>"
+    information = "<information>Doc 1(Title: Orbix) Orbix was founded by Ada Ulm.</information>"
+    prompt = protocol.round_messages(protocol.initial_messages("Who founded Orbix?"), [(turn_1, information)])
+    turn_2 = "<mem> Orbix: Ada Ulm. </mem>\n<think> I know the answer. </think>\n<answer> Ada Ulm </answer>"
+    (row,) = sft_rows([{"id": "q", "format_valid": True, "context_overflow": False, "em": 1.0,
+                        "rounds": [{"messages": prompt, "completion": turn_2}]}])  # fmt: skip
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_length=None)
+    model = AutoModelForCausalLM.from_pretrained(qwen_model_dir)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list([row]), processing_class=tokenizer)
+    example = trainer.train_dataset[0]
+    context = render_prompt(tokenizer, prompt)
+    labelled = [i for i, label in zip(example["input_ids"], example["labels"]) if label != -100]
+    assert example["input_ids"][: len(context)] == context
+    assert example["labels"][: len(context)] == [-100] * len(context)
+    assert tokenizer.decode(labelled) == turn_2 + "<|im_end|>\n"
