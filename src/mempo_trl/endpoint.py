@@ -9,7 +9,7 @@ string it stopped on (``</search>``), so the closing tag is appended again (`clo
 stop string matched (``stop_reason``); an endpoint that does not (OpenAI's) is taken to have stopped on the tag of the
 action left open.
 
-Each request has a per-attempt ``timeout``; timeouts, HTTP 429 and 5xx and dropped or refused connections are retried
+Each attempt waits at most ``timeout`` seconds for the server (to connect, and for each read); timeouts, HTTP 429 and 5xx and dropped or refused connections are retried
 with capped exponential backoff (or after the server's ``Retry-After``) while fewer than ``max_retries`` retries were
 made and less than ``total_timeout`` seconds passed since the first attempt; then `EndpointError` names the URL. Other
 4xx answers and malformed answers are not retried. The API key comes from the environment only
@@ -95,7 +95,8 @@ class OpenAIChatGenerator:
         tokenizer: the tokenizer whose ids the rollout accounts in (the answer's text is tokenised with it).
         max_new_tokens, temperature, top_p, seed: the request's ``max_tokens``, sampling and ``seed``.
         stops: the action stops, sent as ``stop`` and appended again when stripped (`close_action`).
-        timeout: seconds one attempt may take; total_timeout: seconds one request may take over all its attempts.
+        timeout: seconds one attempt may wait for the server (to connect, and for each read of its answer);
+            total_timeout: seconds one request may take over all its attempts and the waits between them.
         max_retries: retries of a failed attempt (see the module docstring); backoff, max_backoff: the waits.
         max_concurrency: requests in flight at once (a round's prompts are sent in parallel).
         tool_role: the role of the messages that hold a search result (``"tool"``, as training renders them; ``"user"``

@@ -60,7 +60,9 @@ class AgentArguments:
                   "saved protocol."},
     )  # fmt: skip
     openai_model: str | None = field(default=None, metadata={"help": "The model name the API serves."})
-    openai_timeout: float = field(default=120.0, metadata={"help": "Seconds one API attempt may wait."})
+    openai_timeout: float = field(
+        default=120.0, metadata={"help": "Seconds an API attempt waits for the server (to connect, for each read)."}
+    )
     openai_max_retries: int = field(
         default=5, metadata={"help": "Retries of an API request after a timeout, 429, 5xx or dropped connection."}
     )
