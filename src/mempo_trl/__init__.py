@@ -58,6 +58,8 @@ _EXPORTS = {
     "MemPOAgent": "mempo_trl.agent",
     "TurnProtocol": "mempo_trl.protocol",
     "AgentResult": "mempo_trl.agent",
+    "OpenAIChatGenerator": "mempo_trl.endpoint",
+    "distill": "mempo_trl.distill",
     "CheckpointError": "mempo_trl.checkpoints",
     "validate_checkpoint": "mempo_trl.checkpoints",
     "newest_complete_checkpoint": "mempo_trl.checkpoints",

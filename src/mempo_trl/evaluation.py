@@ -170,6 +170,7 @@ class _Progress:
         self.round = 0
         self.active = self.written = 0
         self.bar = tqdm(total=total, desc=desc, unit="q", disable=not enabled, file=sys.stderr)
+        self.takes_messages = getattr(generate, "takes_messages", False)
         self.reports_batches = enabled and hasattr(generate, "on_batch")
         if self.reports_batches:
             self.previous_on_batch = generate.on_batch
@@ -182,12 +183,12 @@ class _Progress:
         self.written += size
         self._postfix()
 
-    def __call__(self, prompts: list[list[int]]):
+    def __call__(self, prompts: list[list[int]], **kwargs):
         self.round += 1
         self.active, self.written = len(prompts), 0
         self.bar.update(self.bar.total - len(prompts) - self.bar.n)
         self._postfix()
-        return self.generate(prompts)
+        return self.generate(prompts, **kwargs)
 
     def close(self) -> None:
         if self.reports_batches:

@@ -145,7 +145,9 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
 
     A bad argument raises `CommandError` (one `error:` line). A command with an `output_dir` also gets
     `--overwrite_output_dir` (`OutputArguments`), and its `output_dir` is checked and held (`claim_output_dir`,
-    apart from the `INPUT_FIELDS` inputs and the recipe) here, before the command does any work.
+    apart from the `INPUT_FIELDS` inputs and the recipe) here, before the command does any work, by the first process
+    of a launched run; a ``resume_from_checkpoint``, or arguments whose ``resumes_output_dir`` is true
+    (`mempo-trl distill`), continue the results there.
 
     Example:
         >>> from mempo_trl.commands.retrieval import IndexArguments
@@ -154,7 +156,7 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     """
     from trl import TrlParser
 
-    from mempo_trl.outputs import OutputArguments, claim_output_dir
+    from mempo_trl.outputs import OutputArguments, claim_output_dir, prepare_output_dir
 
     names = {f.name for t in dataclass_types for f in fields(t)}
     writes = "output_dir" in names and "overwrite_output_dir" not in names
@@ -172,8 +174,15 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) ->
     }
     inputs["recipe"] = flag_value(sys.argv[1:] if argv is None else argv, "config")
     for args in parsed:
-        if getattr(args, "output_dir", None):
-            claim_output_dir(args.output_dir, overwrite=output.overwrite_output_dir, inputs=inputs)
+        if not getattr(args, "output_dir", None):
+            continue
+        if int(os.environ.get("RANK", "0")) != 0:  # launched (`accelerate launch`): the first process holds it
+            prepare_output_dir(args.output_dir, check_existing=False, inputs=inputs)
+            continue
+        resume = getattr(args, "resume_from_checkpoint", None) or (
+            getattr(args, "resumes_output_dir", False) and not output.overwrite_output_dir
+        )
+        claim_output_dir(args.output_dir, overwrite=output.overwrite_output_dir, resume=resume, inputs=inputs)
     return tuple(parsed)
 
 

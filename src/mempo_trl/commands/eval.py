@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         "protocol": asdict(agent.protocol),
         "protocol_saved": agent.saved_protocol is not None,
         "use_vllm": agent_args.use_vllm,
+        "openai_base_url": agent_args.openai_base_url,
+        "openai_model": agent_args.openai_model,
         "temperature": agent_args.temperature,
         "per_device_eval_batch_size": agent_args.per_device_eval_batch_size,
         "seed": agent_args.seed,
