@@ -77,7 +77,7 @@ summary["sft"] = {**sft["settings"], **sft["stats"], "seconds_per_step": sft["st
 rl = json.loads((run / "rl" / "mempo_metrics.json").read_text())
 steps = rl["step"]  # the last logged step (logging_steps 1)
 summary["rl"] = {"steps": steps, "train_runtime": rl["train_runtime"], "seconds_per_step": rl["train_runtime"] / steps,
-                 "time_generation": rl.get("time/generation"), "time_memory_scoring": rl.get("time/memory_scoring")}
+                 **{f"time_{k}": round(rl[f"time/{k}"], 1) for k in ("generation", "memory_scoring") if f"time/{k}" in rl}}
 mempo = "" if os.environ.get("MEMPO", "mempo-trl") == "mempo-trl" else f" (MEMPO={os.environ['MEMPO']!r})"
 summary["command"] = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} {command}{mempo}"
 seconds = sum(int(m[-1]) for log in run.glob("*.log") if (m := re.findall(r"seconds: (\d+)", log.read_text())))
@@ -85,7 +85,7 @@ disk = sum(f.stat().st_size for f in run.rglob("*") if f.is_file())
 summary["note"] = (
     f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end. The stages took "
     f"{seconds / 60:.1f} min in all ({run}/*.log) and {run} holds {disk / 1e9:.1f} GB. The last RL step's generation "
-    f"took {summary['rl']['time_generation']} s and its memory scoring {summary['rl']['time_memory_scoring']} s "
+    f"took {summary['rl'].get('time_generation')} s and its memory scoring {summary['rl'].get('time_memory_scoring')} s "
     f"({run}/rl/mempo_metrics.json)."
 )
 (run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
