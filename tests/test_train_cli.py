@@ -2,6 +2,7 @@
 quick start recipe trains the shipped learner on its own world."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -182,3 +183,18 @@ def test_a_launched_process_leaves_without_finalisation(monkeypatch, world_size)
     monkeypatch.setattr(train.os, "_exit", lambda rc: calls.append(("exit", rc)))
     train.leave_launched_process(3)
     assert calls == ([] if world_size == "1" else ["atexit", ("exit", 3)])
+
+
+@pytest.mark.slow
+def test_a_lora_run_with_activation_checkpointing_prints_no_deprecation_warning(recipe):
+    """The SmolLM2 recipe's settings (LoRA, activation checkpointing) ran with two transformers `FutureWarning`s
+    (`gradient_checkpointing_enable/disable`): ours are gone and TRL's are filtered (`UPSTREAM_NOISE`)."""
+    import subprocess
+    import sys
+
+    config = recipe(use_peft=True, lora_r=2, lora_target_modules=["q_proj", "v_proj"], activation_checkpointing=True,
+                    max_turns=2)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "mempo_trl", "train", "--config", config], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "default"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FutureWarning" not in done.stderr and "deprecated" not in done.stderr, done.stderr[-3000:]
