@@ -92,3 +92,17 @@ def test_pushed_card_uses_the_hub_id_and_local_base_models_resolve(tmp_path):
     (tmp_path / "README.md").write_text("---\nlicense: mit\ntags: [x]\n---\n# a card\n")
     assert base_model_license(str(tmp_path)) == "mit"
     assert heldout_summary([object()]) is None
+
+
+def test_the_kit_learner_carries_its_license_into_the_card(tmp_path):
+    from mempo_trl.cli import main
+    from mempo_trl.model_card import base_model_license, set_license
+
+    assert main(["kit", "learner", "--output_dir", str(tmp_path / "kit")]) == 0
+    license = base_model_license(str(tmp_path / "kit" / "model"))
+    assert license == "apache-2.0"
+    trl_front_matter = "---\nlibrary_name: transformers\nlicence: license\ntags: [mempo]\n---\n"
+    assert (
+        set_license(trl_front_matter, license)
+        == "---\nlibrary_name: transformers\nlicense: apache-2.0\ntags: [mempo]\n---\n"
+    )
