@@ -9,7 +9,11 @@
 set -euo pipefail
 COMMAND="$0 $*"
 MODEL=
-if [ "${1:-}" = "--model" ]; then MODEL=${2:?--model needs a folder}; shift 2; fi
+if [ "${1:-}" = "--model" ]; then
+    [ -n "${2:-}" ] || { echo "error: --model needs a folder: the one \`mempo-trl kit smollm2 --output_dir DIR\` wrote" >&2; exit 2; }
+    MODEL=$2
+    shift 2
+fi
 RUN=${1:-runs/smollm2}
 SFT_STEPS=${2:-24}
 RL_STEPS=${3:-1}

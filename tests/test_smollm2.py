@@ -184,10 +184,12 @@ def test_smollm2_recipe_reuses_a_converted_model_and_summarises_like_the_committ
     )
 
 
-def test_smollm2_recipe_refuses_a_model_folder_without_weights(tmp_path):
+@pytest.mark.parametrize("model", ["empty", None])
+def test_smollm2_recipe_refuses_a_model_folder_without_weights(tmp_path, model):
     (tmp_path / "empty").mkdir()
-    done = _recipe(tmp_path, "--model", "empty", "runs/smollm2")
+    done = _recipe(tmp_path, "--model", *([model] if model else []))
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --model empty "), done.stderr
-    assert "mempo-trl kit smollm2 --output_dir DIR" in lines[0]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: --model empty " if model else "error: --model needs a folder")
+    assert "`mempo-trl kit smollm2 --output_dir DIR`" in lines[0]
     assert not (tmp_path / "calls.txt").exists()  # before any stage ran
