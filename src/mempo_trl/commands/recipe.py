@@ -362,6 +362,21 @@ def heldout_callback(trainer):
     return next((c for c in trainer.callback_handler.callbacks if isinstance(c, HeldOutEvalCallback)), None)
 
 
+def end_of_run(trainer, output_dir: str, metrics: dict) -> str:
+    """What a finished run prints: where the model, metrics and card went, then the one line that matters (the
+    held-out EM before and after training, else `format_run_summary`); every metric stays in mempo_metrics.json."""
+    from mempo_trl.callbacks import format_run_summary
+
+    heldout = heldout_callback(trainer)
+    last = (
+        heldout.before_after()
+        if heldout is not None and heldout.curve
+        else format_run_summary(trainer.state.global_step, metrics)
+    )
+    out = Path(output_dir)
+    return f"model saved to {out} (metrics: {out / 'mempo_metrics.json'}, model card: {out / 'README.md'})\n{last}"
+
+
 def evaluate_after_training(trainer, stop) -> str | None:
     """The held-out evaluation after training (with ``heldout_questions``), once the model is saved; a stop signal
     during it (or received before) ends it at once. Returns that signal's name, or None."""
@@ -423,21 +438,6 @@ def check_before_training(
                          training_args.resume_from_checkpoint, inputs)  # fmt: skip
     else:
         prepare_output_dir(training_args.output_dir, check_existing=False, inputs=inputs)
-
-
-def end_of_run(trainer, output_dir: str, metrics: dict) -> str:
-    """What a finished run prints: where the model, metrics and card went, then the one line that matters (the
-    held-out EM before and after training, else `format_run_summary`); every metric stays in mempo_metrics.json."""
-    from mempo_trl.callbacks import format_run_summary
-
-    heldout = heldout_callback(trainer)
-    last = (
-        heldout.before_after()
-        if heldout is not None and heldout.curve
-        else format_run_summary(trainer.state.global_step, metrics)
-    )
-    out = Path(output_dir)
-    return f"model saved to {out} (metrics: {out / 'mempo_metrics.json'}, model card: {out / 'README.md'})\n{last}"
 
 
 def main(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments) -> int:
