@@ -16,7 +16,6 @@ import torch
 from accelerate.utils import gather_object, is_peft_model
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad, use_adapter
 
 from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
@@ -24,7 +23,7 @@ from mempo_trl.config import MemPOConfig
 from mempo_trl.data import validate_qa_rows
 from mempo_trl.dynamic_sampling import refillable_groups, zero_std_groups
 from mempo_trl.environments import environment_reward_funcs
-from mempo_trl.grpo_mirror import GRPOMirror
+from mempo_trl.grpo_mirror import GRPOMirror, activation_checkpointing_off
 from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import answer_probability, memory_reward, quantile_threshold
 from mempo_trl.model_card import mempo_model_card
@@ -299,7 +298,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         scored = [i for i, row in enumerate(rows) if row.scoring is not None]
         pairs = [rows[i].scoring for i in scored]
         settings = self.memory_settings
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), activation_checkpointing_off(self.model, self.args.gradient_checkpointing_kwargs):
             # Shared-prefix scoring packs the contexts of one trajectory together: its full contexts are prefixes of
             # each other, and so are its mem contexts up to their memory. The two kinds are scored apart: a mem
             # context shares only the system and user messages with the full history, so in one row its block would

