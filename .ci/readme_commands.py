@@ -1,7 +1,7 @@
 """The shell commands of the README sections a newcomer follows, one per line, for `.ci/readme_commands.sh`.
 
 Reads the ```bash blocks of "## Quick start" and of the "Try the launch on a laptop first" bullet of
-"## Training on GPUs", joins backslash continuations and drops comments. `git clone` and `pip install` lines are left
+"## Training on GPUs", joins backslash continuations and drops comments. `git clone`, `python -m venv` and `pip install` lines are left
 out (CI runs in a clone, where `.ci/run` has just installed the package in a fresh virtualenv).
 
     python .ci/readme_commands.py README.md
@@ -31,7 +31,7 @@ def commands(text: str) -> list[str]:
         joined = re.sub(r"\\\n\s*", "", "\n".join(line.strip() for line in block.splitlines()))
         for line in joined.splitlines():
             line = re.sub(r"\s+#.*$", "", line).strip()
-            if line and not line.startswith(("#", "pip install", "git clone")):
+            if line and not line.startswith(("#", "pip install", "git clone", "python -m venv")):
                 found.append(line)
     return found
 

@@ -3,8 +3,9 @@
 # README.md), in a fresh directory, each under a time limit, so that a README command that hangs or fails is a red CI.
 # Two arguments are appended, and only these: `$README_QUICKSTART_OVERRIDE` (default `--max_steps 10`) to the quick
 # start's `mempo-trl train`, to fit the CI budget, and `--max_steps 1` to the two-process launches. One command is
-# skipped: `examples/smollm2_cpu.sh` (SmolLM2 end to end, ~30 min), which `tests/test_smollm2.py` runs at its smallest. `git clone` and
-# `pip install` lines are skipped: CI runs in a clone where `.ci/run` has just installed the package.
+# skipped: `examples/smollm2_cpu.sh` (SmolLM2 end to end, ~30 min), which `tests/test_smollm2.py` runs at its smallest. `git clone`,
+# `python -m venv` and `pip install` lines are skipped: CI runs in a clone where `.ci/run` has just installed the
+# package in a fresh virtualenv.
 #   bash .ci/readme_commands.sh            (from the repository root, with the package installed)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

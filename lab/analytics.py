@@ -203,3 +203,12 @@ def memory_signal(
         **summary(list(per_row)),
         "by_type": {source: summary(indices) for source, indices in sorted(types.items())},
     }
+
+
+if __name__ == "__main__":  # a module of the lab's scripts: running it would do nothing
+    import sys
+
+    sys.stderr.write(
+        "error: lab/analytics.py is a module, not a script: learning.py and long_horizon.py import it (see lab/README.md).\n"
+    )
+    sys.exit(2)

@@ -112,3 +112,12 @@ def generate_horizon_world(
         splits[split_of[row["question"]]].append(row)
     names = {name: sorted(builder.entities[i].name for i in pool) for name, pool in pools.items()}
     return HorizonWorld(seed, world.passages, splits, names, sorted(builder.namer.used))
+
+
+if __name__ == "__main__":  # a module of the lab's scripts: running it would do nothing
+    import sys
+
+    sys.stderr.write(
+        "error: lab/horizon_world.py is a module, not a script: long_horizon.py imports it (see lab/README.md).\n"
+    )
+    sys.exit(2)

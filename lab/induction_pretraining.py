@@ -105,3 +105,12 @@ def induction_pretrain(
     settings = {"lr": lr, "batch_size": batch_size, "max_length": max_length, "seed": seed}
     (model_dir / INDUCTION_FILE).write_text(json.dumps({"settings": settings, "stats": stats}, indent=2))
     return stats
+
+
+if __name__ == "__main__":  # a module of the lab's scripts: running it would do nothing
+    import sys
+
+    sys.stderr.write(
+        "error: lab/induction_pretraining.py is a module, not a script: induction.py and long_horizon.py import it (see lab/README.md).\n"
+    )
+    sys.exit(2)

@@ -21,10 +21,11 @@ published command; `--split validation` for choosing settings) before and after 
 `runs/<split>/<arm>_s<seed>/run.json` when it ends and a rerun with the same settings skips it, so a later session adds
 seeds; a run stopped midway resumes from its newest checkpoint (every `CHECKPOINT_EVERY` steps). The default settings
 also keep each finished run's record in git (`--records`, default ``lab/results/long_horizon_runs/<sha>/<split>/``,
-``<sha>`` the first 12 digits of the warm start's sha256, `warm_fingerprint`): a session on a fresh machine rebuilds the
-warm start and takes every kept run of that very warm start instead of training it again. Rebuilt on one machine the
-warm start is the same; an AMD EPYC and an Intel Xeon of this workplace built different ones (float kernels), so each
-warm start's runs are kept apart and a summary never mixes two. `--jobs N` trains N
+``<sha>`` the first 12 digits of the warm start's sha256, `warm_fingerprint`): a session on a fresh machine takes every
+kept run of its warm start instead of training it again. The kit learner's warm start of the default settings is kept
+in git too (`COMMITTED_WARM`, its files checked by sha256), so every machine trains from the same one: rebuilt, it
+differs between CPUs with other float kernels. Each warm start's runs are kept apart and a summary never mixes two;
+the default runs refuse to start without the committed `--tune` choice of their settings (`read_tuned`). `--jobs N` trains N
 runs side by side as processes (on one GPU with `--device cuda`). Run directories stay out of git (default `--out
 runs/long_horizon`); the published configuration (no `--set`, `--split test`, not `--quick`, no `--passage_words`, no
 `--outcome_reward`)
@@ -195,6 +196,12 @@ QUICK = {
 }  # fmt: skip
 
 LEARNERS = ("kit", "smollm2")
+
+COMMITTED_WARM = Path("lab/results/long_horizon_warm")
+"""The kit learner's warm start of the default settings, kept in git (weights, tokenizer, `WARM_MANIFEST`): every
+machine trains from the same one instead of rebuilding it (43 min), since machines with other float kernels build
+different ones. Relative to the repository root, where the experiment runs, as its other results are."""
+WARM_MANIFEST = "manifest.json"
 """``--learner``: the kit learner built from scratch (`WARM`, the default) or SmolLM2-135M-Instruct (`SMOLLM2_WARM`)."""
 
 SMOLLM2_WARM = {"steps": 300, "batch_size": 8, "lr": 3e-5, "seed": 0, "mem_drop": WARM["mem_drop"],
@@ -469,6 +476,8 @@ def kit_warm_start(out: Path, paths: dict[str, Path], world: dict, warm: dict, d
     size = {**LEARNER_SIZE, "vocab_size": VOCABULARY_SIZE}
     key = {"size": size, "warm": warm, "data_sha256": digest, "vocabulary": "corpus without asked-about names"}
     warm_marker = warm_dir / WARM_START_FILE
+    if restore_committed_warm(warm_dir, key):
+        return warm_dir
     if not (warm_marker.is_file() and json.loads(warm_marker.read_text()).get("horizon") == key):
         # A stopped warm start resumes from its newest checkpoint, unless that was made for another key.
         started = warm_dir / "horizon_key.json"
@@ -497,6 +506,62 @@ def kit_warm_start(out: Path, paths: dict[str, Path], world: dict, warm: dict, d
               f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
         warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))
     return warm_dir
+
+
+def _file_sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def restore_committed_warm(warm_dir: Path, key: dict, committed: Path = COMMITTED_WARM) -> bool:
+    """Copy the committed warm start (``committed``) into ``warm_dir`` when it was built for ``key`` (a warm start
+    built on this machine is replaced by it); ``False`` when there is none or it is for other settings. Raises
+    ``ValueError`` when a committed file does not match the sha256 its manifest records (a damaged or hand-edited copy
+    is never trained from)."""
+    manifest_path = committed / WARM_MANIFEST
+    if not manifest_path.is_file():
+        return False
+    manifest = json.loads(manifest_path.read_text())
+    if manifest["horizon"] != key:
+        return False
+    for name, digest in manifest["files"].items():
+        if not (committed / name).is_file() or _file_sha256(committed / name) != digest:
+            raise ValueError(
+                f"{committed / name} does not match the sha256 in {manifest_path}: restore it with "
+                f"`git checkout -- {committed}`, or delete {committed} to rebuild the warm start (43 min)"
+            )
+    here = {p.name for p in warm_dir.glob("*") if p.is_file()} if warm_dir.is_dir() else set()
+    if set(manifest["files"]) <= here and all(_file_sha256(warm_dir / n) == d for n, d in manifest["files"].items()):
+        return True
+    shutil.rmtree(warm_dir, ignore_errors=True)
+    warm_dir.mkdir(parents=True)
+    for name in manifest["files"]:
+        shutil.copyfile(committed / name, warm_dir / name)
+    print(f"warm start: the committed one ({committed}, sha256 {manifest['warm_sha256'][:12]})", flush=True)
+    return True
+
+
+def commit_warm(warm_dir: Path, command: str, committed: Path = COMMITTED_WARM) -> None:
+    """Keep the warm start of ``warm_dir`` (its top-level files: weights, config, tokenizer, `WARM_START_FILE`) in
+    ``committed`` with a manifest of their sha256, its key (the ``horizon`` of `WARM_START_FILE`), the warm start's
+    fingerprint and the command that built it."""
+    from mempo_trl.kit.warmstart import WARM_START_FILE
+
+    key = json.loads((warm_dir / WARM_START_FILE).read_text())["horizon"]
+    files = sorted(p for p in warm_dir.iterdir() if p.is_file() and p.name != "horizon_key.json")
+    committed.mkdir(parents=True, exist_ok=True)
+    for path in files:
+        shutil.copyfile(path, committed / path.name)
+    manifest = {
+        "horizon": key,
+        "warm_sha256": warm_fingerprint(dict.fromkeys(CONTEXT_MODES, warm_dir)),
+        "files": {p.name: _file_sha256(p) for p in files},
+        "command": command,
+        "machine": _machine(),
+    }
+    (committed / WARM_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"kept the warm start in {committed}", flush=True)
 
 
 def smollm2_warm_starts(out: Path, paths: dict[str, Path], world: dict, warm: dict, device: str) -> dict[str, Path]:
@@ -805,15 +870,30 @@ def run_settings(settings: dict, arm: str, tuned: dict | None = None) -> dict:
     return {**settings, "rl_corpus": RL_CORPUS, "arm": {**(tuned or {}), **ARMS[arm]}}
 
 
-def read_tuned(path: Path, settings: dict) -> dict:
-    """Each arm's `TUNE_GRID` point chosen by ``--tune`` for ``settings`` (any split), from ``path``; ``{}`` when
-    there is none (no file, or one written for other settings): every arm then runs at `BUDGET`'s values."""
+def read_tuned(path: Path, settings: dict, required: bool = False) -> dict:
+    """Each arm's `TUNE_GRID` point chosen by ``--tune`` for ``settings`` (any split; the warm start's sha256 is not
+    compared: the committed warm start is the same on every machine), from ``path``. ``{}`` when there is none (no
+    file, or one written for other settings): every arm then runs at `BUDGET`'s values, unless ``required`` (the
+    default settings, whose choice is committed), where that raises ``ValueError`` naming what differs."""
+
+    def unkeyed(values: dict) -> dict:
+        return {k: v for k, v in values.items() if k not in ("warm_sha256", "split")}
+
     if not path.is_file():
+        if required:
+            raise ValueError(f"{path} is missing: run `python lab/long_horizon.py --tune` first")
         return {}
     record = json.loads(path.read_text())
-    if {**record["settings"], "split": settings["split"]} != settings:
-        print(f"{path} was tuned for other settings: not used", flush=True)
+    if unkeyed(record["settings"]) != unkeyed(settings):
+        differ = sorted(k for k in {*record["settings"], *settings} - {"warm_sha256", "split"}
+                        if record["settings"].get(k) != settings.get(k))  # fmt: skip
+        if required:
+            raise ValueError(f"{path} was tuned for other settings ({', '.join(differ)} differ): rerun --tune")
+        print(f"{path} was tuned for other settings ({', '.join(differ)} differ): not used", flush=True)
         return {}
+    if record["settings"].get("warm_sha256") != settings.get("warm_sha256"):
+        print(f"note: {path} was tuned on warm start {record['settings'].get('warm_sha256', '?')[:12]}, these runs "
+              f"train from {settings.get('warm_sha256', '?')[:12]}", flush=True)  # fmt: skip
     return {arm: chosen["choice"] for arm, chosen in record["arms"].items()}
 
 
@@ -1185,7 +1265,15 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and the machine is shared
     start = time.perf_counter()
-    paths, warm_dirs = prepare(out, world, warm, args.device, args.learner)
+    try:
+        paths, warm_dirs = prepare(out, world, warm, args.device, args.learner)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if defaults and args.learner == "kit" and not (COMMITTED_WARM / WARM_MANIFEST).is_file():
+        commit_warm(
+            warm_dirs["memory"], "python lab/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        )
     settings = {**settings, "warm_sha256": warm_fingerprint(warm_dirs)}
     print(f"world and warm start ready in {out} ({time.perf_counter() - start:.0f} s; warm start sha256 "
           f"{settings['warm_sha256'][:12]})", flush=True)  # fmt: skip
@@ -1209,7 +1297,11 @@ def main(argv: list[str] | None = None) -> int:
             committed.write_text(json.dumps(record, indent=1) + "\n")
             print(f"wrote {committed}", flush=True)
         return 0
-    tuned = {} if args.tune else read_tuned(tuned_path, settings)
+    try:
+        tuned = {} if args.tune else read_tuned(tuned_path, settings, required=defaults and args.learner == "kit")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.tune:
         runs = runs.with_name(runs.name + "_tune")
     points = list(enumerate(TUNE_GRID)) if args.tune else [(None, None)]

@@ -100,6 +100,9 @@ def test_scripted_policy_metrics(tokenizer):
         (0.0, 0.0, 0.0, False),
     ]
     assert [r["answer"] for r in result.records] == ["Paris", "Paris France", "Marlowe", None, "Ulm; Bob", None]
+    # All parts: a question's worst part (one of two right scores 0), the same as EM/F1 on single questions.
+    all_parts = [(r["em_all_parts"], round(r["f1_all_parts"], 6)) for r in result.records]
+    assert all_parts == [(1.0, 1.0), (0.0, round(2 / 3, 6)), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0)]
     # The last allowed round's search is not run: Orbix searches twice in three rounds.
     assert retriever.queries == ["France capital", "Orbix", "Orbix founder"]
 
@@ -108,6 +111,8 @@ def test_scripted_policy_metrics(tokenizer):
     assert overall["em"] == pytest.approx(1.5 / 6)
     assert overall["f1"] == pytest.approx((1 + 2 / 3 + 0.5) / 6)
     assert overall["sub_em"] == pytest.approx(2.5 / 6)
+    assert overall["em_all_parts"] == pytest.approx(1 / 6)
+    assert overall["f1_all_parts"] == pytest.approx((1 + 2 / 3) / 6)
     assert overall["format_valid"] == pytest.approx(4 / 6)
     assert overall["turns_valid"] == pytest.approx(5 / 6)
     assert overall["turns_per_question"] == pytest.approx(9 / 6)
@@ -448,3 +453,32 @@ def test_hf_generator_reports_each_finished_batch(tiny_model_dir):
     generate.on_batch = sizes.append
     completions, _ = generate([[1, 2], [3], [4, 5, 6]])
     assert sizes == [2, 1] and len(completions) == 3
+
+
+def test_cli_progress_counts_the_turns_written_under_vllm(tiny_model_dir, tmp_path, cache, capsys, monkeypatch):
+    """`eval --use_vllm true` on the fake engine (`tests/fake_vllm.py` as the `vllm` package): the bar counts every
+    round's turns once vLLM returns them (it showed `0/N turns written` for every round)."""
+    import sys
+    import types
+
+    import fake_vllm
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = fake_vllm.FakeLLM, fake_vllm.FakeSamplingParams
+    vllm.inputs = types.ModuleType("vllm.inputs")
+    vllm.inputs.TokensPrompt = dict  # a TypedDict in vLLM
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", vllm.inputs)
+    data = tmp_path / "qa.jsonl"  # the fake engine answers Q<k> in round 1 + k % 4 (`fake_vllm.end_round`)
+    data.write_text(
+        "".join(json.dumps({"question": f"Q{k} where?", "golden_answers": [f"A{k}"]}) + "\n" for k in range(4))
+    )
+    out = tmp_path / "eval"
+    argv = ["eval", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--use_vllm", "true"]
+    argv += ["--dataset_name", str(data), "--corpus", str(DEMO.corpus), "--max_turns", "3"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for shown in ("round 1/3, 4/4 turns written", "round 2/3, 3/3 turns written", "round 3/3, 2/2 turns written"):
+        assert shown in err, err[-2000:]
+    overall = json.loads((out / "results.json").read_text())["modes"]["memory"]["overall"]
+    assert overall["em"] == 0.75  # Q0, Q1 and Q2 answer within 3 rounds, Q3 does not

@@ -177,3 +177,15 @@ def test_python_m_kit_runs_a_kit_command_without_the_top_level_cli(tmp_path):
     usage = subprocess.run([sys.executable, "-m", "mempo_trl.kit"], capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})  # fmt: skip
     assert usage.returncode == 2 and "build-demo" in usage.stdout
+
+
+def test_every_exported_name_resolves():
+    """`from mempo_trl import X` works for every name of `__all__` (the exports are lazy, so a moved function would
+    otherwise break only the user who imports it)."""
+    missing = []
+    for name in mempo_trl.__all__:
+        try:
+            getattr(mempo_trl, name)
+        except (AttributeError, ImportError) as err:
+            missing.append(f"{name}: {err}")
+    assert not missing, missing

@@ -194,6 +194,25 @@ def test_a_loopback_server_answers_only_loopback_host_names(tmp_path):
         stop(server)
 
 
+def test_a_host_with_text_after_the_brackets_and_a_chunked_body_with_a_length_are_refused(tmp_path):
+    """Issue 44, R-e and R-d: `[::1]evil.com` is no loopback name; Content-Length beside chunked gets the 411 that
+    plain chunked gets (a proxy honouring the length would see another body)."""
+    port = free_port()
+    server = start_retriever(tmp_path, port)
+    try:
+        hosts = ("[::1]evil.com", "[::1].evil.com", f"[::1]evil.com:{port}", "localhost:x", "[::1]", f"[::1]:{port}")
+        assert [status(port, host) for host in hosts] == [421] * 4 + [200] * 2
+        body = b'{"queries": ["hamlet"]}'
+        chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        head = "POST /retrieve HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close"
+        answer = read_all(raw_request(port, head + "\r\nTransfer-Encoding: chunked", chunked))  # and Content-Length
+        assert answer.startswith(b"HTTP/1.1 411 ") and b"no chunked bodies" in answer, answer[:300]
+        plain = read_all(raw_request(port, head, body))
+        assert plain.startswith(b"HTTP/1.1 200 "), plain[:300]
+    finally:
+        stop(server)
+
+
 @pytest.mark.parametrize("command", ["ask", "eval"])
 def test_a_retriever_url_with_a_password_is_refused_without_echoing_it(tmp_path, capsys, tiny_model_dir, command):
     url = "http://alice:hunter2@127.0.0.1:9"

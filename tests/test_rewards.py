@@ -63,6 +63,39 @@ def test_f1_score_hand_computed():
     assert f1_score(None, ["paris"]) == 0.0
 
 
+@pytest.mark.parametrize(
+    ("prediction", "gold", "f1"),
+    [
+        ("Café", "Cafe\u0301", 1.0),  # NFC vs NFD: the same text
+        ("Ｐａｒｉｓ", "Paris", 1.0),  # full-width letters
+        ("Paris\u200b", "Paris", 1.0),  # a zero-width space
+        ("\ufeffParis", "Paris", 1.0),  # a byte-order mark
+        ("ﬁsh", "fish", 1.0),  # the fi ligature
+        ("Ｐａｒｉｓ Ｆｒａｎｃｅ", "Paris", 2 * 0.5 * 1 / 1.5),  # tokens [paris, france] vs [paris]: P 1/2, R 1
+        ("Cafe", "Café", 0.0),  # an accent is a letter, not a form: still another word
+    ],
+)
+def test_unicode_forms_of_the_same_text_match(prediction, gold, f1):
+    assert exact_match(prediction, [gold]) == float(f1 == 1.0)
+    assert f1_score(prediction, [gold]) == pytest.approx(f1)
+    assert sub_exact_match(prediction, [gold]) == float(f1 > 0)
+
+
+def squad_normalize(s: str) -> str:
+    """SQuAD's normalisation as published (lower-case, punctuation, articles, white space), with no Unicode step."""
+    import re
+    import string
+
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(max_codepoint=127), max_size=40))
+def test_ascii_normalises_exactly_as_squad(text):
+    assert normalize_answer(text) == squad_normalize(text)
+
+
 answers = st.text(max_size=30)
 
 

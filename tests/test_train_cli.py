@@ -2,6 +2,7 @@
 quick start recipe trains the shipped learner on its own world."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -66,8 +67,14 @@ def test_heldout_questions_prints_em_before_and_after_training(capsys, recipe, t
     metric = "mempo_trl.kit.learner.memory_recall_metric"
     assert main(["train", "--config", recipe(heldout_questions=3, heldout_row_metric=metric, max_steps=1)]) == 0
     out = capsys.readouterr().out
-    last = out.strip().splitlines()[-1]
+    *_, saved, last = out.strip().splitlines()
     assert last.startswith("held-out EM (3 questions, greedy): ")
+    # The run ends with where things went and that line, no metrics dump (they are in mempo_metrics.json).
+    assert (
+        saved == f"model saved to {tmp_path / 'out'} (metrics: {tmp_path / 'out' / 'mempo_metrics.json'}, "
+        f"model card: {tmp_path / 'out' / 'README.md'})"
+    )
+    assert '"train_runtime"' not in out and not any(line.strip() in ("{", "}") for line in out.splitlines())
     assert "before training (step 0) -> " in last and "after (step 1)" in last
     # Each evaluation says when it starts and what it found, with its time.
     assert out.count("held-out evaluation before training: 3 questions, greedy ...") == 1
@@ -97,6 +104,13 @@ def test_overwrite_output_dir_removes_the_previous_runs_results(capsys, recipe, 
     assert main(["train", "--config", lora, "--overwrite_output_dir"]) == 0
     printed = capsys.readouterr().out
     assert "removed the previous run's README.md, checkpoint-3, mempo_metrics.json, model.safetensors" in printed
+    # Without a held-out evaluation the last line is the run's own summary, read from the metrics file.
+    metrics = json.loads((out / "mempo_metrics.json").read_text())
+    assert printed.strip().splitlines()[-1] == (
+        f"trained 1 step in {metrics['train_runtime']:.0f} s | last step: reward {metrics['reward']:.3f} | "
+        f"em {metrics['episode/em']:.3f} | format {metrics['episode/format_valid']:.3f} "
+        "(no held-out evaluation: set heldout_questions)"
+    )
     assert (out / "adapter_model.safetensors").is_file()
     assert not (out / "model.safetensors").exists() and not (out / "checkpoint-3").exists()  # no stale full weights
     assert (out / "README.md").read_text() != "previous run"
@@ -170,3 +184,18 @@ def test_a_launched_process_leaves_without_finalisation(monkeypatch, world_size)
     monkeypatch.setattr(train.os, "_exit", lambda rc: calls.append(("exit", rc)))
     train.leave_launched_process(3)
     assert calls == ([] if world_size == "1" else ["atexit", ("exit", 3)])
+
+
+@pytest.mark.slow
+def test_a_lora_run_with_activation_checkpointing_prints_no_deprecation_warning(recipe):
+    """The SmolLM2 recipe's settings (LoRA, activation checkpointing) ran with two transformers `FutureWarning`s
+    (`gradient_checkpointing_enable/disable`): ours are gone and TRL's are filtered (`UPSTREAM_NOISE`)."""
+    import subprocess
+    import sys
+
+    config = recipe(use_peft=True, lora_r=2, lora_target_modules=["q_proj", "v_proj"], activation_checkpointing=True,
+                    max_turns=2)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "mempo_trl", "train", "--config", config], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "default"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FutureWarning" not in done.stderr and "deprecated" not in done.stderr, done.stderr[-3000:]

@@ -113,3 +113,23 @@ def test_a_trajectory_no_reward_function_scores_gets_advantage_zero(tiny_model_d
     # Rows: Alpha 2 + 1 rounds (rewards 2, 1), Beta 1 + 3 rounds (rewards 1, None).
     a = 0.5 / (2**-0.5 + 1e-4)
     assert out["advantages"][:, 0].tolist() == pytest.approx([a, a, -a, 0.0, 0.0, 0.0, 0.0], abs=1e-5)
+
+
+def test_checkpointing_is_off_for_no_grad_forwards_without_deprecation_warnings(tiny_model_dir):
+    """`activation_checkpointing_off` (memory scoring, old log-probs) turns checkpointing off and back on under
+    transformers 5's names: TRL's `disable_gradient_checkpointing` warned (`FutureWarning`) on every step."""
+    import warnings
+
+    from mempo_trl.grpo_mirror import activation_checkpointing_off
+
+    model, _ = load_tiny(tiny_model_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any deprecation warning fails the test
+        model.activation_checkpointing_enable({"use_reentrant": False})
+        with activation_checkpointing_off(model, {"use_reentrant": False}):
+            assert not model.is_activation_checkpointing
+        assert model.is_activation_checkpointing
+        model.activation_checkpointing_disable()
+        with activation_checkpointing_off(model):  # off stays off
+            assert not model.is_activation_checkpointing
+        assert not model.is_activation_checkpointing

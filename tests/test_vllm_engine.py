@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,50 @@ def test_colocate_training_syncs_the_new_weights_into_vllm(learner, tmp_path):
     for entry in steps:
         assert entry["sampling/sampling_logp_difference/mean"] < 0.05, entry
         assert entry["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=0.1), entry
+
+
+def test_eval_against_vllms_openai_server_plays_as_transformers(learner, tmp_path):
+    """`eval --openai_base_url` against vLLM's own OpenAI-compatible server (the CPU build's entry point) serving the
+    learner in float32: every question plays the episode transformers plays, turn by turn, although the server
+    renders the chat template itself and strips the stop string it stops on (put back by the endpoint backend)."""
+    from helpers import free_port
+
+    port, log = free_port(), tmp_path / "server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(learner / "model"),
+               "--served-model-name", "learner", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--seed", "0", "--generation-config", "vllm"]  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 600
+        while True:  # the server is up once it lists its model
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-5000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(2)
+        api = _eval(learner, tmp_path / "api", "--openai_base_url", f"http://127.0.0.1:{port}/v1", "--openai_model",
+                    "learner")  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    hf = _eval(learner, tmp_path / "hf")
+    assert len(api) == len(hf) == QUESTIONS
+    keys = ("completion", "mem", "action", "content", "valid", "reason", "truncated")
+    for a, b in zip(hf, api):
+        assert [[r[k] for k in keys] for r in a["rounds"]] == [[r[k] for k in keys] for r in b["rounds"]], a[
+            "question"
+        ]
+        assert (a["answer"], a["em"], a["format_valid"]) == (b["answer"], b["em"], b["format_valid"])
+    turns = [r for record in api for r in record["rounds"]]
+    assert {t["action"] for t in turns if t["valid"]} == {"search", "answer"}
+    assert any(t["truncated"] for t in turns)  # a turn cut at max_tokens came back unfinished

@@ -281,3 +281,15 @@ def test_the_shipped_learner_is_the_experiments_forgetful_warm_start(tmp_path):
     assert learning.shipped_warm_start(derived, small) is None
     settings = json.loads((shipped_learner() / "mempo_agent.json").read_text())
     assert settings["instruction"] == learner.LEARNER_INSTRUCTION
+
+
+@pytest.mark.parametrize("module", ["analytics", "horizon_world", "induction_pretraining"])
+def test_a_lab_module_run_as_a_script_says_it_is_a_module(module):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(LAB / f"{module}.py"), "--anything"], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert (
+        done.stderr.startswith(f"error: lab/{module}.py is a module, not a script: ") and done.stderr.count("\n") == 1
+    )

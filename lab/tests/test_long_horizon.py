@@ -511,6 +511,8 @@ def test_the_default_warm_check_is_also_written_to_lab_results_with_its_command(
     monkeypatch.setattr(long_horizon, "print_oracle_tokens", lambda *args: {"2": {"ratio": 0.5}})
     monkeypatch.setattr(long_horizon, "warm_check", lambda *args: {"memory": {"1": {"em": 0.5}}})
     monkeypatch.setattr(long_horizon, "smollm2_warm_check", lambda *args: {"memory": {"1": {"em": 0.25}}})
+    kept = []
+    monkeypatch.setattr(long_horizon, "commit_warm", lambda warm_dir, command: kept.append(command))
     committed = tmp_path / "lab" / "results" / "long_horizon_warm_check_validation.json"
     assert long_horizon.main(["--warm_only", "--split", "validation", "--out", "elsewhere"]) == 0
     assert not committed.exists()
@@ -520,6 +522,8 @@ def test_the_default_warm_check_is_also_written_to_lab_results_with_its_command(
     assert record["command"] == "python lab/long_horizon.py --warm_only --split validation"
     assert "torch" in record["versions"] and record["machine"]["cpus"] >= 1
     assert record["scripted_oracle_tokens"] == {"2": {"ratio": 0.5}}
+    # the default settings' warm start is kept (whatever --out), where none is kept yet
+    assert kept == [f"python lab/long_horizon.py --warm_only --split validation{o}" for o in (" --out elsewhere", "")]
     # SmolLM2's default (wiki-length passages) writes its own; with other passages it does not
     smollm2 = tmp_path / "lab" / "results" / "long_horizon_smollm2_warm_check_validation.json"
     assert (
@@ -653,3 +657,55 @@ def test_quick_mode_with_the_smollm2_learner(smollm2_tokenizer, tmp_path, capsys
                 assert {"em", "all_parts_em", "turns", "searches", "tokens_per_question", "peak_context_tokens",
                         "memory_recall"} <= set(cell)  # fmt: skip
     assert "full_history start, K=2: EM memory" in capsys.readouterr().out
+
+
+def test_the_committed_warm_start_is_restored_for_its_settings_only_and_checked_by_sha256(tmp_path):
+    """`commit_warm` keeps a warm start's files with their sha256; `restore_committed_warm` copies them into a run's
+    warm directory (replacing one built on this machine) for the same key only, and refuses a damaged copy."""
+    from mempo_trl.kit.warmstart import WARM_START_FILE
+
+    key = {"size": {"hidden_size": 8}, "warm": {"steps": 2}}
+    built = tmp_path / "built"
+    built.mkdir()
+    (built / "model.safetensors").write_bytes(b"weights of this machine")
+    (built / "tokenizer.json").write_text("{}")
+    (built / WARM_START_FILE).write_text(json.dumps({"horizon": key}))
+    (built / "horizon_key.json").write_text(json.dumps(key))
+    (built / "sft").mkdir()  # checkpoints are not kept
+    committed = tmp_path / "committed"
+    long_horizon.commit_warm(built, "python lab/long_horizon.py --warm_only", committed=committed)
+    manifest = json.loads((committed / long_horizon.WARM_MANIFEST).read_text())
+    assert sorted(manifest["files"]) == ["model.safetensors", "tokenizer.json", WARM_START_FILE]
+    assert manifest["warm_sha256"] == long_horizon.warm_fingerprint(dict.fromkeys(("memory", "full_history"), built))
+    assert manifest["command"] == "python lab/long_horizon.py --warm_only"
+
+    other = tmp_path / "other_machine"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"weights of another machine")
+    assert long_horizon.restore_committed_warm(other, key, committed=committed)
+    assert (other / "model.safetensors").read_bytes() == b"weights of this machine"
+    assert not long_horizon.restore_committed_warm(
+        tmp_path / "fresh", {**key, "warm": {"steps": 3}}, committed=committed
+    )
+    assert not (tmp_path / "fresh").exists()
+    (committed / "model.safetensors").write_bytes(b"edited")
+    with pytest.raises(ValueError, match="model.safetensors does not match the sha256"):
+        long_horizon.restore_committed_warm(tmp_path / "fresh", key, committed=committed)
+
+
+def test_the_default_runs_fail_loudly_without_their_tuned_choice(tmp_path, capsys):
+    """`read_tuned` compares the settings without the warm start's sha256; a choice tuned for other settings is
+    never used, and for the default settings (``required``) that is an error naming what differs."""
+    settings = {"world": {"seed": 2}, "budget": {"max_steps": 60}, "split": "test", "warm_sha256": "aaa"}
+    path = tmp_path / "tuned.json"
+    record = {"settings": {**settings, "split": "validation", "warm_sha256": "bbb"},
+              "arms": {"mempo": {"choice": {"learning_rate": 1e-4}}}}  # fmt: skip
+    path.write_text(json.dumps(record))
+    assert long_horizon.read_tuned(path, settings, required=True) == {"mempo": {"learning_rate": 1e-4}}
+    assert "tuned on warm start bbb" in capsys.readouterr().out
+    changed = {**settings, "budget": {"max_steps": 30}}
+    assert long_horizon.read_tuned(path, changed) == {}
+    with pytest.raises(ValueError, match=r"other settings \(budget differ\)"):
+        long_horizon.read_tuned(path, changed, required=True)
+    with pytest.raises(ValueError, match="is missing"):
+        long_horizon.read_tuned(tmp_path / "none.json", settings, required=True)

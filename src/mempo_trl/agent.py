@@ -149,6 +149,7 @@ class MemPOAgent:
         batch_size: int = 16,
         seed: int = 0,
         vllm_kwargs: dict | None = None,
+        openai: dict | None = None,
         **overrides: Any,
     ) -> "MemPOAgent":
         """Load a trained agent: the model, its tokenizer and its saved `TurnProtocol`.
@@ -156,7 +157,10 @@ class MemPOAgent:
         `overrides` (``max_turns=4``, ``context_mode="full_history"``, ...) replace saved fields; each change is
         logged. A model without ``mempo_agent.json`` (e.g. a base model) runs with the defaults. ``use_vllm``
         generates with vLLM's offline engine (``vllm_kwargs`` go to `vllm.LLM`; ``dtype``, unless "auto", too), else
-        with transformers. Pass an ``environment_factory`` instead of a ``retriever`` to play a TRL-style environment.
+        with transformers. ``openai`` (the arguments of `mempo_trl.endpoint.OpenAIChatGenerator` but the tokenizer:
+        ``base_url``, ``model``, ...) generates with an OpenAI-compatible API instead, and ``path_or_hub_id`` then
+        gives only the tokenizer and the saved protocol (the search task only). Pass an ``environment_factory``
+        instead of a ``retriever`` to play a TRL-style environment.
 
         Example:
             >>> agent = MemPOAgent.from_pretrained("user/qwen2.5-3b-mempo", "http://127.0.0.1:8000")  # doctest: +SKIP
@@ -164,7 +168,8 @@ class MemPOAgent:
         from mempo_trl.loading import check_model_path
 
         path = str(path_or_hub_id)
-        check_model_path(path)
+        if openai is None:  # with an endpoint, only the tokenizer is read
+            check_model_path(path)
         try:
             saved = TurnProtocol.from_pretrained(path, revision=revision)
             protocol, messages = (saved or TurnProtocol()).override(**overrides)
@@ -183,7 +188,17 @@ class MemPOAgent:
         if environment_factory is not None:
             protocol = protocol.for_environment()
         tokenizer = load_chat_tokenizer(path, revision=revision)
-        if use_vllm:
+        if openai is not None:
+            from mempo_trl.endpoint import OpenAIChatGenerator
+
+            if environment_factory is not None:
+                raise AgentError("an OpenAI-compatible endpoint plays the search task; an environment's tool schemas "
+                                 "are not sent to it: drop --openai_base_url or --environment")  # fmt: skip
+            generator = OpenAIChatGenerator(
+                tokenizer=tokenizer, max_new_tokens=protocol.max_completion_length, temperature=temperature,
+                seed=seed, stops=protocol.stops, **openai,
+            )  # fmt: skip
+        elif use_vllm:
             from mempo_trl.generation import VLLMGenerator
 
             # vLLM's "auto" runs a float32 checkpoint in bfloat16 (fp16 on some GPUs): an explicit dtype holds for it too.

@@ -84,6 +84,26 @@ def format_step_summary(step: int, max_steps: int, logs: Mapping[str, float]) ->
     return " | ".join(parts)
 
 
+def format_run_summary(steps: int, metrics: Mapping[str, float]) -> str:
+    """One line for the end of a run of ``steps`` steps without a held-out evaluation: the wall time and the last
+    step's summary fields (each over that step's sampled episodes only).
+
+    Example:
+        >>> format_run_summary(2, {"train_runtime": 30.4, "reward": 0.5, "episode/em": 0.25})
+        'trained 2 steps in 30 s | last step: reward 0.500 | em 0.250 | format - (no held-out evaluation: set heldout_questions)'
+    """
+    last = [
+        f"{label} {'-' if metrics.get(key) is None else f'{metrics[key]:.3f}'}"
+        for label, key in SUMMARY_FIELDS
+        if key in ("reward", "episode/em", "episode/format_valid")
+    ]
+    return (
+        f"trained {steps} step{'' if steps == 1 else 's'} in {metrics.get('train_runtime', 0):.0f} s | last step: "
+        + " | ".join(last)
+        + " (no held-out evaluation: set heldout_questions)"
+    )
+
+
 class LaunchBannerCallback(TrainerCallback):
     """Print the banner (and any `launch_warnings`) when training starts.
 

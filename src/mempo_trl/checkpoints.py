@@ -348,6 +348,68 @@ def check_checkpoint_model(
         )
 
 
+LORA_SHAPE_FLAGS = (
+    ("r", "lora_r"), ("lora_alpha", "lora_alpha"), ("use_rslora", "use_rslora"), ("use_dora", "use_dora"),
+    ("target_modules", "lora_target_modules"), ("modules_to_save", "lora_modules_to_save"),
+)  # fmt: skip
+"""(`adapter_config.json` key, `ModelConfig` flag) pairs that fix a LoRA adapter's weights and scale: a resumed
+adapter and the run's LoRA settings must agree on them."""
+
+
+def _as_set(value) -> frozenset | object:
+    """A list of module names as a set (order is not shape); one name (TRL's `ModelConfig` unwraps a one-item list) as
+    a one-item set; None as the empty set."""
+    if value is None:
+        return frozenset()
+    return frozenset([value]) if isinstance(value, str) else frozenset(value) if isinstance(value, list) else value
+
+
+def _flag(flag: str, value) -> str:
+    """The command-line form of ``--flag value`` (a list of names space-separated, None left unset)."""
+    if value is None:
+        return f"no --{flag}"
+    return f"--{flag} {' '.join(map(str, sorted(value))) if isinstance(value, list) else value}"
+
+
+def check_checkpoint_lora(checkpoint: str | os.PathLike, model_args) -> None:
+    """Raise `CheckpointError` when the LoRA adapter saved in `checkpoint` (its ``adapter_config.json``) has another
+    shape than the one `model_args` (TRL's `ModelConfig`, ``use_peft`` set) builds, naming the flags to pass.
+
+    Compares `LORA_SHAPE_FLAGS`; an unset ``lora_target_modules`` (peft's default for the model) or ``all-linear``
+    (saved as the modules it found) is not compared. A checkpoint without ``adapter_config.json``, or a run without
+    ``use_peft``, is not compared.
+
+    Example:
+        >>> check_checkpoint_lora("lora1/checkpoint-1", ModelConfig(use_peft=True, lora_r=8))  # doctest: +SKIP
+        Traceback (most recent call last):
+        mempo_trl.checkpoints.CheckpointError: checkpoint lora1/checkpoint-1 holds a LoRA adapter with r 4 ...
+    """
+    saved_path = Path(checkpoint, "adapter_config.json")
+    if not getattr(model_args, "use_peft", False) or not saved_path.is_file():
+        return
+    try:
+        saved = json.loads(saved_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{saved_path} is not valid JSON ({' '.join(str(e).split()) or 'empty file'})") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{saved_path} holds {type(saved).__name__}, not a JSON object")
+    differ = []
+    for key, flag in LORA_SHAPE_FLAGS:
+        asked = getattr(model_args, flag, None)
+        if key not in saved or key == "target_modules" and (asked is None or str(asked).lower() == "all-linear"):
+            continue
+        names = key in ("target_modules", "modules_to_save")
+        if (_as_set(saved[key]) != _as_set(asked)) if names else (saved[key] != asked):
+            differ.append((key, saved[key], flag, asked))
+    if differ:
+        found = "; ".join(f"{key} {there!r} there, --{flag} {here!r} here" for key, there, flag, here in differ)
+        flags = " ".join(_flag(flag, there) for _, there, flag, _ in differ)
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds a LoRA adapter of another shape than this run's ({found}; see "
+            f"{saved_path}). Resume with {flags}, or start a new run."
+        )
+
+
 def check_checkpoint_kind(checkpoint: str | os.PathLike, use_peft: bool) -> None:
     """Raise `CheckpointError` when `checkpoint` holds a LoRA adapter (`adapter_config.json`) and `use_peft` is
     false, or full weights and `use_peft` is true, naming the flag that fixes it.

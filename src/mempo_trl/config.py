@@ -50,15 +50,17 @@ class MemPOConfig(GRPOConfig):
         > Parameters that control the memory advantage
 
         memory_coef (`float`, *optional*, defaults to `1.0`):
-            Weight of the memory advantage added on the `<mem>` tokens. `0` turns memory scoring off.
+            Weight of the memory advantage added on the `<mem>` tokens, >= 0. `0` turns memory scoring off (the run
+            says so in one line at its start).
         memory_threshold (`float` or `None`, *optional*, defaults to `log(0.5)`):
-            Answer tokens with `log p` at or below it are left out of P_mem / P_full. `None` keeps all tokens.
+            Answer tokens with `log p` at or below it are left out of P_mem / P_full: a log-probability, < 0 (`-0.69`
+            is log 0.5). `None` keeps all tokens.
         memory_threshold_quantile (`float` or `None`, *optional*, defaults to `None`):
             Variant (docs/algorithm.md, "Variants"): the threshold is this quantile of the batch's answer-token log-probs instead.
         memory_reward_type (`str`, *optional*, defaults to `"diff"`):
             `"diff"`: P_mem - P_full (paper). `"log_ratio"`: log(P_mem + eps) - log(P_full + eps).
         memory_reward_eps (`float`, *optional*, defaults to `1e-6`):
-            The eps of `"log_ratio"`.
+            The eps of `"log_ratio"`, > 0.
         memory_length_penalty (`float`, *optional*, defaults to `0.0`):
             Variant: subtract `lambda * len(<mem> tokens) / max_completion_length` from the memory reward.
         memory_pooling (`str`, *optional*, defaults to `"question"`):
@@ -100,7 +102,8 @@ class MemPOConfig(GRPOConfig):
             `environment_factory`). Evaluation always keeps every group. Logged:
             `dynamic_sampling/frac_reward_zero_std_before` (the first generation's all-equal share) and `_after`
             (the final batch's, before the drop), `dynamic_sampling/groups_dropped`, `dynamic_sampling/groups_refilled`,
-            `dynamic_sampling/refill_rounds`. For MemPO, a dropped group also loses its memory advantage.
+            `dynamic_sampling/refill_rounds`. For MemPO, a dropped group also loses its memory advantage. The first
+            step that drops every group (it trains nothing) is announced in one line.
         dynamic_sampling_tolerance (`float`, *optional*, defaults to `1e-6`):
             Rewards of a group are all equal when they span (max - min) at most this much.
         dynamic_sampling_max_rounds (`int`, *optional*, defaults to `3`):

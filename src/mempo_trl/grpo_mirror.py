@@ -32,7 +32,7 @@ from contextlib import contextmanager
 
 import torch
 from accelerate.utils import gather_object
-from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
+from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 
 from mempo_trl.generation import prompt_budget
@@ -58,6 +58,21 @@ def reload_vllm_weights(generation) -> None:
     weights = generation._iter_named_params()
     generation.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
     generation.llm.reset_prefix_cache()
+
+
+@contextmanager
+def activation_checkpointing_off(model, checkpointing_kwargs: dict | None = None):
+    """TRL's `disable_gradient_checkpointing` under transformers 5's names: activation checkpointing is off inside
+    (a no-grad forward has nothing to recompute) and on again afterwards if it was on. The old names warn
+    (`FutureWarning`) on every call."""
+    was_on = model.is_activation_checkpointing
+    if was_on:
+        model.activation_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            model.activation_checkpointing_enable(checkpointing_kwargs)
 
 
 class GRPOMirror:
@@ -187,7 +202,7 @@ class GRPOMirror:
             )[0]
 
         output = {}
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), activation_checkpointing_off(self.model, args.gradient_checkpointing_kwargs):
             generate_every = args.steps_per_generation * self.num_iterations
             use_is = self.use_vllm and self.vllm_importance_sampling_correction
             if args.gradient_accumulation_steps % generate_every != 0 or use_is:

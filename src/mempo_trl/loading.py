@@ -17,7 +17,8 @@ def check_model_path(path: str) -> None:
     """Raise `FileNotFoundError` with a fix when `path` names a local model that is not there or not a model.
 
     A Hub id (`name` or `org/name`, not an existing path) passes unless `HF_HUB_OFFLINE` is set and it is not in the
-    local cache. The files of a local directory are checked too (`check_model_files`).
+    local cache. The files of a local directory are checked too (`check_model_files`); a LoRA adapter directory is
+    refused with the `mempo-trl merge-lora` command that makes it a model.
 
     Example:
         >>> check_model_path("./no/such/model")
@@ -31,6 +32,11 @@ def check_model_path(path: str) -> None:
         from mempo_trl.checkpoints import check_final_save
 
         check_final_save(local)
+        if not (local / "config.json").is_file() and (local / "adapter_config.json").is_file():
+            raise FileNotFoundError(
+                f"model path {path} is a LoRA adapter, not a model: merge it with `mempo-trl merge-lora "
+                f"--model_name_or_path {path} --output_dir {path.rstrip('/')}-merged` and pass the merged directory."
+            )
         if not (local / "config.json").is_file():
             raise FileNotFoundError(f"model path {path} is not a model directory (no config.json). {fix}")
         check_model_files(local)
@@ -95,6 +101,46 @@ def check_model_files(directory: str | Path) -> None:
                 f"{directory / 'tokenizer.json'} is not a tokenizer ({_one_line(err)}); {RESTORE}"
             ) from None
     _check_config_and_weights(directory)
+
+
+def check_adapter_files(directory: str | Path) -> None:
+    """Raise `ValueError` (or `CheckpointError`) naming the file when a LoRA adapter directory cannot be merged or
+    loaded as saved: a final save cut short (`check_final_save`), an ``adapter_config.json`` that is not a JSON
+    object, adapter weights that are missing or not whole (the checks a resumed checkpoint gets).
+
+    Example:
+        >>> check_adapter_files("outputs/lora-cut")  # doctest: +SKIP
+        Traceback (most recent call last):
+        ValueError: outputs/lora-cut/adapter_model.safetensors is truncated (1000 of 9816 bytes): the adapter is ...
+    """
+    from mempo_trl.checkpoints import (
+        CheckpointError,
+        check_final_save,
+        check_safetensors,
+        check_torch_file,
+        newest_complete_checkpoint,
+    )
+
+    directory = Path(directory)
+    check_final_save(directory)
+    config = directory / "adapter_config.json"
+    try:
+        value = json.loads(config.read_text(encoding="utf-8"))
+    except ValueError as err:  # JSON and encoding errors
+        raise ValueError(f"{config} is not valid JSON ({_one_line(err)}); {RESTORE}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{config} holds {type(value).__name__}, not a JSON object; {RESTORE}")
+    newest = newest_complete_checkpoint(directory)
+    fix = f"restore it, or merge the newest complete checkpoint, {newest}, instead" if newest else RESTORE
+    weights = [directory / n for n in ("adapter_model.safetensors", "adapter_model.bin") if (directory / n).is_file()]
+    if not weights:
+        raise ValueError(
+            f"{directory / 'adapter_model.safetensors'} is missing: {directory} holds no adapter weights; {fix}"
+        )
+    try:
+        check_safetensors(weights[0]) if weights[0].suffix == ".safetensors" else check_torch_file(weights[0])
+    except (CheckpointError, OSError) as err:
+        raise ValueError(f"{_one_line(err)}: the adapter is damaged; {fix}") from None
 
 
 def _check_config_and_weights(directory: Path) -> None:

@@ -2,7 +2,8 @@
 
 `MemPOTrainer.create_model_card` writes TRL's card, then `mempo_model_card` rewrites its `README.md`:
 
-- the base model line names something that resolves (a Hub id, or what the kit's `learner` / `tiny` are);
+- the base model line names something that resolves (a Hub id, or what the kit's `learner` / `tiny` are), and the
+  front matter's license is the base model's (`base_model_license`; none when unknown);
 - the quick start installs `mempo_trl` (from its repository) and runs the agent by its Hub id after a push, by its
   directory otherwise, on a question of its own training data and with the retriever it was trained with;
 - "Training procedure" holds MemPO: base model, data, retriever, the held-out evaluation before and after training
@@ -44,6 +45,53 @@ def heldout_summary(callbacks) -> dict[str, float] | None:
                 summary.update({f"heldout/{k}_{when}": point[k] for k in HELDOUT_METRICS if k in point})
             return summary
     return None
+
+
+def base_model_license(name: str) -> str | None:
+    """The ``license`` in the front matter of the base model's own card: ``README.md`` in its folder (the kit's
+    models write one), else in the local Hub cache (never fetched); None when neither says.
+
+    Example:
+        >>> base_model_license("Qwen/Qwen2.5-7B-Instruct")  # doctest: +SKIP
+        'apache-2.0'
+    """
+    import yaml
+
+    card = Path(name, "README.md")
+    if not card.is_file() and not Path(name).exists():
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.errors import HFValidationError
+
+        try:
+            cached = try_to_load_from_cache(name, "README.md")
+        except HFValidationError:  # not a Hub id
+            cached = None
+        card = Path(cached) if isinstance(cached, str) else card
+    if not card.is_file():
+        return None
+    parts = card.read_text(encoding="utf-8").split("---\n", 2)
+    if len(parts) < 3 or parts[0].strip():
+        return None
+    try:
+        metadata = yaml.safe_load(parts[1])
+    except yaml.YAMLError:
+        return None
+    value = metadata.get("license") if isinstance(metadata, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def set_license(card: str, license: str | None) -> str:
+    r"""TRL's front matter says ``licence: license`` (a misspelt key, a placeholder value): ``license: <license>``,
+    or no such line when the license is unknown.
+
+    Example:
+        >>> set_license("---\nlibrary_name: transformers\nlicence: license\n---\n", "apache-2.0")
+        '---\nlibrary_name: transformers\nlicense: apache-2.0\n---\n'
+        >>> set_license("---\nlicence: license\ntags: []\n---\n", None)
+        '---\ntags: []\n---\n'
+    """
+    line = f"license: {license}\n" if license else ""
+    return re.sub(r"^licence: license\n", line, card, count=1, flags=re.M)
 
 
 def describe_base_model(name: str) -> str:
@@ -172,7 +220,7 @@ def mempo_model_card(trainer, dataset_name: str | None = None) -> Path:
     args = trainer.args
     info = {"base_model": trainer.model.config._name_or_path, "dataset": dataset_name, **trainer.model_card_info}
     card = Path(args.output_dir, "README.md")
-    text = card.read_text(encoding="utf-8")
+    text = set_license(card.read_text(encoding="utf-8"), base_model_license(str(info["base_model"])))
     text = re.sub(
         r"This model is a fine-tuned version of .*?\.\n",
         lambda m: f"This model is a fine-tuned version of {describe_base_model(str(info['base_model']))}.\n",

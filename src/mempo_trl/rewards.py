@@ -1,7 +1,9 @@
-"""Outcome scores: SQuAD answer normalisation with Search-R1 ``qa_em`` semantics, token F1, multi-objective rows."""
+"""Outcome scores: SQuAD answer normalisation (after Unicode NFKC) with Search-R1 ``qa_em`` semantics, token F1,
+multi-objective rows."""
 
 import re
 import string
+import unicodedata
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,12 +17,17 @@ _PUNCTUATION = frozenset(string.punctuation)
 
 
 def normalize_answer(s: str) -> str:
-    """SQuAD normalisation: lower-case, drop punctuation and articles, collapse white space.
+    """SQuAD normalisation after a Unicode one: NFKC (``"Cafe\u0301"`` is ``"Café"``, full-width ``"Ｐａｒｉｓ"`` is
+    ``"Paris"``, ``"ﬁ"`` is ``"fi"``) and format characters dropped (zero-width spaces, soft hyphens), then lower-case,
+    drop punctuation and articles, collapse white space. ASCII text normalises exactly as SQuAD's.
 
     >>> normalize_answer("  The Eiffel-Tower, Paris! ")
     'eiffeltower paris'
+    >>> normalize_answer("Ｐａｒｉｓ\u200b") == normalize_answer("Paris")
+    True
     """
-    s = "".join(ch for ch in s.lower() if ch not in _PUNCTUATION)
+    s = unicodedata.normalize("NFKC", s)
+    s = "".join(ch for ch in s.lower() if ch not in _PUNCTUATION and unicodedata.category(ch) != "Cf")
     return " ".join(_ARTICLES.sub(" ", s).split())
 
 
@@ -127,16 +134,32 @@ def outcome_score(
     >>> outcome_score("Ulm; Bob", [], [["Ulm"], ["Max"]])
     OutcomeScore(em=0.5, f1=0.5, sub_em=0.5, per_question_em=(1.0, 0.0))
     """
+    parts = part_scores(answer, golden_answers, sub_answers, format_valid)
+    ems, f1s, subs = (tuple(column) for column in zip(*parts))
+    n = len(parts)
+    return OutcomeScore(sum(ems) / n, sum(f1s) / n, sum(subs) / n, ems)
+
+
+def part_scores(
+    answer: str | None,
+    golden_answers: str | Sequence[str],
+    sub_answers: Sequence[Sequence[str]] | None = None,
+    format_valid: bool = True,
+) -> list[tuple[float, float, float]]:
+    """``(em, f1, sub_em)`` of every question of a row: one entry, or one per part of a multi-objective row (the
+    answer split on ``;``, a missing part scoring 0); all zeros if the format is invalid or there is no answer.
+
+    `outcome_score` averages them (each part's share); the all-parts scores of evaluation take their minimum.
+
+    >>> part_scores("Ulm; Max Born", [], [["Ulm"], ["Max"]])
+    [(1.0, 1.0, 1.0), (0.0, 0.6666666666666666, 1.0)]
+    """
     questions = list(sub_answers) if sub_answers else [golden_answers]
     if not format_valid or answer is None:
-        return OutcomeScore(0.0, 0.0, 0.0, (0.0,) * len(questions))
+        return [(0.0, 0.0, 0.0)] * len(questions)
     parts = split_answers(answer) if sub_answers else [answer]
     preds = [parts[i] if i < len(parts) else None for i in range(len(questions))]
-    ems = tuple(exact_match(p, g) for p, g in zip(preds, questions))
-    f1s = [f1_score(p, g) for p, g in zip(preds, questions)]
-    subs = [sub_exact_match(p, g) for p, g in zip(preds, questions)]
-    n = len(questions)
-    return OutcomeScore(sum(ems) / n, sum(f1s) / n, sum(subs) / n, ems)
+    return [(exact_match(p, g), f1_score(p, g), sub_exact_match(p, g)) for p, g in zip(preds, questions)]
 
 
 def episode_outcome(episode: Any) -> OutcomeScore | None:

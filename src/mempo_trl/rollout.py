@@ -43,7 +43,9 @@ from mempo_trl.retrieval.base import RetrieverOutage
 
 
 GenerateFn = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None]]
-"""Maps prompts (token id lists) to one completion each (token id lists) and, optionally, their sampling log-probs."""
+"""Maps prompts (token id lists) to one completion each (token id lists) and, optionally, their sampling log-probs.
+One whose ``takes_messages`` attribute is true (a chat endpoint, `mempo_trl.endpoint`) is also given each prompt's
+context messages, as ``messages=``."""
 
 
 @dataclass
@@ -440,7 +442,11 @@ class RolloutEngine:
                 break
             start = time.perf_counter()
             placeholder = [render_prompt(self.tokenizer, episodes[0].base_messages, episodes[0].tools)]
-            completions, logprobs = generate(prompts or placeholder)
+            if getattr(generate, "takes_messages", False):  # a chat endpoint: the same contexts, as messages
+                contexts = [self.context_messages(ep) for ep in active] or [episodes[0].base_messages]
+                completions, logprobs = generate(prompts or placeholder, messages=contexts)
+            else:
+                completions, logprobs = generate(prompts or placeholder)
             timings.generation += time.perf_counter() - start
             searches: list[tuple[Episode, str]] = []
             for i, (ep, prompt_ids) in enumerate(zip(active, prompts)):

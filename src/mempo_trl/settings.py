@@ -112,15 +112,18 @@ class MemoryRewardSettings(SettingsHome):
         ValueError: memory_scale_rewards must be one of ('group', 'batch', 'none'), got 'std'.
     """
 
-    memory_coef: float = setting(1.0, "Weight of the memory advantage on `<mem>` tokens (0 turns memory scoring off).")
+    memory_coef: float = setting(
+        1.0, "Weight of the memory advantage on `<mem>` tokens (0 turns memory scoring off).", minimum=0.0
+    )
     memory_threshold: float | None = setting(
-        math.log(0.5), "Keep answer tokens with log p above it when computing P; None keeps all."
+        math.log(0.5),
+        "Keep answer tokens with log p above it (a log-probability, < 0) when computing P; None keeps all.",
     )
     memory_threshold_quantile: float | None = setting(
         None, "Use this quantile of the batch's answer-token log-probs as the threshold.", minimum=0.0, maximum=1.0
     )
     memory_reward_type: str = setting("diff", "`diff` (P_mem - P_full) or `log_ratio`.", choices=("diff", "log_ratio"))
-    memory_reward_eps: float = setting(1e-6, "eps of the log-ratio memory reward.")
+    memory_reward_eps: float = setting(1e-6, "eps of the log-ratio memory reward (> 0).")
     memory_length_penalty: float = setting(0.0, "lambda of the `<mem>` length penalty (0 = off).", minimum=0.0)
     memory_pooling: str = setting(
         "question", "`question` or `question_round` normalisation pool.", choices=("question", "question_round")
@@ -145,6 +148,14 @@ class MemoryRewardSettings(SettingsHome):
     def problems(cls, values: Any) -> list[str]:
         """Why ``values`` (these settings, or a `MemPOConfig`) cannot be used: bounds, choices and combinations."""
         problems = setting_problems(cls, values)
+        threshold, eps = values.memory_threshold, values.memory_reward_eps
+        if isinstance(threshold, int | float) and not isinstance(threshold, bool) and threshold >= 0:
+            problems.append(
+                f"memory_threshold is a log-probability and must be < 0 (e.g. -0.69 = log 0.5), got {threshold}: no "
+                "answer token has log p above it, so the memory reward would be 0 all run."
+            )
+        if isinstance(eps, int | float) and not isinstance(eps, bool) and eps <= 0:
+            problems.append(f"memory_reward_eps must be > 0 (log(P + eps) of a P of 0), got {eps}.")
         if values.memory_threshold is not None and values.memory_threshold_quantile is not None:
             problems.append(
                 "Set memory_threshold or memory_threshold_quantile, not both (use memory_threshold: null)."

@@ -16,7 +16,6 @@ import torch
 from accelerate.utils import gather_object, is_peft_model
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad, use_adapter
 
 from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
@@ -24,7 +23,7 @@ from mempo_trl.config import MemPOConfig
 from mempo_trl.data import validate_qa_rows
 from mempo_trl.dynamic_sampling import refillable_groups, zero_std_groups
 from mempo_trl.environments import environment_reward_funcs
-from mempo_trl.grpo_mirror import GRPOMirror
+from mempo_trl.grpo_mirror import GRPOMirror, activation_checkpointing_off
 from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import answer_probability, memory_reward, quantile_threshold
 from mempo_trl.model_card import mempo_model_card
@@ -211,6 +210,15 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         self.memory_settings = args.memory_settings()
         self.dynamic_sampling_settings = args.dynamic_sampling_settings()
         self._score_memory = protocol.context_mode == "memory" and self.memory_settings.memory_coef != 0.0
+        if (
+            protocol.context_mode == "memory"
+            and self.memory_settings.memory_coef == 0.0
+            and self.is_world_process_zero()
+        ):
+            print(
+                "mempo-trl: memory_coef is 0: the memory advantage is off, this run trains on the outcome reward only "
+                "(set memory_coef > 0 for MemPO)."
+            )
         attention = self.model.config._attn_implementation
         if args.memory_scoring == "shared_prefix" and attention not in SHARED_PREFIX_ATTENTION:
             raise ValueError(
@@ -245,6 +253,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
                 if rows is not None:
                     self.rollout_engine.check_first_contexts(rows, name)
         self._warned_no_target = False
+        self._warned_all_dropped = False
         self._step_account = StepAccount()
 
     # ------------------------------------------------------------------ memory reward
@@ -289,7 +298,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         scored = [i for i, row in enumerate(rows) if row.scoring is not None]
         pairs = [rows[i].scoring for i in scored]
         settings = self.memory_settings
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), activation_checkpointing_off(self.model, self.args.gradient_checkpointing_kwargs):
             # Shared-prefix scoring packs the contexts of one trajectory together: its full contexts are prefixes of
             # each other, and so are its mem contexts up to their memory. The two kinds are scored apart: a mem
             # context shares only the system and user messages with the full history, so in one row its block would
@@ -558,6 +567,14 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             )
             rollout = Rollout(tuple(episodes), tuple(training), timings)
             zero_std, refilled = zero_std & ~take, refilled | take
+        if zero_std.all() and not self._warned_all_dropped and self.accelerator.is_main_process:
+            self._warned_all_dropped = True
+            print(
+                f"mempo-trl: WARNING: step {self.state.global_step + 1}: dynamic_sampling={settings.dynamic_sampling!r} "
+                f"dropped every group (the outcome rewards of each span at most dynamic_sampling_tolerance="
+                f"{settings.dynamic_sampling_tolerance}): the step trains nothing. Lower the tolerance or use a reward "
+                "that varies (said once; dynamic_sampling/groups_dropped counts every step)."
+            )
         metrics = self._metrics["train"]
         metrics["dynamic_sampling/frac_reward_zero_std_before"].append(before)
         metrics["dynamic_sampling/frac_reward_zero_std_after"].append(zero_std.float().mean().item())

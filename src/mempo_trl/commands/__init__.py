@@ -92,10 +92,14 @@ def run(func: Callable[..., int | None], *args: Any) -> int:
 UPSTREAM_NOISE = (
     # DeepSpeed's CPU fallback, logged by every process that imports it on a machine without GPUs.
     ("DeepSpeed", "Setting accelerator to CPU"),
-    # Deprecations inside DeepSpeed (ZeRO collectives) and TRL (`is_gradient_checkpointing`): nothing a user can change.
+    # Deprecations inside DeepSpeed (ZeRO collectives) and TRL (`is_gradient_checkpointing` and
+    # `gradient_checkpointing_disable/enable` around its HF generation, `unwrap_model_for_generation`): nothing a user
+    # can change. Our own calls use transformers 5's names (`grpo_mirror.activation_checkpointing_off`).
     (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated"),
     (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated"),
     (FutureWarning, "`is_gradient_checkpointing` is deprecated"),
+    (FutureWarning, "`gradient_checkpointing_disable` is deprecated"),
+    (FutureWarning, "`gradient_checkpointing_enable` is deprecated"),
 )
 """(logger name or warning category, message start) of upstream messages no setting of ours can avoid."""
 
@@ -145,9 +149,11 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None, re
 
     A bad argument raises `CommandError` (one `error:` line). A command with an `output_dir` also gets
     `--overwrite_output_dir` (`OutputArguments`), and its `output_dir` is checked and held (`claim_output_dir`,
-    apart from the `INPUT_FIELDS` inputs and the recipe) here, before the command does any work; with
-    `--overwrite_output_dir` the previous run's outputs are deleted here too, or with `replace_later` when the
-    command calls `mempo_trl.outputs.replace_run_outputs` once its inputs are checked.
+    apart from the `INPUT_FIELDS` inputs and the recipe) here, before the command does any work, by the first process
+    of a launched run; a ``resume_from_checkpoint``, or arguments whose ``resumes_output_dir`` is true
+    (`mempo-trl distill`), continue the results there. With `--overwrite_output_dir` the previous run's outputs are
+    deleted here too, or with `replace_later` when the command calls `mempo_trl.outputs.replace_run_outputs` once its
+    inputs are checked.
 
     Example:
         >>> from mempo_trl.commands.retrieval import IndexArguments
@@ -156,7 +162,7 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None, re
     """
     from trl import TrlParser
 
-    from mempo_trl.outputs import OutputArguments, claim_output_dir, replace_run_outputs
+    from mempo_trl.outputs import OutputArguments, claim_output_dir, prepare_output_dir, replace_run_outputs
 
     names = {f.name for t in dataclass_types for f in fields(t)}
     writes = "output_dir" in names and "overwrite_output_dir" not in names
@@ -174,10 +180,17 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None, re
     }
     inputs["recipe"] = flag_value(sys.argv[1:] if argv is None else argv, "config")
     for args in parsed:
-        if getattr(args, "output_dir", None):
-            claim_output_dir(args.output_dir, overwrite=output.overwrite_output_dir, inputs=inputs)
-            if not replace_later:
-                replace_run_outputs(args.output_dir)
+        if not getattr(args, "output_dir", None):
+            continue
+        if int(os.environ.get("RANK", "0")) != 0:  # launched (`accelerate launch`): the first process holds it
+            prepare_output_dir(args.output_dir, check_existing=False, inputs=inputs)
+            continue
+        resume = getattr(args, "resume_from_checkpoint", None) or (
+            getattr(args, "resumes_output_dir", False) and not output.overwrite_output_dir
+        )
+        claim_output_dir(args.output_dir, overwrite=output.overwrite_output_dir, resume=resume, inputs=inputs)
+        if not replace_later:
+            replace_run_outputs(args.output_dir)
     return tuple(parsed)
 
 

@@ -52,11 +52,35 @@ class AgentArguments:
         default="auto", metadata={"help": "auto, float32, bfloat16 or float16 (vLLM's auto: bfloat16 for float32)."}
     )
     seed: int = field(default=0, metadata={"help": "Seed of sampling."})
+    openai_base_url: str | None = field(
+        default=None,
+        metadata={"help": "Generate with an OpenAI-compatible chat-completions API at this URL (e.g. "
+                  "http://127.0.0.1:8000/v1; API key from $MEMPO_OPENAI_API_KEY or $OPENAI_API_KEY) instead of "
+                  "loading the weights: model_name_or_path then gives only the tokenizer (token counts) and the "
+                  "saved protocol."},
+    )  # fmt: skip
+    openai_model: str | None = field(default=None, metadata={"help": "The model name the API serves."})
+    openai_timeout: float = field(
+        default=120.0, metadata={"help": "Seconds an API attempt waits for the server (to connect, for each read)."}
+    )
+    openai_max_retries: int = field(
+        default=5, metadata={"help": "Retries of an API request after a timeout, 429, 5xx or dropped connection."}
+    )
+    openai_max_concurrency: int = field(default=8, metadata={"help": "API requests in flight at once."})
+    openai_tool_role: str = field(
+        default="tool",
+        metadata={"help": "Role of the search-result messages sent to the API: tool (as training renders them), or "
+                  "user for an API that wants a tool_call_id with every tool message.", "choices": ["tool", "user"]},
+    )  # fmt: skip
 
     def __post_init__(self):
         """The overrides given are checked by `TurnProtocol`'s rules (`both`, eval's, aside)."""
         given = {name: value for name, value in self.protocol_overrides().items() if value not in (None, "both")}
         problems = TurnProtocol.problems(types.SimpleNamespace(**given))
+        if self.openai_base_url and self.use_vllm:
+            problems.append("--openai_base_url and --use_vllm are two generation backends: give one.")
+        if self.openai_base_url and not self.openai_model:
+            problems.append("--openai_base_url needs --openai_model NAME, the model name the API serves.")
         if self.per_device_eval_batch_size < 1:
             problems.append(f"per_device_eval_batch_size must be >= 1, got {self.per_device_eval_batch_size}.")
         if problems:
@@ -67,8 +91,22 @@ class AgentArguments:
         return {name: getattr(self, name) for name in PROTOCOL_OVERRIDES}
 
 
-def load_agent(args: AgentArguments, retriever, context_mode: str | None = None, environment_factory=None):
-    """`MemPOAgent.from_pretrained` with the arguments; an override of a saved setting prints one line."""
+def endpoint_settings(args: AgentArguments, **more) -> dict | None:
+    """The `OpenAIChatGenerator` arguments of ``--openai_*`` (and ``more``); None without ``--openai_base_url``."""
+    if not args.openai_base_url:
+        return None
+    return dict(
+        base_url=args.openai_base_url, model=args.openai_model, timeout=args.openai_timeout,
+        max_retries=args.openai_max_retries, max_concurrency=args.openai_max_concurrency,
+        tool_role=args.openai_tool_role, **more,
+    )  # fmt: skip
+
+
+def load_agent(
+    args: AgentArguments, retriever, context_mode: str | None = None, environment_factory=None, openai_cache=None
+):
+    """`MemPOAgent.from_pretrained` with the arguments; an override of a saved setting prints one line.
+    ``openai_cache``: the endpoint's request cache (`OpenAIChatGenerator`'s ``cache_path``), if any."""
     from mempo_trl.agent import MemPOAgent
 
     return MemPOAgent.from_pretrained(
@@ -82,6 +120,7 @@ def load_agent(args: AgentArguments, retriever, context_mode: str | None = None,
         temperature=args.temperature,
         batch_size=args.per_device_eval_batch_size,
         seed=args.seed,
+        openai=endpoint_settings(args, **({"cache_path": openai_cache} if openai_cache else {})),
         **{**args.protocol_overrides(), "context_mode": context_mode},
     )
 

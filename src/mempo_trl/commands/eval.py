@@ -10,6 +10,9 @@ The agent runs with the turn protocol saved with it (`mempo_agent.json`); a flag
 and says so. Contexts are held to the model's limit and `max_context_tokens` as in training (`context_overflow`): a
 question whose first context does not fit is refused before any is played. Writes ``results.json`` (metrics, settings, versions), ``trajectories.jsonl`` (one line per question
 and mode) and ``context_tokens.png`` (mean prompt tokens per round) into `output_dir`.
+
+With `--objectives 1 2 4 8` it runs the objectives sweep instead (`mempo_trl.sweep`, docs/objectives.md): one set of
+K-question rows per K, and ``objectives.json``, ``trajectories.jsonl`` and ``objectives.png``.
 """
 
 import argparse
@@ -34,6 +37,8 @@ from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 RESULTS_FILE = "results.json"
 TRAJECTORIES_FILE = "trajectories.jsonl"
 PLOT_FILE = "context_tokens.png"
+OBJECTIVES_FILE = "objectives.json"
+OBJECTIVES_PLOT = "objectives.png"
 
 
 @dataclass
@@ -56,10 +61,24 @@ class EvalArguments:
                   "the kit's: mempo_trl.kit.envs.KeyVaultEnv, ...). dataset_name then holds its reset rows (.jsonl)."},
     )  # fmt: skip
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+    objectives: list[int] | None = field(
+        default=None,
+        metadata={"help": "The objectives sweep: evaluate on rows of K questions for every K given (e.g. 1 2 4 8), "
+                  "composed from dataset_name with `seed` (or read from a `mempo-trl compose` directory); writes "
+                  "objectives.json and objectives.png. max_eval_samples then caps the rows per K."},
+    )  # fmt: skip
 
     def __post_init__(self):
         if self.max_eval_samples is not None and self.max_eval_samples < 1:
             raise ValueError(f"max_eval_samples must be >= 1, got {self.max_eval_samples}.")
+        if self.objectives is not None and (
+            not self.objectives or min(self.objectives) < 1 or len(set(self.objectives)) < len(self.objectives)
+        ):
+            raise ValueError(
+                f"objectives must be distinct whole numbers >= 1 (e.g. --objectives 1 2 4 8), got {self.objectives}."
+            )
+        if self.objectives and self.environment:
+            raise ValueError("objectives composes QA rows; it cannot be used with environment. Leave one out.")
 
 
 def _versions(use_vllm: bool) -> dict[str, str]:
@@ -103,6 +122,40 @@ def _load_rows(args: EvalArguments) -> dict[str, list[dict]]:
         rows[source] = [
             {**row, "data_source": name if row["data_source"] == "unknown" else row["data_source"]} for row in dataset
         ]
+    return rows
+
+
+def _objective_rows(args: EvalArguments, seed: int) -> dict[str, list[dict]]:
+    """The rows of every K of the objectives sweep, by ``"K objectives"``: read from a `mempo-trl compose` directory
+    (its ``k{K}/{split}.jsonl``), or composed from the pooled `dataset_name` sources with ``seed``."""
+    from mempo_trl.commands.compose import REPORT_FILE, load_pool, objectives_dir
+    from mempo_trl.compose import compose_objectives
+    from mempo_trl.data import DataError, load_qa
+
+    composed = [source for source in args.dataset_name if (Path(source) / REPORT_FILE).is_file()]
+    if composed and len(args.dataset_name) > 1:
+        raise DataError(
+            f"{composed[0]} holds composed rows (mempo-trl compose); with objectives it must be the only dataset_name."
+        )
+    if not composed:
+        pool = load_pool(args.dataset_name, args.dataset_split, args.dataset_config)
+        where = f"{', '.join(args.dataset_name)} [{args.dataset_split}]"
+        return {
+            f"{k} objectives": compose_objectives(
+                pool, k, seed=seed, max_rows=args.max_eval_samples, source_name=where
+            )
+            for k in args.objectives
+        }
+    rows = {}
+    for k in args.objectives:
+        path = objectives_dir(composed[0], k) / f"{args.dataset_split}.jsonl"
+        if not path.is_file():
+            raise DataError(
+                f"{path}: not found, so {composed[0]} has no {k}-objective {args.dataset_split} rows. Compose them "
+                f"(mempo-trl compose --objectives {k} --dataset_split {args.dataset_split} ...), or leave {k} out of "
+                "--objectives."
+            )
+        rows[f"{k} objectives"] = list(load_qa(path))[: args.max_eval_samples]
     return rows
 
 
@@ -157,6 +210,46 @@ def _print_summary(results: Sequence[EvalResult], comparison: dict | None) -> No
         )
 
 
+def _sweep(agent, rows: list[list[dict]], modes: list[str], out: Path, settings: dict, progress: bool) -> int:
+    """The objectives sweep (`mempo_trl.sweep`): evaluate every K in every mode, write the table, trajectories and
+    figure."""
+    from mempo_trl.sweep import evaluate_objectives, format_table, objectives_table, plot_objectives
+
+    start = time.time()
+    rows_by_k = dict(zip(settings["objectives"], rows))
+    results = evaluate_objectives(agent, rows_by_k, modes, progress=progress)
+    table = objectives_table(results)
+    replace_run_outputs(out)  # with --overwrite_output_dir: the previous results go once the new ones are ready
+    with (out / TRAJECTORIES_FILE).open("w", encoding="utf-8") as f:
+        for k, by_mode in results.items():
+            for mode, result in by_mode.items():
+                for record in result.records:
+                    line = {"objectives": k, "context_mode": mode, **record}
+                    f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    datasets = ", ".join(Path(name).name for name in settings["dataset_name"])
+    plot_objectives(table, out / OBJECTIVES_PLOT, f"{settings['model_name_or_path']} on {datasets}")
+    report = {
+        "settings": settings,
+        "versions": _versions(settings["use_vllm"]),
+        "table": table,
+        "objectives": {
+            str(k): {
+                mode: {**r.metrics, "generation_s": r.generation_s, "retrieval_s": r.retrieval_s}
+                for mode, r in by_mode.items()
+            }
+            for k, by_mode in results.items()
+        },
+        "comparison": {
+            str(k): compare_modes(*by_mode.values()) for k, by_mode in results.items() if len(by_mode) == 2
+        },
+        "elapsed_s": time.time() - start,
+    }
+    (out / OBJECTIVES_FILE).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(format_table(table))
+    print(f"wrote {out / OBJECTIVES_FILE}, {out / TRAJECTORIES_FILE}, {out / OBJECTIVES_PLOT}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """`mempo-trl eval`: load, evaluate every requested context mode, write the outputs."""
     if importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
@@ -173,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, retriever_info = _environment_rows(eval_args), {"environment": eval_args.environment}
         agent = load_agent(agent_args, None, context_mode, environment_factory=environment_factory)
     else:
-        sources = _load_rows(eval_args)
+        sources = _objective_rows(eval_args, agent_args.seed) if eval_args.objectives else _load_rows(eval_args)
         rows = [row for found in sources.values() for row in found]
         retriever = build_retriever(retriever_args)
         retriever_info = _probe_retriever(retriever, retriever_args, rows[0]["question"])
@@ -184,16 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     modes = list(CONTEXT_MODES) if agent_args.context_mode == "both" else [agent.protocol.context_mode]
     out = Path(eval_args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    results = [evaluate(agent, rows, context_mode=m, progress=not eval_args.disable_tqdm) for m in modes]
-    comparison = compare_modes(*results) if len(results) == 2 else None
-    replace_run_outputs(out)  # with --overwrite_output_dir: the previous results go once the new ones are ready
-    with (out / TRAJECTORIES_FILE).open("w", encoding="utf-8") as f:
-        for result in results:
-            for record in result.records:
-                f.write(json.dumps({"context_mode": result.context_mode, **record}, ensure_ascii=False) + "\n")
-    datasets = ", ".join(Path(name).name for name in eval_args.dataset_name)
-    plot_context_tokens(results, out / PLOT_FILE, f"{agent_args.model_name_or_path} on {datasets}")
     settings = {
         "model_name_or_path": agent_args.model_name_or_path,
         "dataset_name": eval_args.dataset_name,
@@ -206,10 +289,25 @@ def main(argv: list[str] | None = None) -> int:
         "protocol": asdict(agent.protocol),
         "protocol_saved": agent.saved_protocol is not None,
         "use_vllm": agent_args.use_vllm,
+        "openai_base_url": agent_args.openai_base_url,
+        "openai_model": agent_args.openai_model,
         "temperature": agent_args.temperature,
         "per_device_eval_batch_size": agent_args.per_device_eval_batch_size,
         "seed": agent_args.seed,
+        "objectives": eval_args.objectives,
     }
+    if eval_args.objectives:
+        return _sweep(agent, list(sources.values()), modes, out, settings, not eval_args.disable_tqdm)
+    start = time.time()
+    results = [evaluate(agent, rows, context_mode=m, progress=not eval_args.disable_tqdm) for m in modes]
+    comparison = compare_modes(*results) if len(results) == 2 else None
+    replace_run_outputs(out)  # with --overwrite_output_dir: the previous results go once the new ones are ready
+    with (out / TRAJECTORIES_FILE).open("w", encoding="utf-8") as f:
+        for result in results:
+            for record in result.records:
+                f.write(json.dumps({"context_mode": result.context_mode, **record}, ensure_ascii=False) + "\n")
+    datasets = ", ".join(Path(name).name for name in eval_args.dataset_name)
+    plot_context_tokens(results, out / PLOT_FILE, f"{agent_args.model_name_or_path} on {datasets}")
     report = {
         "settings": settings,
         "versions": _versions(agent_args.use_vllm),

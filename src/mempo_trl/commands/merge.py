@@ -66,11 +66,13 @@ def write_merged_card(adapter: str | Path, base: str, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     from peft import PeftConfig
 
+    from mempo_trl.loading import check_adapter_files
     from mempo_trl.merge import merge_lora
 
     (args,) = parse("mempo-trl merge-lora", [MergeArguments], argv)
     if not Path(args.model_name_or_path, "adapter_config.json").is_file():
         raise FileNotFoundError(f"{args.model_name_or_path} is not a LoRA adapter directory (no adapter_config.json).")
+    check_adapter_files(args.model_name_or_path)
     base = args.base_model_name_or_path or resolve_base_model(
         args.model_name_or_path, PeftConfig.from_pretrained(args.model_name_or_path).base_model_name_or_path
     )

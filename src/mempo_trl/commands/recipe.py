@@ -387,6 +387,21 @@ def heldout_callback(trainer):
     return next((c for c in trainer.callback_handler.callbacks if isinstance(c, HeldOutEvalCallback)), None)
 
 
+def end_of_run(trainer, output_dir: str, metrics: dict) -> str:
+    """What a finished run prints: where the model, metrics and card went, then the one line that matters (the
+    held-out EM before and after training, else `format_run_summary`); every metric stays in mempo_metrics.json."""
+    from mempo_trl.callbacks import format_run_summary
+
+    heldout = heldout_callback(trainer)
+    last = (
+        heldout.before_after()
+        if heldout is not None and heldout.curve
+        else format_run_summary(trainer.state.global_step, metrics)
+    )
+    out = Path(output_dir)
+    return f"model saved to {out} (metrics: {out / 'mempo_metrics.json'}, model card: {out / 'README.md'})\n{last}"
+
+
 def evaluate_after_training(trainer, stop) -> str | None:
     """The held-out evaluation after training (with ``heldout_questions``), once the model is saved; a stop signal
     during it (or received before) ends it at once. Returns that signal's name, or None."""
@@ -450,9 +465,28 @@ def check_before_training(
         prepare_output_dir(training_args.output_dir, check_existing=False, inputs=inputs)
 
 
+def protocol_changes(training_args, environment: bool) -> str | None:
+    """One line naming the turn-protocol settings (`max_turns`, ...) of this run that differ from those saved in the
+    checkpoint it resumes (its ``mempo_agent.json``), or None: the run goes on with its own, as said."""
+    from dataclasses import asdict
+
+    from mempo_trl.protocol import TurnProtocol
+
+    saved = TurnProtocol.from_pretrained(training_args.resume_from_checkpoint)
+    if saved is None:
+        return None
+    _, changes = saved.override(**asdict(training_args.turn_protocol(environment=environment)))
+    if not changes:
+        return None
+    return (
+        f"mempo-trl: resuming {training_args.resume_from_checkpoint} with another turn protocol: {'; '.join(changes)} "
+        "(this run's settings apply from here on and are saved with the model)."
+    )
+
+
 def main(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments) -> int:
     """Check the inputs, build the trainer, train, save (and push); print where everything went."""
-    from mempo_trl.checkpoints import prepare_resume
+    from mempo_trl.checkpoints import check_checkpoint_lora, prepare_resume
 
     if training_args.ddp_find_unused_parameters is None:
         # Trainer's default without activation checkpointing is True, and DDP then warns every run that it found none:
@@ -463,21 +497,20 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
     finished = prepare_resume(
         training_args, model_args.model_name_or_path, model_args.model_revision, model_args.use_peft
     )
+    if training_args.resume_from_checkpoint:
+        check_checkpoint_lora(training_args.resume_from_checkpoint, model_args)
     if finished:
         if int(os.environ.get("RANK", "0")) == 0:
             print(finished)
         return 0
+    changes = training_args.resume_from_checkpoint and protocol_changes(training_args, bool(script_args.environment))
+    if changes and int(os.environ.get("RANK", "0")) == 0:
+        print(changes)
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
     trainer.add_callback(ReplaceAtFirstStep(script_args.overwrite_output_dir))
     metrics = train(trainer, training_args, script_args.dataset_name)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"model saved to {training_args.output_dir}")
-        print(f"metrics written to {Path(training_args.output_dir, 'mempo_metrics.json')}")
-        summary = {k: metrics[k] for k in sorted(metrics) if k.startswith(("train_runtime", "episode/", "memory/"))}
-        print(json.dumps(summary, indent=2))
-        for callback in trainer.callback_handler.callbacks:
-            if hasattr(callback, "before_after"):
-                print(callback.before_after())
+        print(end_of_run(trainer, training_args.output_dir, metrics))
     release_process_groups(trainer)
     return 0
 

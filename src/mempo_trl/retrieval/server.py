@@ -5,7 +5,7 @@
 clients work unchanged. Searches run in FastAPI's thread pool, so one slow batch does not block `/health`.
 
 Limits (checked at start-up, enforced per request): queries per request, topk, request body bytes (a body without
-Content-Length is refused) and response bytes. A connection must send each whole request within `request_timeout`
+Content-Length, or chunked, is refused) and response bytes. A connection must send each whole request within `request_timeout`
 seconds (default 10) of connecting or of its previous answer, or it is closed, so idle and slow (slow-loris) clients
 cannot hold connections, and must read each answer within `request_timeout` seconds of its writing, or it is cut
 off and the answer dropped, so clients that never read cannot pile answers up in memory; uvicorn also closes
@@ -195,7 +195,7 @@ def create_app(
                         status_code=401,
                     )
             length = request.headers.get("content-length", "")
-            if not length.isdigit():
+            if not length.isdigit() or "transfer-encoding" in request.headers:  # with both, proxies may disagree
                 return JSONResponse({"error": "send a Content-Length header (no chunked bodies)."}, status_code=411)
             if int(length) > max_body_bytes:
                 return JSONResponse(
@@ -307,16 +307,19 @@ def allowed_host_names(host: str) -> tuple[str, ...] | None:
 
 
 def _host_name(value: str) -> str:
-    """The name in a `Host` header or an `--allowed_hosts` entry, without the port or IPv6 brackets, lower case.
+    """The name in a `Host` header or an `--allowed_hosts` entry, without the port or IPv6 brackets, lower case;
+    anything else after the name (not a port) leaves the value whole, so it matches no allowed name.
 
     Example:
-        >>> [_host_name(h) for h in ("LocalHost:8000", "[::1]:8000", "127.0.0.1", "::1")]
-        ['localhost', '::1', '127.0.0.1', '::1']
+        >>> [_host_name(h) for h in ("LocalHost:8000", "[::1]:8000", "127.0.0.1", "::1", "[::1]evil.com")]
+        ['localhost', '::1', '127.0.0.1', '::1', '[::1]evil.com']
     """
     value = value.strip().lower()
-    if value.startswith("["):
-        return value[1:].split("]", 1)[0]
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+    if value.startswith("["):  # only a port may follow the brackets: `[::1]evil.com` is no loopback name
+        name, _, port = value[1:].partition("]")
+        return name if port in ("", ":") or port[:1] == ":" and port[1:].isdigit() else value
+    name, colon, port = value.partition(":")
+    return name if colon and value.count(":") == 1 and (port == "" or port.isdigit()) else value
 
 
 def _is_loopback(host: str) -> bool:
