@@ -109,7 +109,8 @@ def test_a_tampered_or_edited_record_never_deletes_a_users_file(tmp_path, capsys
     assert main([*argv, "--overwrite_output_dir", "true"]) == 2
     assert one_error_line(capsys) == (
         f"error: output directory {out} holds README.md, which no mempo-trl run recorded and a run would "
-        "overwrite. Move them away or choose another output directory."
+        f"overwrite. Pass --resume_from_checkpoint {out / 'checkpoint-1'} to continue it, move them away or choose "
+        "another output directory."
     )
     assert (out / "README.md").read_text() == "my notes on this run"
 

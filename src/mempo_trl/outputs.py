@@ -362,17 +362,19 @@ class OutputClaim:
         self.earlier -= set(removed)
 
     def release(self) -> None:
-        """Record the entries this run wrote or changed, with those of earlier runs it left as they were, in
-        `RUN_RECORD` (none: no record, and a directory this claim created and left empty is removed); remove
-        `RUN_GOING`. Then unlock."""
+        """If this run wrote, changed or removed anything, record the entries it wrote or changed, with those of
+        earlier runs it left as they were, in `RUN_RECORD` (none: no record); a run that changed nothing (refused,
+        or a failed load) leaves the record as it was, and a directory this claim created and left empty is
+        removed. Remove `RUN_GOING`, then unlock."""
         try:
             now, sizes = fingerprints(self.path, times=True), fingerprints(self.path)
-            ours = [name for name, fp in now.items() if self.before.get(name) != fp or name in self.earlier]
-            written = {name: sizes[name] for name in ours if name in sizes}
-            if written:
-                write_json(self.path / RUN_RECORD, {"written": dict(sorted(written.items()))})
-            else:
-                (self.path / RUN_RECORD).unlink(missing_ok=True)
+            changed = [name for name, fp in now.items() if self.before.get(name) != fp]
+            if changed or set(self.before) - set(now):
+                written = {name: sizes[name] for name in {*changed, *self.earlier} if name in sizes}
+                if written:
+                    write_json(self.path / RUN_RECORD, {"written": dict(sorted(written.items()))})
+                else:
+                    (self.path / RUN_RECORD).unlink(missing_ok=True)
             (self.path / RUN_GOING).unlink(missing_ok=True)
             if self.created and not entries(self.path):
                 self.path.rmdir()
