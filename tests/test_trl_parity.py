@@ -1,0 +1,135 @@
+"""TRL parity: the `GRPOConfig` options `MemPOTrainer` takes from `GRPOTrainer` work, or are refused with a reason.
+
+Each option is run through `MemPOTrainer` on the tiny kit model and checked for its effect (the tokens rendered, the
+batch shape, the advantages, ...) or for its refusal; docs/trl_parity.md is the table these tests hold true.
+"""
+
+from datasets import Dataset
+from helpers import EchoRetriever, cpu_config
+
+from mempo_trl import MemPOAgent, MemPOTrainer
+from mempo_trl.kit.tiny import load_tiny
+
+
+def turn(mem, action, content):
+    return f"<mem>{mem}</mem><think>t</think><{action}>{content}</{action}>"
+
+
+# question -> the scripted turns of its G = 2 trajectories: 2, 1, 1 and 3 rounds
+SCRIPT = {
+    "Where is Alpha?": [
+        [turn("a1", "search", "alpha"), turn("a1b", "answer", "Paris")],
+        [turn("a2", "answer", "Lyon")],
+    ],
+    "Where is Beta?": [
+        [turn("b1", "answer", "Rome")],
+        [turn("b2", "search", "beta"), turn("b2b", "search", "beta 2"), turn("b2c", "answer", "Rome")],
+    ],
+}
+GOLDS = {"Where is Alpha?": ["Paris"], "Where is Beta?": ["Rome"]}
+
+NO_THINKING = "<think>\n\n</think>\n\n"
+"""What a Qwen3-style template appends to the generation prompt with ``enable_thinking=False``."""
+
+
+def thinking_template(tokenizer):
+    """``tokenizer`` with its chat template reading ``enable_thinking`` as Qwen3's does (False: an empty think
+    block opens the assistant turn)."""
+    opening = "{{- '<|im_start|>assistant\\n' }}"
+    assert opening in tokenizer.chat_template
+    switch = (
+        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '"
+        + "<think>\\n\\n</think>\\n\\n"
+        + "' }}{%- endif %}"
+    )
+    tokenizer.chat_template = tokenizer.chat_template.replace(opening, opening + switch)
+    return tokenizer
+
+
+def scripted_trainer(model_dir, output_dir, monkeypatch, tokenizer=None, reward_funcs=None, **config):
+    """A `MemPOTrainer` on the tiny model whose turns are `SCRIPT`'s (2 questions x G = 2); the batches it prepares
+    are kept in ``trainer.batches`` and the items its memory scoring scores in ``trainer.scored_items``."""
+    model, tiny_tokenizer = load_tiny(model_dir)
+    tokenizer = tokenizer or tiny_tokenizer
+    dataset = Dataset.from_list([{"question": q, "golden_answers": GOLDS[q]} for q in SCRIPT])
+    trainer = MemPOTrainer(
+        model,
+        EchoRetriever(),
+        reward_funcs=reward_funcs,
+        args=cpu_config(output_dir, **config),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    started: dict[str, int] = {}
+
+    def scripted_generate(prompt_ids, *args, **kwargs):
+        outs = []
+        for ids in prompt_ids:
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            question = next(q for q in SCRIPT if q in text)
+            seen = [(k, j) for k, script in enumerate(SCRIPT[question]) for j, t in enumerate(script) if t in text]
+            if seen:
+                ((k, j),) = seen
+            else:
+                k, j = started.setdefault(question, -1) + 1, -1
+                started[question] = k
+            outs.append(tokenizer(SCRIPT[question][k][j + 1], add_special_tokens=False)["input_ids"])
+        return outs, None
+
+    monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
+    trainer.batches, trainer.scored_items = [], []
+    prepare, score = trainer._generate_and_score_completions, trainer._score_items
+
+    def keep_batch(inputs):
+        trainer.batches.append(prepare(inputs))
+        return trainer.batches[-1]
+
+    def keep_items(items, *args, **kwargs):
+        trainer.scored_items += items
+        return score(items, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_generate_and_score_completions", keep_batch)
+    monkeypatch.setattr(trainer, "_score_items", keep_items)
+    return trainer
+
+
+def real_rows(batch):
+    """The prompt ids of a batch's real rows (not the fully masked placeholders), left padding removed."""
+    return [
+        ids[mask.bool()].tolist()
+        for ids, mask, cmask in zip(batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"])
+        if cmask.any()
+    ]
+
+
+# ---------------------------------------------------------------------------- chat_template_kwargs
+
+
+def test_chat_template_kwargs_render_every_context_and_reach_the_agent(tiny_model_dir, tmp_path, monkeypatch):
+    tokenizer = thinking_template(load_tiny(tiny_model_dir)[1])
+    trainer = scripted_trainer(
+        tiny_model_dir, tmp_path, monkeypatch, tokenizer, chat_template_kwargs={"enable_thinking": False}
+    )
+    trainer.train()
+    marker = tokenizer(NO_THINKING, add_special_tokens=False)["input_ids"]
+    (batch,) = trainer.batches
+    prompts = real_rows(batch)
+    assert len(prompts) == 2 + 1 + 1 + 3
+    assert all(ids[-len(marker) :] == marker for ids in prompts)  # every training context
+    full = [item.context_ids for item in trainer.scored_items if len(item.context_ids) > len(prompts[0]) + 8]
+    assert full and all(ids[-len(marker) :] == marker for ids in full)  # memory scoring's full-history contexts
+    assert all(tokenizer.decode(item.context_ids).count(NO_THINKING) == 1 for item in trainer.scored_items)
+
+    trainer.save_model(str(tmp_path / "agent"))
+    agent = MemPOAgent.from_pretrained(str(tmp_path / "agent"), EchoRetriever())
+    assert agent.protocol.chat_template_kwargs == {"enable_thinking": False}
+    engine = agent.rollout_engine()  # what `evaluate` and `ask` play with
+    ids = engine.render(agent.protocol.initial_messages("Where is Alpha?"))
+    assert ids[-len(marker) :] == marker
+
+
+def test_without_chat_template_kwargs_the_template_default_holds(tiny_model_dir, tmp_path, monkeypatch):
+    tokenizer = thinking_template(load_tiny(tiny_model_dir)[1])
+    trainer = scripted_trainer(tiny_model_dir, tmp_path, monkeypatch, tokenizer)
+    trainer.train()
+    assert not any(NO_THINKING in tokenizer.decode(ids) for ids in real_rows(trainer.batches[0]))
