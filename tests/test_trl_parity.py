@@ -133,3 +133,17 @@ def test_without_chat_template_kwargs_the_template_default_holds(tiny_model_dir,
     trainer = scripted_trainer(tiny_model_dir, tmp_path, monkeypatch, tokenizer)
     trainer.train()
     assert not any(NO_THINKING in tokenizer.decode(ids) for ids in real_rows(trainer.batches[0]))
+
+
+# ---------------------------------------------------------------------------- pad_to_multiple_of
+
+
+def test_pad_to_multiple_of_pads_the_training_tensors_as_trl(tiny_model_dir, tmp_path, monkeypatch):
+    trainer = scripted_trainer(tiny_model_dir, tmp_path, monkeypatch, pad_to_multiple_of=64)
+    trainer.train()
+    (batch,) = trainer.batches
+    # the longest context is 164 tokens and the longest turn 15: a 7 x 164 / 7 x 15 batch without the option
+    assert batch["prompt_ids"].shape == batch["prompt_mask"].shape == (7, 192)
+    for name in ("completion_ids", "completion_mask", "advantages"):
+        assert batch[name].shape == (7, 64), name
+    assert batch["prompt_mask"][:, : 192 - 164].sum() == 0 and batch["completion_mask"][:, 15:].sum() == 0

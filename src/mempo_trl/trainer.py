@@ -491,8 +491,9 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         self, episodes: list[Episode], rows: Sequence[TrainingRow], mode: str, dropped: list[bool]
     ) -> RoundBatch:
         """The training ``rows`` of ``episodes`` as tensors, padded with placeholder rows (one pad token, completion
-        fully masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``. The
-        rows of the episodes that are ``dropped`` (one flag per episode) get a fully masked completion."""
+        fully masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``; the
+        prompt and completion widths are multiples of ``pad_to_multiple_of`` when set (as in TRL). The rows of the
+        episodes that are ``dropped`` (one flag per episode) get a fully masked completion."""
         device = self.accelerator.device
         rows = tuple(rows)
         per_step = self.args.steps_per_generation if mode == "train" else 1
@@ -501,16 +502,18 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         prompts = [torch.tensor(r.prompt_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
         completions = [torch.tensor(r.completion_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
         masks = [torch.ones_like(c) for c in completions[: len(rows)]] + [torch.zeros(1, dtype=torch.long)] * num_dummy
-        completion_mask = pad(masks, padding_value=0, padding_side="right").to(device)
+        multiple = self.pad_to_multiple_of  # TRL's `pad_to_multiple_of`, on the prompt and completion widths
+        completion_mask = pad(masks, padding_value=0, padding_side="right", pad_to_multiple_of=multiple).to(device)
         if self.mask_truncated_completions:
             truncated = torch.tensor([r.truncated for r in rows] + [False] * num_dummy, device=device)
             completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
         kept = torch.tensor([not dropped[row.episode_index] for row in rows] + [True] * num_dummy, device=device)
         completion_mask = completion_mask * kept.unsqueeze(1).int()
+        prompt_mask = pad([torch.ones_like(p) for p in prompts], 0, "left", pad_to_multiple_of=multiple)
         tensors = {
-            "prompt_ids": pad(prompts, padding_value=pad_id, padding_side="left").to(device),
-            "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device),
-            "completion_ids": pad(completions, padding_value=pad_id, padding_side="right").to(device),
+            "prompt_ids": pad(prompts, pad_id, "left", pad_to_multiple_of=multiple).to(device),
+            "prompt_mask": prompt_mask.to(device),
+            "completion_ids": pad(completions, pad_id, "right", pad_to_multiple_of=multiple).to(device),
             "completion_mask": completion_mask,
             "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
         }
