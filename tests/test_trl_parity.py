@@ -4,10 +4,12 @@ Each option is run through `MemPOTrainer` on the tiny kit model and checked for 
 batch shape, the advantages, ...) or for its refusal; docs/trl_parity.md is the table these tests hold true.
 """
 
+import pytest
 from datasets import Dataset
 from helpers import EchoRetriever, cpu_config
 
 from mempo_trl import MemPOAgent, MemPOTrainer
+from mempo_trl.kit.envs import KeyVaultEnv, OracleGenerator, SafeEnv, key_vault_oracle, safe_oracle
 from mempo_trl.kit.tiny import load_tiny
 
 
@@ -147,3 +149,45 @@ def test_pad_to_multiple_of_pads_the_training_tensors_as_trl(tiny_model_dir, tmp
     for name in ("completion_ids", "completion_mask", "advantages"):
         assert batch[name].shape == (7, 64), name
     assert batch["prompt_mask"][:, : 192 - 164].sum() == 0 and batch["completion_mask"][:, 15:].sum() == 0
+
+
+# ---------------------------------------------------------------------------- several environments
+
+
+def two_environment_trainer(model_dir, output_dir, monkeypatch, rows):
+    """A trainer on TRL's dict `environment_factory` (the kit's KeyVaultEnv and SafeEnv), each turn its oracle's."""
+    model, tokenizer = load_tiny(model_dir)
+    trainer = MemPOTrainer(
+        model,
+        environment_factory={"vault": KeyVaultEnv, "safe": SafeEnv},
+        args=cpu_config(output_dir, max_completion_length=64, max_turns=6),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    oracle = OracleGenerator(tokenizer, lambda c: key_vault_oracle(c) if "vault" in c else safe_oracle(c))
+    monkeypatch.setattr(trainer, "_generate_single_turn", lambda prompt_ids, *a, **k: oracle(prompt_ids))
+    return trainer
+
+
+def test_a_dict_environment_factory_routes_each_row_to_its_environment(tiny_model_dir, tmp_path, monkeypatch):
+    rows = [{"environment": "vault", "seed": 1, "num_boxes": 2}, {"environment": "safe", "seed": 2, "num_boxes": None}]
+    trainer = two_environment_trainer(tiny_model_dir, tmp_path, monkeypatch, rows)
+    # TRL's reward sources: the default outcome reward (KeyVaultEnv owns none) and SafeEnv's own reward
+    assert trainer.reward_func_names == ["mempo_outcome_reward", "SafeEnv"]
+    trainer.model.train()
+    trainer._generate_and_score_completions([row for row in rows for _ in range(2)])
+    assert [type(e).__name__ for e in trainer.environments] == ["KeyVaultEnv"] * 2 + ["SafeEnv"] * 2
+    assert [len(pool) for pool in trainer.rollout_engine.environment_pool.values()] == [2, 2]
+    metrics = trainer._metrics["train"]
+    # each environment scored only its own episodes, all solved by their oracle: mean 1 over the scored ones
+    assert metrics["rewards/SafeEnv/mean"][-1] == 1.0 and metrics["rewards/mempo_outcome_reward/mean"][-1] == 1.0
+    assert metrics["episode/format_valid"][-1] == 1.0
+
+    with pytest.raises(ValueError, match=r"`environment='kitchen'`, which is not among .* \['vault', 'safe'\]"):
+        trainer._generate_and_score_completions([{"environment": "kitchen", "seed": 3, "num_boxes": None}] * 4)
+
+
+def test_a_dict_environment_factory_refuses_rows_without_a_known_environment(tiny_model_dir, tmp_path, monkeypatch):
+    rows = [{"environment": "vault", "seed": 1}, {"environment": "kitchen", "seed": 2}]
+    with pytest.raises(ValueError, match=r"row 1: environment='kitchen' is not among .*\['vault', 'safe'\]"):
+        two_environment_trainer(tiny_model_dir, tmp_path, monkeypatch, rows)

@@ -11,6 +11,7 @@ training, evaluation and inference see exactly the same contexts.
 """
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,10 @@ from mempo_trl.environments import (
     EnvironmentFactory,
     call_tool,
     check_environment,
+    environment_factories,
+    environment_name,
     parse_tool_call,
+    reset_arguments,
     task_text,
     tool_schemas,
 )
@@ -291,7 +295,8 @@ class RolloutEngine:
             ``max_context_tokens`` and ``context_overflow``); with an environment, its `TurnProtocol.for_environment`.
         retriever: any object with ``search(queries: list[str], topk: int) -> list[list[Passage]]`` (search task).
         environment_factory: instead of a retriever, a TRL-style environment class or factory
-            (`mempo_trl.environments`): one instance per concurrent episode, built once and reset for each row.
+            (`mempo_trl.environments`): one instance per concurrent episode, built once and reset for each row; or,
+            as in TRL, a dict of them by name, each row playing the one its ``environment`` field names.
         eos_token_ids: the ids that end a turn (`TurnProtocol.stop_token_ids`); a turn that ends otherwise is
             truncated.
         max_prompt_length: the longest context (tokens) the generation backend takes; ``None``: no limit. With the
@@ -320,19 +325,23 @@ class RolloutEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.max_prompt_length = max_prompt_length
         self.environment_factory = environment_factory
-        self.environment_pool = [] if environment_factory is None else [check_environment(environment_factory)]
+        self.environment_factories = {} if environment_factory is None else environment_factories(environment_factory)
+        self.environment_pool = {name: [check_environment(f)] for name, f in self.environment_factories.items()}
         self.actions = SEARCH_ACTIONS if environment_factory is None else TOOL_ACTIONS
 
     def new_episode(self, row: dict, index: int = 0) -> Episode:
-        """The episode of ``row``; with an environment, instance ``index`` of the pool is reset with the row (TRL's
-        pooling: built once, reset for every episode; the pool grows when a batch needs more instances)."""
+        """The episode of ``row``; with an environment, instance ``index`` of the pool of the row's environment
+        (`environment_name`) is reset with the row (TRL's pooling: built once, reset for every episode; the pool
+        grows when a batch needs more instances)."""
         if self.environment_factory is None:
             question = row["question"]
             return Episode(row, self.protocol.initial_messages(question), question=question)
-        while len(self.environment_pool) <= index:
-            self.environment_pool.append(self.environment_factory())
-        environment = self.environment_pool[index]
-        question = task_text(row, environment.reset(**row))
+        name = environment_name(row, self.environment_factories)
+        pool = self.environment_pool[name]
+        while len(pool) <= index:
+            pool.append(self.environment_factories[name]())
+        environment = pool[index]
+        question = task_text(row, environment.reset(**reset_arguments(row, self.environment_factories)))
         return Episode(
             row,
             self.protocol.initial_messages(question),
@@ -436,7 +445,11 @@ class RolloutEngine:
                 taking part in the rounds; after the last one, every process learns (through ``global_active``)
                 whether any process lost it, and all of them raise together, so a caller can save a checkpoint.
         """
-        episodes = [self.new_episode(dict(row), i) for i, row in enumerate(rows)]
+        episodes, handed_out = [], defaultdict(int)  # instances of each environment in use
+        for row in map(dict, rows):
+            name = environment_name(row, self.environment_factories) if self.environment_factories else None
+            episodes.append(self.new_episode(row, handed_out[name]))
+            handed_out[name] += 1
         timings = RolloutTimings()
         outage: RetrieverOutage | None = None
         for round_index in range(self.protocol.max_turns):

@@ -477,8 +477,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         ]
         if self.rollout_engine.environment_factory is not None:
             self.environments = [ep.environment for ep in episodes]
-            for reward_input, ep in zip(reward_inputs, episodes):
-                if "golden_answers" not in reward_input and ep.golden_answers is not None:
+            for reward_input, ep in zip(reward_inputs, episodes):  # None: no gold, the outcome reward gives None
+                if reward_input.get("golden_answers") is None:
                     reward_input["golden_answers"] = ep.golden_answers
         rewards_per_func = self._calculate_rewards(
             reward_inputs, prompts, completions, [ep.rounds[-1].completion_ids for ep in episodes]
