@@ -53,7 +53,6 @@ def test_paper_defaults(tmp_path):
         (dict(max_turns=0), "max_turns"),
         (dict(retrieval_topk=0), "retrieval_topk"),
         (dict(instruction="no placeholder"), "{question}"),
-        (dict(multi_objective_aggregation="normalize_then_sum"), "sum_then_normalize"),
     ],
 )
 def test_invalid_configs_fail_at_construction(tmp_path, overrides, message):

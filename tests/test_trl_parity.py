@@ -11,6 +11,7 @@ from helpers import EchoRetriever, cpu_config
 from mempo_trl import MemPOAgent, MemPOTrainer
 from mempo_trl.kit.envs import KeyVaultEnv, OracleGenerator, SafeEnv, key_vault_oracle, safe_oracle
 from mempo_trl.kit.tiny import load_tiny
+from mempo_trl.rewards import mempo_outcome_reward
 
 
 def turn(mem, action, content):
@@ -191,3 +192,44 @@ def test_a_dict_environment_factory_refuses_rows_without_a_known_environment(tin
     rows = [{"environment": "vault", "seed": 1}, {"environment": "kitchen", "seed": 2}]
     with pytest.raises(ValueError, match=r"row 1: environment='kitchen' is not among .*\['vault', 'safe'\]"):
         two_environment_trainer(tiny_model_dir, tmp_path, monkeypatch, rows)
+
+
+# ---------------------------------------------------------------------------- multi_objective_aggregation
+
+
+def turns_reward(completions, trajectory, **kwargs):
+    """The number of turns of each trajectory."""
+    return [float(len(turns)) for turns in trajectory]
+
+
+def row_outcome_advantages(trainer, batch):
+    """{(question, trajectory k): the advantage on its rows' tokens}, each row read from its completion."""
+    tokenizer, found = trainer.processing_class, {}
+    for ids, mask, adv in zip(batch["completion_ids"], batch["completion_mask"], batch["advantages"]):
+        text = tokenizer.decode(ids[mask.bool()])
+        (key,) = [(q, k) for q in SCRIPT for k, turns in enumerate(SCRIPT[q]) if text in turns]
+        found.setdefault(key, set()).update(round(a, 4) for a in adv[mask.bool()].tolist())
+    return found
+
+
+def test_normalize_then_sum_matches_a_hand_computed_advantage(tiny_model_dir, tmp_path, monkeypatch):
+    trainer = scripted_trainer(
+        tiny_model_dir,
+        tmp_path,
+        monkeypatch,
+        reward_funcs=[mempo_outcome_reward, turns_reward],
+        reward_weights=[1.0, 0.5],
+        multi_objective_aggregation="normalize_then_sum",
+        memory_coef=0.0,  # the outcome advantage alone, on every token
+    )
+    trainer.train()
+    # exact match: Alpha 1, 0 and Beta 1, 1; turns: Alpha 2, 1 and Beta 1, 3. Each function normalised in its group
+    # ((r - mean) / (unbiased std + 1e-4)), weighted 1 and 0.5, summed, then normalised over the batch.
+    z = 0.5 / (0.5**0.5 + 1e-4)  # a group {x, x - 1} normalised: +-0.70701
+    beta_turns = 1.0 / (2**0.5 + 1e-4)  # Beta's turns {1, 3}: -+0.70706
+    sums = {("Where is Alpha?", 0): z + 0.5 * z, ("Where is Alpha?", 1): -z - 0.5 * z}
+    sums.update({("Where is Beta?", 0): -0.5 * beta_turns, ("Where is Beta?", 1): 0.5 * beta_turns})
+    std = (sum(v * v for v in sums.values()) / 3) ** 0.5  # the batch mean is 0
+    expected = {key: {round(value / (std + 1e-4), 4)} for key, value in sums.items()}
+    assert row_outcome_advantages(trainer, trainer.batches[0]) == expected
+    assert expected[("Where is Alpha?", 0)] == {1.1618}

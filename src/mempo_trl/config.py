@@ -166,8 +166,6 @@ class MemPOConfig(GRPOConfig):
                 f"loss_type={self.loss_type!r} does not work with one row per turn; use one of {TOKEN_LEVEL_LOSSES} "
                 "(see the MemPOConfig docstring)."
             )
-        if self.multi_objective_aggregation != "sum_then_normalize":
-            problems.append("MemPOTrainer supports multi_objective_aggregation='sum_then_normalize' only.")
         if problems:
             raise ValueError("Invalid MemPOConfig:\n- " + "\n- ".join(problems))
 

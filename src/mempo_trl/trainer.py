@@ -18,7 +18,7 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.trainer.utils import pad, use_adapter
 
-from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
+from mempo_trl.advantages import MemPOAdvantages, mempo_advantages, normalize_then_sum_advantages
 from mempo_trl.config import MemPOConfig
 from mempo_trl.data import validate_qa_rows
 from mempo_trl.dynamic_sampling import refillable_groups, zero_std_groups
@@ -369,7 +369,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         scoring_start = time.perf_counter()
         with profiling_context(self, "memory_scoring"):
             scored = self._memory_rewards(batch.rows, local_dropped)
-            advantages = self._advantages(batch, scored.reward, rewards.masked_fill(dropped, torch.nan), mode)
+            dropped_rewards = rewards_per_func.masked_fill(dropped.unsqueeze(1), torch.nan)
+            advantages = self._advantages(batch, scored.reward, dropped_rewards, mode)
         if mode == "train":
             check_finite("advantage", advantages.advantages, self.state.global_step + 1, self.accelerator)
         scoring_seconds = time.perf_counter() - scoring_start
@@ -587,13 +588,22 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         return rollout, outcomes, stats, rewards_per_func, rewards, zero_std.repeat_interleave(size)
 
     def _advantages(
-        self, batch: RoundBatch, memory_rewards: torch.Tensor, rewards: torch.Tensor, mode: str
+        self, batch: RoundBatch, memory_rewards: torch.Tensor, rewards_per_func: torch.Tensor, mode: str
     ) -> MemPOAdvantages:
         """`mempo_advantages` on the rounds of all processes, returned for this process's rows.
 
         A trajectory's global index is ``process_index * len(episodes) + episode`` (the order in which
-        `_calculate_rewards` gathers ``rewards``), so memory pools span processes exactly like GRPO's groups.
+        `_calculate_rewards` gathers ``rewards_per_func``, ``(N, F)``), so memory pools span processes exactly like
+        GRPO's groups. The outcome advantage aggregates the reward functions as ``multi_objective_aggregation`` says
+        (TRL's two ways; a trajectory of all-NaN rewards is unscorable, advantage 0).
         """
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        outcome = None
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            outcome = normalize_then_sum_advantages(rewards_per_func, weights, num_generations)
         rank, n_local = self.accelerator.process_index, len(batch.episodes)
         local = [
             (rank * n_local + row.episode_index, row.round_index, None if math.isnan(reward) else reward, row.mem_span)
@@ -610,9 +620,10 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             mem_spans=[row[3] for row in everything],
             completion_mask=batch.tensors["completion_mask"],
             local_rows=slice(start, start + len(local)),
-            num_generations=self.num_generations if mode == "train" else self.num_generations_eval,
+            num_generations=num_generations,
             scale_rewards=self.scale_rewards,
             settings=self.memory_settings,
+            outcome_advantages=outcome,
         )
 
     def _log_round_metrics(
