@@ -233,3 +233,59 @@ def test_normalize_then_sum_matches_a_hand_computed_advantage(tiny_model_dir, tm
     expected = {key: {round(value / (std + 1e-4), 4)} for key, value in sums.items()}
     assert row_outcome_advantages(trainer, trainer.batches[0]) == expected
     assert expected[("Where is Alpha?", 0)] == {1.1618}
+
+
+# ---------------------------------------------------------------------------- reward function format, streaming data
+
+
+def completion_length(completions, **kwargs):
+    """A reward written for TRL's standard format (strings)."""
+    return [float(len(completion)) for completion in completions]
+
+
+def test_reward_functions_get_conversational_completions_and_are_told(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    seen = []
+
+    def last_turn(prompts, completions, trajectory, **kwargs):
+        seen.append((prompts, completions, trajectory))
+        return [0.0] * len(completions)
+
+    with caplog.at_level("WARNING", logger="mempo_trl.trainer"):
+        trainer = scripted_trainer(tiny_model_dir, tmp_path, monkeypatch, reward_funcs=[last_turn, completion_length])
+    (warning,) = [r.getMessage() for r in caplog.records if "conversational" in r.getMessage()]
+    assert "last_turn, completion_length" in warning and "completion[0]['content']" in warning
+    trainer.train()
+    ((prompts, completions, trajectories),) = seen
+    assert [p[-1]["role"] for p in prompts] == ["user"] * 4
+    for completion, trajectory in zip(completions, trajectories):
+        assert completion == [{"role": "assistant", "content": trajectory[-1]}]
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mempo_trl.trainer"):
+        scripted_trainer(tiny_model_dir, tmp_path, monkeypatch, reward_funcs=[mempo_outcome_reward])
+    assert not [r for r in caplog.records if "conversational" in r.getMessage()]
+
+
+def test_streaming_datasets_are_refused_at_init_before_reading_them(tiny_model_dir, tmp_path):
+    from datasets import IterableDataset
+
+    def endless():  # an unbounded stream that fails the test when read (rather than hang it)
+        raise AssertionError("the stream was read")
+        yield
+
+    model, tokenizer = load_tiny(tiny_model_dir)
+    stream = IterableDataset.from_generator(endless)
+    finite = Dataset.from_list([{"question": "q?", "golden_answers": ["a"]}])
+    for train, evaluation, name in (
+        (stream, None, "train_dataset"),
+        (finite, {"dev": stream}, "eval_dataset\\[dev\\]"),
+    ):
+        with pytest.raises(ValueError, match=f"{name} is an IterableDataset .* `Dataset.from_list"):
+            MemPOTrainer(
+                model,
+                EchoRetriever(),
+                args=cpu_config(tmp_path),
+                train_dataset=train,
+                eval_dataset=evaluation,
+                processing_class=tokenizer,
+            )

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 from accelerate.utils import gather_object, is_peft_model
+from datasets import IterableDataset, IterableDatasetDict
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.trainer.utils import pad, use_adapter
@@ -27,7 +28,14 @@ from mempo_trl.grpo_mirror import GRPOMirror, activation_checkpointing_off
 from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import answer_probability, memory_reward, quantile_threshold
 from mempo_trl.model_card import mempo_model_card
-from mempo_trl.rewards import OutcomeScore, episode_metrics, episode_outcome, mempo_outcome_reward
+from mempo_trl.rewards import (
+    OutcomeScore,
+    episode_metrics,
+    episode_outcome,
+    mempo_all_parts_reward,
+    mempo_format_reward,
+    mempo_outcome_reward,
+)
 from mempo_trl.rollout import Episode, Rollout, RolloutEngine, RolloutTimings, TrainingRow
 from mempo_trl.scoring import (
     SHARED_PREFIX_ATTENTION,
@@ -83,6 +91,37 @@ class MemoryScores(NamedTuple):
     def unscored(cls, num_rows: int) -> "MemoryScores":
         """Scores of ``num_rows`` rows none of which is scored."""
         return cls(*(torch.full((num_rows,), math.nan) for _ in cls._fields))
+
+
+def check_map_style(train_dataset, eval_dataset) -> None:
+    """Refuse streaming (`datasets.IterableDataset`) train or eval data, with the reason and what to do instead."""
+    named = {"train_dataset": train_dataset}
+    named.update({f"eval_dataset[{n}]": ds for n, ds in eval_dataset.items()} if isinstance(eval_dataset, dict)
+                 else {"eval_dataset": eval_dataset})  # fmt: skip
+    for name, dataset in named.items():
+        if isinstance(dataset, IterableDataset | IterableDatasetDict):
+            raise ValueError(
+                f"{name} is an IterableDataset (streaming): MemPOTrainer needs a map-style Dataset, because it checks "
+                "every row before training (its fields, and that its first context fits) and dynamic_sampling="
+                "'refill' draws rows at random; a stream would be read whole at init, an unbounded one forever. Take "
+                "the rows you train on first: `Dataset.from_list(list(stream.take(n)))`."
+            )
+
+
+def announce_reward_format(reward_funcs) -> None:
+    """Warn once, naming them, that the caller's reward functions (``reward_funcs`` as given: a function, a model or
+    id, or a list) get conversational completions, not TRL's standard-format strings (docs/training.md)."""
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    own = (mempo_outcome_reward, mempo_all_parts_reward, mempo_format_reward)
+    custom = [f.__name__ for f in funcs if callable(f) and not isinstance(f, torch.nn.Module) and f not in own]
+    if custom:
+        logger.warning(
+            "Reward functions %s receive TRL's conversational format, as for a chat dataset: `prompts` are the "
+            "episode's first messages and each completion is [{'role': 'assistant', 'content': <last turn>}] (read "
+            "completion[0]['content']; a function written for strings would measure the list); `trajectory` holds "
+            "every turn's text (docs/training.md, 'Reward functions').",
+            ", ".join(custom),
+        )
 
 
 class MemPOTrainer(GRPOMirror, GRPOTrainer):
@@ -170,6 +209,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             raise ValueError("MemPOTrainer does not take `rollout_func=`: its rollout is the MemPO search episode.")
         if (retriever is None) == (environment_factory is None):
             raise ValueError("MemPOTrainer needs exactly one of `retriever` (search) and `environment_factory`.")
+        check_map_style(train_dataset, eval_dataset)
+        announce_reward_format(reward_funcs)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MemPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-MemPO")
