@@ -40,8 +40,6 @@ def test_paper_defaults(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(loss_type="grpo"), "loss_type='grpo'"),
-        (dict(loss_type="dr_grpo"), "loss_type='dr_grpo'"),
         (dict(context_mode="everything"), "context_mode"),
         (dict(memory_threshold_quantile=0.3), "not both"),
         (dict(memory_threshold=None, memory_threshold_quantile=1.5), "memory_threshold_quantile"),

@@ -5,6 +5,7 @@ batch shape, the advantages, ...) or for its refusal; docs/trl_parity.md is the 
 """
 
 import pytest
+import torch
 from datasets import Dataset
 from helpers import EchoRetriever, cpu_config
 
@@ -289,3 +290,59 @@ def test_streaming_datasets_are_refused_at_init_before_reading_them(tiny_model_d
                 eval_dataset=evaluation,
                 processing_class=tokenizer,
             )
+
+
+# ---------------------------------------------------------------------------- the loss types that count rows
+
+Z = 0.5 / (0.5**0.5 + 1e-4)
+"""The outcome advantage of Alpha's trajectories (exact match 1 and 0, group-normalised): +-0.70701."""
+
+
+def prepared_batch(model_dir, output_dir, monkeypatch, **config):
+    """The trainer and the batch it prepares for one step of `SCRIPT` (memory advantage off: the outcome advantage on
+    every token), plus one placeholder row as `_round_batch` pads with (fully masked, not a real row)."""
+    trainer = scripted_trainer(model_dir, output_dir, monkeypatch, memory_coef=0.0, **config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # what `train()` sets before the first step
+    batch = trainer._generate_and_score_completions([trainer.train_dataset[i] for i in (0, 0, 1, 1)])
+    rows = {key: value for key, value in batch.items() if key != "num_items_in_batch"}
+    padded = {key: torch.cat([value, torch.zeros_like(value[-1:])]) for key, value in rows.items()}
+    padded["prompt_mask"][-1, -1] = 1  # one pad token of prompt, as a placeholder row has
+    return trainer, batch, {**padded, "num_items_in_batch": batch["num_items_in_batch"]}
+
+
+def row_values(batch):
+    """Each real row's advantage (one value per row) and its number of completion tokens."""
+    mask = batch["completion_mask"].bool()
+    advantages = [set(row[m].tolist()) for row, m in zip(batch["advantages"], mask)]
+    assert all(len(a) == 1 for a in advantages)
+    return [a.pop() for a in advantages], mask.sum(dim=1).tolist()
+
+
+@pytest.mark.parametrize(
+    "loss_type, config",
+    [
+        ("grpo", {}),
+        ("grpo", {"importance_sampling_level": "sequence"}),  # TRL's GSPO set-up
+        ("sapo", {}),
+        ("dr_grpo", {}),
+        ("luspo", {"importance_sampling_level": "sequence"}),
+    ],
+)
+def test_row_level_losses_count_real_rounds_only(tiny_model_dir, tmp_path, monkeypatch, loss_type, config):
+    trainer, batch, padded = prepared_batch(tiny_model_dir, tmp_path, monkeypatch, loss_type=loss_type, **config)
+    advantages, lengths = row_values(batch)
+    # 7 rounds: Alpha's trajectories (2 and 1 rounds) get +-Z, Beta's (1 and 3 rounds, both right) 0
+    assert sorted(round(a, 4) for a in advantages) == [-0.707, 0, 0, 0, 0, 0.707, 0.707]
+    # The first pass: ratio 1, no clipping, beta 0, so each token's loss is -A (sapo: -A * 4 sigmoid(0) / tau)
+    token_loss = [-a * (2 / (1.0 if a > 0 else 1.05) if loss_type == "sapo" else 1) for a in advantages]
+    expected = {
+        "grpo": sum(token_loss) / 7,  # mean over the 7 rounds of each round's token mean
+        "sapo": sum(token_loss) / 7,
+        "dr_grpo": sum(t * n for t, n in zip(token_loss, lengths)) / (7 * 32),  # / rows x max_completion_length
+        "luspo": sum(t * n for t, n in zip(token_loss, lengths)) / 7,  # mean over rows of the token sum
+    }[loss_type]
+    with torch.no_grad():
+        assert trainer._compute_loss(trainer.model, batch).item() == pytest.approx(expected, rel=1e-4)
+        assert trainer._compute_loss(trainer.model, padded).item() == pytest.approx(expected, rel=1e-4)
+    assert padded["real_rows"].tolist() == [True] * 7 + [False]

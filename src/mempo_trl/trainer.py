@@ -20,7 +20,7 @@ from trl.extras.profiling import profiling_context
 from trl.trainer.utils import pad, use_adapter
 
 from mempo_trl.advantages import MemPOAdvantages, mempo_advantages, normalize_then_sum_advantages
-from mempo_trl.config import MemPOConfig
+from mempo_trl.config import ROW_LEVEL_LOSSES, MemPOConfig
 from mempo_trl.data import validate_qa_rows
 from mempo_trl.dynamic_sampling import refillable_groups, zero_std_groups
 from mempo_trl.environments import environment_reward_funcs
@@ -444,6 +444,23 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             self._step_account.retrieval += timings.retrieval
             self._step_account.memory_scoring += scoring_seconds
 
+    def _compute_loss(self, model, inputs):
+        """TRL's loss; for the loss types that count rows (`ROW_LEVEL_LOSSES`), the micro-batch's placeholder and
+        dropped rows (not ``real_rows``) leave it first, so that the mean over rows (`grpo`, `sapo`, `luspo`) or the
+        rows x `max_completion_length` divisor (`dr_grpo`) count the real rounds, each a sequence as in TRL. A
+        micro-batch without a real row keeps its rows (its loss is 0)."""
+        inputs = dict(inputs)  # the buffered batch serves every iteration (`num_iterations`): never changed here
+        real = inputs.pop("real_rows", None)
+        if real is not None and self.loss_type in ROW_LEVEL_LOSSES and real.any() and not real.all():
+            rows = real.shape[0]
+            inputs = {
+                key: value[real]
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows
+                else value
+                for key, value in inputs.items()
+            }
+        return super()._compute_loss(model, inputs)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         """GRPOTrainer's training step, then `check_finite` on its loss: a NaN or infinite loss raises
         `NonFiniteError` before the optimizer step, so the weights keep their last finite values.
@@ -535,10 +552,12 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         """The training ``rows`` of ``episodes`` as tensors, padded with placeholder rows (one pad token, completion
         fully masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``; the
         prompt and completion widths are multiples of ``pad_to_multiple_of`` when set (as in TRL). The rows of the
-        episodes that are ``dropped`` (one flag per episode) get a fully masked completion."""
+        episodes that are ``dropped`` (one flag per episode) get a fully masked completion. ``real_rows`` (bool, one
+        per row) marks the rows that are neither (`_compute_loss`)."""
         device = self.accelerator.device
         rows = tuple(rows)
         per_step = self.args.steps_per_generation if mode == "train" else 1
+        real = [not dropped[row.episode_index] for row in rows]
         num_dummy = math.ceil(self._global_max(len(rows)) / per_step) * per_step - len(rows)
         pad_id = self._tokenizer.pad_token_id
         prompts = [torch.tensor(r.prompt_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
@@ -549,7 +568,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         if self.mask_truncated_completions:
             truncated = torch.tensor([r.truncated for r in rows] + [False] * num_dummy, device=device)
             completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
-        kept = torch.tensor([not dropped[row.episode_index] for row in rows] + [True] * num_dummy, device=device)
+        kept = torch.tensor(real + [True] * num_dummy, device=device)
         completion_mask = completion_mask * kept.unsqueeze(1).int()
         prompt_mask = pad([torch.ones_like(p) for p in prompts], 0, "left", pad_to_multiple_of=multiple)
         tensors = {
@@ -558,6 +577,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             "completion_ids": pad(completions, pad_id, "right", pad_to_multiple_of=multiple).to(device),
             "completion_mask": completion_mask,
             "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
+            "real_rows": torch.tensor(real + [False] * num_dummy, device=device),
         }
         return RoundBatch(mode, episodes, rows, tensors)
 
