@@ -128,10 +128,12 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
     """
     Trainer for MemPO (Self-Memory Policy Optimization, arXiv 2603.00680) search agents.
 
-    It overrides five methods of [`~trl.GRPOTrainer`]: `_generate_and_score_completions` (the MemPO step below),
-    `training_step` (adds the step's time split and tokens/s to the logs), `_save` (also writes the turn protocol,
+    It overrides six methods of [`~trl.GRPOTrainer`]: `_generate_and_score_completions` (the MemPO step below),
+    `training_step` (adds the step's time split and tokens/s to the logs), `_compute_loss` (the loss types that count
+    rows count real rounds: placeholder rows leave the micro-batch first), `_save` (also writes the turn protocol,
     `mempo_agent.json`), `create_model_card` (MemPO's card) and `__init__` (MemPO's own arguments, then TRL's). The
-    loss, the sampler, PEFT, DeepSpeed/FSDP, vLLM weight sync and logging are inherited unchanged.
+    loss itself, the sampler, PEFT, DeepSpeed/FSDP, vLLM weight sync and logging are inherited unchanged; what is
+    taken, adapted or refused of each `GRPOConfig` option is docs/trl_parity.md.
     `_generate_and_score_completions`:
 
     - each question is played as a multi-turn search episode (`mempo_trl.rollout.RolloutEngine`) whose context is
@@ -149,13 +151,16 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         retriever: any object with `search(queries: list[str], topk: int) -> list[list[Passage]]`
             (`mempo_trl.retrieval.BM25Retriever`, `HttpRetriever`, ...).
         reward_funcs: outcome reward functions; defaults to `mempo_outcome_reward` (exact match, 0 on bad format).
-            They receive the final turn as `completions` plus `trajectory` (all turn texts) and `format_valid`.
+            They receive TRL's conversational format (the final turn as ``[{"role": "assistant", "content": ...}]``
+            in `completions`; a warning names the caller's functions) plus `trajectory` (all turn texts) and
+            `format_valid`.
         args: a `MemPOConfig`.
         train_dataset / eval_dataset: QA rows with `question` and `golden_answers` (Search-R1/FlashRAG format); with
             an `environment_factory`, the keyword arguments of its `reset`.
         environment_factory: instead of a retriever, a TRL-style environment class (`reset(**row)`, public methods as
-            tools, optional `get_reward()`; docs/environments.md): the agent calls one tool per turn, with the same
-            context rebuild. As in TRL, a `get_reward` is one more reward source (weight 1, named after the class); the
+            tools, optional `get_reward()`; docs/environments.md), or as in TRL a dict of them by name, each row
+            naming its own in an ``environment`` column: the agent calls one tool per turn, with the same context
+            rebuild. As in TRL, a `get_reward` is one more reward source (weight 1, named after the class); the
             default `reward_funcs` are then none, else `mempo_outcome_reward`. The memory reward needs a gold answer
             (the row's `golden_answers` or the environment's attribute of that name); episodes without one get the
             outcome advantage only (with a warning). A search-task `instruction` is replaced by
