@@ -58,7 +58,7 @@ def test_doctests():
 
 def test_trainer_saves_the_protocol_next_to_the_weights(trained_dir):
     saved = json.loads((trained_dir / PROTOCOL_FILE).read_text())
-    assert saved == {**CUSTOM, "context_overflow": "end_episode", "action": "search"}
+    assert saved == {**CUSTOM, "context_overflow": "end_episode", "action": "search", "chat_template_kwargs": None}
     assert (trained_dir / "config.json").is_file()
     assert TurnProtocol.from_pretrained(trained_dir) == TurnProtocol(**CUSTOM)
 
@@ -110,7 +110,8 @@ def test_eval_reads_the_saved_protocol(trained_dir, tmp_path, caplog):
     assert main([*argv, "--disable_tqdm", "true"]) == 0
     report = json.loads((out / "results.json").read_text())
     assert (
-        report["settings"]["protocol"] == {**CUSTOM, "context_overflow": "end_episode", "action": "search"}
+        report["settings"]["protocol"]
+        == {**CUSTOM, "context_overflow": "end_episode", "action": "search", "chat_template_kwargs": None}
         and report["settings"]["protocol_saved"]
     )
     assert report["settings"]["context_modes"] == ["full_history"]
