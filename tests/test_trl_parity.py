@@ -598,3 +598,18 @@ def test_gspo_set_up_trains(tiny_model_dir, tmp_path, monkeypatch):
     trainer.train()
     (step,) = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert torch.isfinite(torch.tensor(step["loss"])) and step["loss"] != 0.0
+
+
+@pytest.mark.slow
+def test_the_train_command_saves_chat_template_kwargs_with_the_agent(tiny_model_dir, tmp_path):
+    """Through `mempo-trl train`: a recipe's `chat_template_kwargs` reach the saved turn protocol."""
+    import json
+
+    from helpers import cpu_recipe
+
+    from mempo_trl.cli import main
+
+    path = cpu_recipe(tmp_path, tiny_model_dir, chat_template_kwargs={"enable_thinking": False})
+    assert main(["train", "--config", str(path), "--disable_tqdm", "true"]) == 0
+    saved = json.loads((tmp_path / "out" / "mempo_agent.json").read_text())
+    assert saved["chat_template_kwargs"] == {"enable_thinking": False}
