@@ -173,13 +173,16 @@ def two_environment_trainer(model_dir, output_dir, monkeypatch, rows):
     return trainer
 
 
-def test_a_dict_environment_factory_routes_each_row_to_its_environment(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_dict_environment_factory_routes_each_row_to_its_environment(tiny_model_dir, tmp_path, monkeypatch, caplog):
     rows = [{"environment": "vault", "seed": 1, "num_boxes": 2}, {"environment": "safe", "seed": 2, "num_boxes": None}]
     trainer = two_environment_trainer(tiny_model_dir, tmp_path, monkeypatch, rows)
     # TRL's reward sources: the default outcome reward (KeyVaultEnv owns none) and SafeEnv's own reward
     assert trainer.reward_func_names == ["mempo_outcome_reward", "SafeEnv"]
     trainer.model.train()
-    trainer._generate_and_score_completions([row for row in rows for _ in range(2)])
+    with caplog.at_level("WARNING", logger="mempo_trl.trainer"):
+        trainer._generate_and_score_completions([row for row in rows for _ in range(2)])
+    (warning,) = [r.getMessage() for r in caplog.records if "no gold answer" in r.getMessage()]
+    assert warning.startswith("Some episodes of SafeEnv have")  # KeyVaultEnv's episodes have their gold
     assert [type(e).__name__ for e in trainer.environments] == ["KeyVaultEnv"] * 2 + ["SafeEnv"] * 2
     assert [len(pool) for pool in trainer.rollout_engine.environment_pool.values()] == [2, 2]
     metrics = trainer._metrics["train"]

@@ -503,13 +503,14 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         """Warn once when environment episodes have no gold answer: their rounds get the outcome advantage only."""
         if self._warned_no_target or self.rollout_engine.environment_factory is None:
             return
-        if any(ep.golden_answers is None for ep in episodes):
+        missing = sorted({type(ep.environment).__name__ for ep in episodes if ep.golden_answers is None})
+        if missing:
             self._warned_no_target = True
             logger.warning(
                 "Some episodes of %s have no gold answer (no `golden_answers` in the row or on the environment): "
                 "their rounds get no memory reward, only the outcome advantage (memory/scored_rounds counts the "
                 "rounds that do).",
-                type(episodes[0].environment).__name__,
+                " / ".join(missing),
             )
 
     def _outcome_rewards(
