@@ -162,3 +162,33 @@ def test_sigterm_to_a_two_process_launch_saves_a_checkpoint_and_ends_in_one_line
     )
     assert validate_checkpoint(checkpoint)["global_step"] == step
     assert (checkpoint / "rng_state_1.pth").is_file()  # saved by both processes
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("target", ["top", "launcher"])
+def test_sigkill_to_a_two_process_launch_leaves_no_process_and_saves_a_checkpoint(tmp_path, tiny_model_dir, target):
+    """SIGKILL cannot be forwarded: to `mempo-trl train` (`kill -9`, `timeout -s KILL`, a scheduler) or to the
+    launcher it started (the OOM killer). The processes below learn it from the parent-death signal (SIGTERM), save
+    a checkpoint together and end: none of the run's processes, followed through /proc, is left."""
+    from helpers import ProcessTree, free_port
+
+    args = train_args(tmp_path, tiny_model_dir, max_steps=100_000, per_device_train_batch_size=2, num_generations=2)
+    launch = ["--accelerate_config", "cpu_ddp", "--num_processes", "2", "--main_process_port", str(free_port())]
+    run = Run([*args, *launch], new_session=True)
+    tree = ProcessTree(run.process.pid)
+    try:
+        run.wait_for("step 1/100000", timeout=600)
+        (launcher,) = tree.root.children()
+        assert len(launcher.children()) == 2  # the training processes, in sessions of their own
+        os.kill(run.process.pid if target == "top" else launcher.pid, signal.SIGKILL)
+        assert tree.wait_gone(timeout=240) == []
+    finally:
+        tree.kill()
+    run.finish()
+    (error,) = run.errors()
+    step = int(error.split("after step ")[1].split("/")[0])
+    checkpoint = tmp_path / "out" / f"checkpoint-{step}"
+    assert error.startswith(f"error: training stopped by SIGTERM after step {step}/100000. Saved {checkpoint};")
+    assert validate_checkpoint(checkpoint)["global_step"] == step
+    assert (checkpoint / "rng_state_1.pth").is_file()  # saved by both processes
