@@ -166,11 +166,12 @@ def test_sigterm_to_a_two_process_launch_saves_a_checkpoint_and_ends_in_one_line
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("target", ["top", "launcher"])
-def test_sigkill_to_a_two_process_launch_leaves_no_process_and_saves_a_checkpoint(tmp_path, tiny_model_dir, target):
+@pytest.mark.parametrize("target", ["top", "launcher", "rank"])
+def test_sigkill_to_a_two_process_launch_leaves_no_process(tmp_path, tiny_model_dir, target):
     """SIGKILL cannot be forwarded: to `mempo-trl train` (`kill -9`, `timeout -s KILL`, a scheduler) or to the
-    launcher it started (the OOM killer). The processes below learn it from the parent-death signal (SIGTERM), save
-    a checkpoint together and end: none of the run's processes, followed through /proc, is left."""
+    launcher it started (the OOM killer), the processes below learn it from the parent-death signal (SIGTERM), save
+    a checkpoint together and end. To a training process: the others end without a checkpoint. Either way none of
+    the run's processes, followed through /proc, is left."""
     from helpers import ProcessTree, free_port
 
     args = train_args(tmp_path, tiny_model_dir, max_steps=100_000, per_device_train_batch_size=2, num_generations=2)
@@ -180,12 +181,15 @@ def test_sigkill_to_a_two_process_launch_leaves_no_process_and_saves_a_checkpoin
     try:
         run.wait_for("step 1/100000", timeout=600)
         (launcher,) = tree.root.children()
-        assert len(launcher.children()) == 2  # the training processes, in sessions of their own
-        os.kill(run.process.pid if target == "top" else launcher.pid, signal.SIGKILL)
+        ranks = launcher.children()
+        assert len(ranks) == 2  # the training processes, in sessions of their own
+        os.kill({"top": run.process.pid, "launcher": launcher.pid, "rank": ranks[-1].pid}[target], signal.SIGKILL)
         assert tree.wait_gone(timeout=240) == []
     finally:
         tree.kill()
     run.finish()
+    if target == "rank":
+        return
     (error,) = run.errors()
     step = int(error.split("after step ")[1].split("/")[0])
     checkpoint = tmp_path / "out" / f"checkpoint-{step}"

@@ -106,10 +106,13 @@ def test_sigkill_to_an_eval_on_vllm_leaves_no_process(learner, tmp_path):
          "true"], cwd=learner, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     tree = ProcessTree(process.pid)
-    output = bytearray()  # the progress bar rewrites its line: read bytes, not lines
-    reader = threading.Thread(target=lambda: output.extend(iter(lambda: process.stdout.read1(4096), b"")))
-    reader.daemon = True
-    reader.start()
+    output = bytearray()
+
+    def read():  # the progress bar rewrites its line: chunks, not lines
+        for chunk in iter(lambda: process.stdout.read1(4096), b""):
+            output.extend(chunk)
+
+    threading.Thread(target=read, daemon=True).start()
     try:
         deadline = time.monotonic() + 600
         while b"round 1/" not in output:  # the engine runs: the questions are being played
