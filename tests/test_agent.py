@@ -164,3 +164,24 @@ def test_agent_override_help_is_the_protocols(capsys):
     for name in ("max_turns", "context_overflow", "max_context_tokens"):
         declared = next(f for f in fields(TurnProtocol) if f.name == name).metadata["help"]
         assert f"{declared} (default: the saved value)" in help_text, name
+
+
+def test_an_agent_shuts_its_generators_engine_down_at_the_end_of_a_with_block(tiny_model_dir):
+    """A generator with an engine of its own (`VLLMGenerator`) is closed at the end of the block; one without
+    ``close`` (`HFGenerator`) is left alone."""
+    closed = []
+
+    class EngineGenerator:
+        def __call__(self, prompts):
+            return [[] for _ in prompts], None
+
+        def close(self):
+            closed.append(True)
+
+    tokenizer = load_tiny(tiny_model_dir)[1]
+    with MemPOAgent(tokenizer, EchoRetriever(), EngineGenerator()):
+        assert closed == []
+    assert closed == [True]
+    with MemPOAgent(tokenizer, EchoRetriever(), lambda prompts: ([[] for _ in prompts], None)):
+        pass
+    assert closed == [True]
