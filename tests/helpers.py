@@ -185,6 +185,79 @@ def reward_failing_after_step_1(completions, trainer_state, **kwargs):
     return [0.0] * len(completions)
 
 
+class ProcessTree:
+    """Every process ever seen below ``pid``, found through /proc's parent links (never by name) by a thread that
+    looks every 0.1 s from its creation until `wait_gone`: a process stays counted once its parent dies and it is
+    reparented (each is a `psutil.Process`, pid and start time, so a reused pid is not it)."""
+
+    def __init__(self, pid: int):
+        import threading
+
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.seen: dict[tuple[int, float], psutil.Process] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import psutil
+
+        while not self._done.is_set():
+            for process in [self.root, *self.seen.values()]:
+                try:
+                    for child in process.children(recursive=True):
+                        self.seen.setdefault((child.pid, child.create_time()), child)
+                except psutil.Error:  # gone; what it started was seen while it ran
+                    pass
+            self._done.wait(0.1)
+
+    def wait_seen(self, count: int, timeout: float = 60) -> None:
+        """Wait until at least ``count`` processes have been seen below the root (at most ``timeout`` seconds)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(self.seen) < count:
+            assert time.monotonic() < deadline, f"{len(self.seen)} of {count} processes seen"
+            time.sleep(0.05)
+
+    def alive(self) -> list[str]:
+        """``pid command`` of each process seen that still runs (zombies, ended and waiting to be reaped, do not)."""
+        import psutil
+
+        found = []
+        for process in list(self.seen.values()):
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(f"{process.pid} {' '.join(process.cmdline())[:300]}")
+            except psutil.Error:
+                pass
+        return found
+
+    def wait_gone(self, timeout: float) -> list[str]:
+        """Wait until no process seen runs, at most ``timeout`` seconds; returns those still running (see `alive`)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        self._done.set()
+        self._thread.join()
+        return self.alive()
+
+    def kill(self) -> None:
+        """SIGKILL every process seen that still runs (a test's clean-up: nothing it started outlives it)."""
+        import psutil
+
+        for process in list(self.seen.values()):
+            try:
+                if process.is_running():
+                    process.kill()
+            except psutil.Error:
+                pass
+
+
 def record_as_run(directory: Path, *names: str) -> None:
     """Write ``directory/_mempo_outputs.json`` as a run that wrote `names` there records them (with fingerprints)."""
     import json

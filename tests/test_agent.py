@@ -58,7 +58,7 @@ def test_doctests():
 
 def test_trainer_saves_the_protocol_next_to_the_weights(trained_dir):
     saved = json.loads((trained_dir / PROTOCOL_FILE).read_text())
-    assert saved == {**CUSTOM, "context_overflow": "end_episode", "action": "search"}
+    assert saved == {**CUSTOM, "context_overflow": "end_episode", "action": "search", "chat_template_kwargs": None}
     assert (trained_dir / "config.json").is_file()
     assert TurnProtocol.from_pretrained(trained_dir) == TurnProtocol(**CUSTOM)
 
@@ -110,7 +110,8 @@ def test_eval_reads_the_saved_protocol(trained_dir, tmp_path, caplog):
     assert main([*argv, "--disable_tqdm", "true"]) == 0
     report = json.loads((out / "results.json").read_text())
     assert (
-        report["settings"]["protocol"] == {**CUSTOM, "context_overflow": "end_episode", "action": "search"}
+        report["settings"]["protocol"]
+        == {**CUSTOM, "context_overflow": "end_episode", "action": "search", "chat_template_kwargs": None}
         and report["settings"]["protocol_saved"]
     )
     assert report["settings"]["context_modes"] == ["full_history"]
@@ -163,3 +164,24 @@ def test_agent_override_help_is_the_protocols(capsys):
     for name in ("max_turns", "context_overflow", "max_context_tokens"):
         declared = next(f for f in fields(TurnProtocol) if f.name == name).metadata["help"]
         assert f"{declared} (default: the saved value)" in help_text, name
+
+
+def test_an_agent_shuts_its_generators_engine_down_at_the_end_of_a_with_block(tiny_model_dir):
+    """A generator with an engine of its own (`VLLMGenerator`) is closed at the end of the block; one without
+    ``close`` (`HFGenerator`) is left alone."""
+    closed = []
+
+    class EngineGenerator:
+        def __call__(self, prompts):
+            return [[] for _ in prompts], None
+
+        def close(self):
+            closed.append(True)
+
+    tokenizer = load_tiny(tiny_model_dir)[1]
+    with MemPOAgent(tokenizer, EchoRetriever(), EngineGenerator()):
+        assert closed == []
+    assert closed == [True]
+    with MemPOAgent(tokenizer, EchoRetriever(), lambda prompts: ([[] for _ in prompts], None)):
+        pass
+    assert closed == [True]

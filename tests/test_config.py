@@ -40,8 +40,6 @@ def test_paper_defaults(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(loss_type="grpo"), "loss_type='grpo'"),
-        (dict(loss_type="dr_grpo"), "loss_type='dr_grpo'"),
         (dict(context_mode="everything"), "context_mode"),
         (dict(memory_threshold_quantile=0.3), "not both"),
         (dict(memory_threshold=None, memory_threshold_quantile=1.5), "memory_threshold_quantile"),
@@ -53,7 +51,6 @@ def test_paper_defaults(tmp_path):
         (dict(max_turns=0), "max_turns"),
         (dict(retrieval_topk=0), "retrieval_topk"),
         (dict(instruction="no placeholder"), "{question}"),
-        (dict(multi_objective_aggregation="normalize_then_sum"), "sum_then_normalize"),
     ],
 )
 def test_invalid_configs_fail_at_construction(tmp_path, overrides, message):

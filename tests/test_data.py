@@ -149,6 +149,10 @@ def test_bad_json_file_and_unknown_sources(tmp_path):
     datasets.DatasetDict({"dev": datasets.Dataset.from_list([GOOD])}).save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(DataError, match=r"no split 'train'; the saved splits are \['dev'\]"):
         load_qa(tmp_path / "saved")
+    (tmp_path / "flashrag").mkdir()
+    (tmp_path / "flashrag" / "train.jsonl").write_text(json.dumps(GOOD) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"no test\.jsonl .*split files are train\. Pass --dataset_split train"):
+        load_qa(tmp_path / "flashrag", split="test")
     with pytest.raises(DataError, match="file not found"):
         load_qa(tmp_path / "missing.jsonl")
     (tmp_path / "empty.jsonl").write_text("\n", encoding="utf-8")

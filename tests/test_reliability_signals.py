@@ -162,3 +162,37 @@ def test_sigterm_to_a_two_process_launch_saves_a_checkpoint_and_ends_in_one_line
     )
     assert validate_checkpoint(checkpoint)["global_step"] == step
     assert (checkpoint / "rng_state_1.pth").is_file()  # saved by both processes
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("target", ["top", "launcher", "rank"])
+def test_sigkill_to_a_two_process_launch_leaves_no_process(tmp_path, tiny_model_dir, target):
+    """SIGKILL cannot be forwarded: to `mempo-trl train` (`kill -9`, `timeout -s KILL`, a scheduler) or to the
+    launcher it started (the OOM killer), the processes below learn it from the parent-death signal (SIGTERM), save
+    a checkpoint together and end. To a training process: the others end without a checkpoint. Either way none of
+    the run's processes, followed through /proc, is left."""
+    from helpers import ProcessTree, free_port
+
+    args = train_args(tmp_path, tiny_model_dir, max_steps=100_000, per_device_train_batch_size=2, num_generations=2)
+    launch = ["--accelerate_config", "cpu_ddp", "--num_processes", "2", "--main_process_port", str(free_port())]
+    run = Run([*args, *launch], new_session=True)
+    tree = ProcessTree(run.process.pid)
+    try:
+        run.wait_for("step 1/100000", timeout=600)
+        (launcher,) = tree.root.children()
+        ranks = launcher.children()
+        assert len(ranks) == 2  # the training processes, in sessions of their own
+        os.kill({"top": run.process.pid, "launcher": launcher.pid, "rank": ranks[-1].pid}[target], signal.SIGKILL)
+        assert tree.wait_gone(timeout=240) == []
+    finally:
+        tree.kill()
+    run.finish()
+    if target == "rank":
+        return
+    (error,) = run.errors()
+    step = int(error.split("after step ")[1].split("/")[0])
+    checkpoint = tmp_path / "out" / f"checkpoint-{step}"
+    assert error.startswith(f"error: training stopped by SIGTERM after step {step}/100000. Saved {checkpoint};")
+    assert validate_checkpoint(checkpoint)["global_step"] == step
+    assert (checkpoint / "rng_state_1.pth").is_file()  # saved by both processes

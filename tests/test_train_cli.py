@@ -60,7 +60,7 @@ def test_unknown_reward_name(capsys, recipe):
 
 
 def test_invalid_mempo_setting(capsys, recipe):
-    _fails(capsys, ["--config", recipe(loss_type="grpo")], "loss_type")
+    _fails(capsys, ["--config", recipe(memory_pooling="round")], "memory_pooling")
 
 
 def test_heldout_questions_prints_em_before_and_after_training(capsys, recipe, tmp_path):

@@ -2,17 +2,21 @@
 
 Skipped where vllm is not importable (the main suite); CI runs them in their own virtual environment
 (`.ci/vllm.sh`, `pytest -m vllm`). Each command runs in a subprocess: vLLM's engine and TRL's colocate set-up hold
-process-wide state.
+process-wide state. Every command must exit by itself and leave none of its processes running (vLLM's engine runs
+in processes of its own), followed through /proc (`helpers.ProcessTree`).
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from helpers import ProcessTree
 
 
 pytest.importorskip("vllm")
@@ -24,14 +28,28 @@ TURN_TOKENS = "26"
 """`max_completion_length` of the evaluations: the learner's turns take 20-36 tokens, so some are cut (invalid)."""
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}  # fmt: skip
+
+
 def _cli(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "mempo_trl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result
+    """Run `mempo-trl args`: it must exit 0 by itself within ``timeout`` seconds (an engine left running kept
+    `eval --use_vllm` waiting at exit forever), and none of its processes may outlive it."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mempo_trl", *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    tree = ProcessTree(process.pid)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        assert process.returncode == 0, stdout[-3000:] + stderr[-5000:]
+        assert tree.wait_gone(timeout=30) == []
+    finally:
+        tree.kill()
+        process.kill()
+        process.wait()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +60,17 @@ def learner(tmp_path_factory) -> Path:
     return out
 
 
-def _eval(learner: Path, out: Path, *extra: str) -> list[dict]:
+def _eval_args(learner: Path, out: Path, questions: int = QUESTIONS) -> list[str]:
     world = learner / "world"
-    _cli(
+    return [
         "eval", "--model_name_or_path", str(learner / "model"), "--dataset_name", str(world / "test.jsonl"),
-        "--corpus", str(world / "corpus.jsonl"), "--output_dir", str(out), "--max_eval_samples", str(QUESTIONS),
-        "--max_completion_length", TURN_TOKENS, "--dtype", "float32", "--disable_tqdm", "true", *extra, cwd=learner,
-    )  # fmt: skip
+        "--corpus", str(world / "corpus.jsonl"), "--output_dir", str(out), "--max_eval_samples", str(questions),
+        "--max_completion_length", TURN_TOKENS, "--dtype", "float32",
+    ]  # fmt: skip
+
+
+def _eval(learner: Path, out: Path, *extra: str) -> list[dict]:
+    _cli(*_eval_args(learner, out), "--disable_tqdm", "true", *extra, cwd=learner)
     return [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
 
 
@@ -74,6 +96,35 @@ def test_eval_on_vllm_plays_the_protocol_as_hf_generation(learner, tmp_path):
     assert {t["action"] for t in turns if t["valid"]} == {"search", "answer"}
     cut = [t for t in turns if not t["valid"]]
     assert cut and all(t["truncated"] and t["completion_tokens"] == int(TURN_TOKENS) for t in cut)
+
+
+def test_sigkill_to_an_eval_on_vllm_leaves_no_process(learner, tmp_path):
+    """SIGKILL (`timeout -s KILL`, a scheduler) to `eval --use_vllm` while it plays: vLLM's engine processes (and the
+    watchdog that ends them) end with it."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mempo_trl", *_eval_args(learner, tmp_path / "out", questions=200), "--use_vllm",
+         "true"], cwd=learner, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    tree = ProcessTree(process.pid)
+    output = bytearray()
+
+    def read():  # the progress bar rewrites its line: chunks, not lines
+        for chunk in iter(lambda: process.stdout.read1(4096), b""):
+            output.extend(chunk)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 600
+        while b"round 1/" not in output:  # the engine runs: the questions are being played
+            assert process.poll() is None and time.monotonic() < deadline, output[-4000:].decode(errors="replace")
+            time.sleep(0.2)
+        process.kill()
+        assert process.wait(timeout=60) == -signal.SIGKILL  # killed while it played
+        assert tree.wait_gone(timeout=120) == []
+    finally:
+        tree.kill()
+        process.kill()
+        process.wait()
 
 
 def test_colocate_training_syncs_the_new_weights_into_vllm(learner, tmp_path):

@@ -47,6 +47,29 @@ def group_outcome_advantages(
     return advantages.masked_fill(torch.isnan(rewards), 0.0)
 
 
+def normalize_then_sum_advantages(
+    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int
+) -> torch.Tensor:
+    """GRPO advantages of per-function trajectory rewards ``(N, F), (F,) -> (N,)``, as TRL 1.16's
+    ``multi_objective_aggregation="normalize_then_sum"`` computes them: each function's rewards are normalised in
+    their group of ``num_generations`` (``(r - mean) / (std + 1e-4)``), weighted and summed, and the sums normalised
+    over the batch. NaN rewards (None) are left out; a trajectory every function left unscored gets advantage 0.
+
+    >>> normalize_then_sum_advantages(torch.tensor([[1.0, 0.0], [0.0, 0.0]]), torch.tensor([1.0, 1.0]), 2)
+    tensor([ 0.7070, -0.7070])
+    """
+    if rewards_per_func.dim() != 2 or rewards_per_func.shape[0] % num_generations:
+        raise ValueError(f"rewards {tuple(rewards_per_func.shape)} do not split into groups of {num_generations}")
+    grouped = rewards_per_func.float().view(-1, num_generations, rewards_per_func.shape[1])
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = _nanstd(grouped.transpose(1, 2).reshape(-1, num_generations)).view(-1, 1, grouped.shape[2])
+    normalized = ((grouped - mean) / (std + 1e-4)).view(-1, grouped.shape[2])
+    rewards = (normalized * reward_weights.to(normalized)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    std = _nanstd(rewards.view(1, -1))[0] if rewards.numel() > 1 else rewards.new_zeros(())
+    return torch.nan_to_num((rewards - torch.nanmean(rewards)) / (std + 1e-4), nan=0.0)
+
+
 def _nanstd(rows: torch.Tensor) -> torch.Tensor:
     """Unbiased std of each row ``(G, N) -> (G,)`` over its non-NaN values (0 for a row with one value)."""
     count = (~torch.isnan(rows)).sum(dim=1)
@@ -96,6 +119,7 @@ def mempo_advantages(
     num_generations: int,
     scale_rewards: str | bool = "group",
     settings: MemoryRewardSettings = MemoryRewardSettings(),
+    outcome_advantages: torch.Tensor | None = None,
 ) -> MemPOAdvantages:
     """Per-token advantages of the rounds ``local_rows`` of a batch of N trajectories played as R rounds (rows).
 
@@ -110,6 +134,9 @@ def mempo_advantages(
             placeholder rows and get 0.
         local_rows: which of the R rows this call returns (a process's own rows; the pools use all R).
         scale_rewards: GRPO's outcome scaling (`group_outcome_advantages`).
+        outcome_advantages: ``(N,)`` the trajectories' outcome advantages when computed otherwise (TRL's
+            ``normalize_then_sum``: `normalize_then_sum_advantages`); None: `group_outcome_advantages` of
+            ``outcome_rewards``.
         settings: the memory advantage's settings; it reads ``memory_coef`` (its weight), ``memory_pooling``
             (``"question"`` pools the memory rewards of all rounds of a question's G trajectories,
             ``"question_round"`` per (question, round index)), ``memory_scale_rewards`` (the memory rewards' std: of
@@ -138,7 +165,9 @@ def mempo_advantages(
         raise ValueError(f"completion_mask {tuple(completion_mask.shape)} needs at least {len(rows)} rows")
     if any(memory_rewards[i] is not None and mem_spans[i] is None for i in rows):
         raise ValueError("a scored row needs its <mem> span")
-    outcome = group_outcome_advantages(outcome_rewards, num_generations, scale_rewards)
+    outcome = outcome_advantages
+    if outcome is None:
+        outcome = group_outcome_advantages(outcome_rewards, num_generations, scale_rewards)
     scored = [[float(r)] if r is not None else [] for r in memory_rewards]
     normalized = normalize_memory_rewards(
         [t // num_generations for t in row_trajectories],

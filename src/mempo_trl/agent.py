@@ -11,6 +11,9 @@ Example:
     >>> result = agent.run("Who founded the company that built the Orbix tower?")  # doctest: +SKIP
     >>> result.answer, result.num_turns, result.memories[-1]  # doctest: +SKIP
 
+With ``use_vllm=True`` the engine runs in processes of its own, which the agent owns: ``with
+MemPOAgent.from_pretrained(...) as agent:`` (or `MemPOAgent.close`) shuts them down.
+
 With a TRL-style environment (`mempo_trl.environments`) instead of a retriever, `MemPOAgent.run` takes the row its
 ``reset`` is called with:
 
@@ -108,6 +111,8 @@ class MemPOAgent:
         protocol: the `TurnProtocol` (default: `TurnProtocol()`; with an environment, `TurnProtocol.for_environment`
             of it).
         environment_factory: a TRL-style environment class (`mempo_trl.environments`) to play instead of searching.
+
+    `close` (or a ``with`` block) shuts the generator's engine down, if it has one (``use_vllm``; its processes end).
     """
 
     def __init__(
@@ -253,6 +258,18 @@ class MemPOAgent:
     def run(self, question: str | dict) -> AgentResult:
         """Answer one question, or play one environment episode from its row."""
         return self.run_batch([question])[0]
+
+    def close(self) -> None:
+        """Shut the generator's engine down (`VLLMGenerator.close`; nothing for one without ``close``)."""
+        close = getattr(self.generator, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "MemPOAgent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def load_chat_tokenizer(path: str, revision: str | None = None):

@@ -8,7 +8,8 @@ from mempo_trl.protocol import TurnProtocol
 from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings, field_type_problems, flat_field
 
 
-TOKEN_LEVEL_LOSSES = ("dapo", "bnpo", "cispo", "vespo")
+ROW_LEVEL_LOSSES = ("grpo", "dr_grpo", "sapo", "luspo")
+"""TRL's loss types whose normaliser counts rows: `MemPOTrainer` leaves its placeholder rows out of it."""
 
 
 @dataclass
@@ -109,10 +110,12 @@ class MemPOConfig(GRPOConfig):
         dynamic_sampling_max_rounds (`int`, *optional*, defaults to `3`):
             With `"refill"`: extra generation rounds per batch at most.
 
-    Why a token-level `loss_type`: each turn is its own row and episodes have different numbers of turns, so rows
-    are padded with fully masked placeholder rows to keep every process in step. `"dapo"` (the default) and
-    `"bnpo"` average over real completion tokens, so placeholders change nothing; `"grpo"` would average per row
-    (placeholders dilute it) and `"dr_grpo"` divides by rows x `max_completion_length`. Those are rejected.
+    Every `loss_type` of TRL works, with one row per turn: a round is a sequence. Episodes have different numbers
+    of turns, so the rows are padded with fully masked placeholder rows to keep every process in step. `"dapo"` (the
+    default), `"bnpo"`, `"cispo"` and `"vespo"` normalise over real completion tokens, so placeholders change
+    nothing; `"grpo"`, `"sapo"`, `"luspo"` (a mean over rows) and `"dr_grpo"` (rows x `max_completion_length`) count
+    rows, and the placeholder rows (and those of groups `dynamic_sampling` drops) leave each micro-batch before the
+    loss, so they count the real rounds only, as TRL counts its completions.
     """
 
     # The settings of the turn protocol, the memory reward and dynamic sampling, declared (default, help, choices,
@@ -161,13 +164,6 @@ class MemPOConfig(GRPOConfig):
         super().__post_init__()
         problems += TurnProtocol.problems(self) + MemoryRewardSettings.problems(self)
         problems += DynamicSamplingSettings.problems(self)
-        if self.loss_type not in TOKEN_LEVEL_LOSSES:
-            problems.append(
-                f"loss_type={self.loss_type!r} does not work with one row per turn; use one of {TOKEN_LEVEL_LOSSES} "
-                "(see the MemPOConfig docstring)."
-            )
-        if self.multi_objective_aggregation != "sum_then_normalize":
-            problems.append("MemPOTrainer supports multi_objective_aggregation='sum_then_normalize' only.")
         if problems:
             raise ValueError("Invalid MemPOConfig:\n- " + "\n- ".join(problems))
 

@@ -27,14 +27,25 @@ from mempo_trl.protocol import TurnProtocol as TurnProtocol
 from mempo_trl.protocol import render_gold_answer
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
+def render_prompt(
+    tokenizer,
+    messages: list[dict[str, str]],
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template and the generation prompt.
 
     ``tools``: the JSON schemas of an environment's tools (`mempo_trl.environments.tool_schemas`), rendered by the
     chat template (Qwen2.5's: in the system message); None for the search task, whose instruction teaches its action.
+    ``chat_template_kwargs``: extra variables of the template (TRL's field of that name, e.g. ``enable_thinking``).
     """
     ids = tokenizer.apply_chat_template(
-        messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=True
+        messages,
+        tools=tools or None,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        **(chat_template_kwargs or {}),
     )
     return list(ids["input_ids"])
 

@@ -392,6 +392,12 @@ def load_qa(source: str | Path, split: str = "train", config: str | None = None)
             rows = loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
             return validate_qa_rows(rows, f"{path} [{split}]")
         else:
+            splits = sorted(p.stem for p in path.iterdir() if p.is_file() and p.suffix in _FILE_SUFFIXES)
+            if splits:
+                raise DataError(
+                    f"{path}: no {split}.jsonl (or .json, .parquet); its split files are {', '.join(splits)}. Pass "
+                    f"--dataset_split {splits[0]}, or name the file itself."
+                )
             return validate_qa_rows(datasets.load_dataset(str(path), config, split=split), f"{path} [{split}]")
     if path.is_file():
         if path.suffix not in _FILE_SUFFIXES:

@@ -92,6 +92,44 @@ def check_environment(factory: EnvironmentFactory):
     return environment
 
 
+def environment_factories(environment_factory) -> dict[str | None, EnvironmentFactory]:
+    """TRL 1.16's reading of ``environment_factory``: a dict maps the ``environment`` field of each row to its factory
+    (several environments); a single factory is ``{None: factory}``, the one environment of every row.
+
+    Example:
+        >>> environment_factories(dict), list(environment_factories({"a": dict, "b": list}))
+        ({None: <class 'dict'>}, ['a', 'b'])
+    """
+    if isinstance(environment_factory, dict):
+        if not environment_factory:
+            raise ValueError("environment_factory is an empty dict: map each environment name to its class.")
+        return dict(environment_factory)
+    return {None: environment_factory}
+
+
+def environment_name(row: dict, factories: dict[str | None, EnvironmentFactory]) -> str | None:
+    """The environment ``row`` plays: its ``environment`` field with several environments (as in TRL), None with one.
+
+    Raises:
+        ValueError: the row names no environment, or one that is not among ``factories`` (TRL's message).
+    """
+    if None in factories:
+        return None
+    name = row.get("environment")
+    if name not in factories:
+        raise ValueError(
+            f"Example has `environment={name!r}`, which is not among the environments passed to "
+            f"`environment_factory`. Expected one of: {list(factories)}."
+        )
+    return name
+
+
+def reset_arguments(row: dict, factories: dict[str | None, EnvironmentFactory]) -> dict:
+    """The keyword arguments of ``reset``: the row, less its ``environment`` field with several environments (TRL's
+    control field)."""
+    return dict(row) if None in factories else {k: v for k, v in row.items() if k != "environment"}
+
+
 def has_own_reward(environment) -> bool:
     """Whether the environment owns the reward (defines ``get_reward``)."""
     return callable(getattr(environment, "get_reward", None))
@@ -112,37 +150,58 @@ def environment_reward_func(environment_class: type) -> Callable:
     return get_reward
 
 
-def environment_reward_funcs(environment_factory: EnvironmentFactory, reward_funcs, train_dataset) -> list:
-    """Check the environment and the first row before any model is loaded; return the trainer's reward functions.
+def environment_reward_funcs(environment_factory, reward_funcs, train_dataset) -> list:
+    """Check the environments and the rows before any model is loaded; return the trainer's reward functions.
 
-    A `get_reward` environment adds `environment_reward_func` (TRL's rule); without it and without ``reward_funcs``,
-    the default is `mempo_outcome_reward`, which needs a gold answer on the first row. Raises `ValueError` naming the
-    row and what to fix.
+    ``environment_factory`` is one factory or, as in TRL, a dict of them by name (`environment_factories`): then
+    every row names its environment in an ``environment`` column, checked here for all rows. Each environment class
+    with ``get_reward`` adds `environment_reward_func` (TRL's rule, once per class); without ``reward_funcs``, the
+    default is `mempo_outcome_reward` unless every environment owns its reward, and it needs a gold answer. The first
+    row of each environment is reset once. Raises `ValueError` naming the row and what to fix.
     """
     from mempo_trl.rewards import mempo_outcome_reward
 
-    environment = check_environment(environment_factory)
-    name = type(environment).__name__
+    factories = environment_factories(environment_factory)
+    environments = {name: check_environment(factory) for name, factory in factories.items()}
+    label = " / ".join(type(e).__name__ for e in environments.values())
+    owners = list(dict.fromkeys(type(e) for e in environments.values() if has_own_reward(e)))
     if reward_funcs is None:
-        reward_funcs = [] if has_own_reward(environment) else [mempo_outcome_reward]
+        every_one_owns = all(has_own_reward(e) for e in environments.values())
+        reward_funcs = [] if every_one_owns else [mempo_outcome_reward]
     elif not isinstance(reward_funcs, list):
         reward_funcs = [reward_funcs]
-    if has_own_reward(environment):
-        reward_funcs = [*reward_funcs, environment_reward_func(type(environment))]
+    reward_funcs = [*reward_funcs, *(environment_reward_func(owner) for owner in owners)]
     if train_dataset is None or len(train_dataset) == 0:
-        raise ValueError(f"MemPOTrainer with {name} needs a train_dataset: one row of `reset` arguments per task.")
-    row = dict(train_dataset[0])
-    try:
-        environment.reset(**row)
-    except Exception as err:
-        raise ValueError(f"train_dataset row 0: {name}.reset(**row) failed: {err!r}. Fix the row's fields.") from err
-    gold = row.get("golden_answers", getattr(environment, "golden_answers", None))
-    if gold is None and mempo_outcome_reward in reward_funcs:
-        raise ValueError(
-            f"train_dataset row 0 has no `golden_answers` and {name} sets none, but `mempo_outcome_reward` "
-            "scores the answer against them: add the column, set `self.golden_answers` in `reset`, or define "
-            "`get_reward()` / pass your own `reward_funcs`."
-        )
+        raise ValueError(f"MemPOTrainer with {label} needs a train_dataset: one row of `reset` arguments per task.")
+    if None in factories:
+        first_rows = {None: 0}
+    else:
+        names = train_dataset["environment"] if "environment" in getattr(train_dataset, "column_names", []) else None
+        names = names if names is not None else [dict(row).get("environment") for row in train_dataset]
+        first_rows = {}
+        for index, name in enumerate(names):
+            if name not in factories:
+                raise ValueError(
+                    f"train_dataset row {index}: environment={name!r} is not among the environments of "
+                    f"`environment_factory` ({list(factories)}); give every row an `environment` column naming one."
+                )
+            first_rows.setdefault(name, index)
+    for name, index in first_rows.items():
+        row, environment = dict(train_dataset[index]), environments[name]
+        try:
+            environment.reset(**reset_arguments(row, factories))
+        except Exception as err:
+            raise ValueError(
+                f"train_dataset row {index}: {type(environment).__name__}.reset(**row) failed: {err!r}. Fix the "
+                "row's fields."
+            ) from err
+        gold = row.get("golden_answers", getattr(environment, "golden_answers", None))
+        if gold is None and mempo_outcome_reward in reward_funcs and not has_own_reward(environment):
+            raise ValueError(
+                f"train_dataset row {index} has no `golden_answers` and {type(environment).__name__} sets none, but "
+                "`mempo_outcome_reward` scores the answer against them: add the column, set `self.golden_answers` "
+                "in `reset`, or define `get_reward()` / pass your own `reward_funcs`."
+            )
     return reward_funcs
 
 

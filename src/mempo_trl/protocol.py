@@ -414,8 +414,8 @@ def stop_token_ids(
 
 @dataclass(frozen=True)
 class TurnProtocol:
-    """How a MemPO episode is played: the prompts, the turn budget, the context rebuild, the context budget and the
-    action tags.
+    """How a MemPO episode is played: the prompts, the turn budget, the context rebuild, the context budget, the
+    action tags and the chat template's variables.
 
     The fields of the same names in `MemPOConfig` build it (`from_config`); ``action`` is ``"search"`` for the search
     task and ``"tool_call"`` for a TRL-style environment (`for_environment`). ``max_context_tokens`` (None: no budget)
@@ -455,6 +455,9 @@ class TurnProtocol:
         "`search` (the search task) or `tool_call` (a TRL-style environment).",
         choices=("search", "tool_call"),
     )
+    chat_template_kwargs: dict[str, Any] | None = setting(
+        None, "Extra variables of the chat template for every context (e.g. `enable_thinking`); TRL's field."
+    )
 
     def __post_init__(self):
         """Refuse values a protocol cannot be played with, with the rules of `MemPOConfig` (types first)."""
@@ -462,6 +465,9 @@ class TurnProtocol:
         for name in ("system_prompt", "instruction"):
             if not isinstance(getattr(self, name), str):
                 problems.append(f"{name} must be a string, got {getattr(self, name)!r}.")
+        kwargs = self.chat_template_kwargs
+        if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
+            problems.append(f"chat_template_kwargs must be a mapping of names to values (or null), got {kwargs!r}.")
         problems += self.problems(self)
         if problems:
             raise ValueError(" ".join(problems))

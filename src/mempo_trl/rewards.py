@@ -197,9 +197,10 @@ def _completion_text(completion: Any) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
 
 
-def _episode_scores(completions, golden_answers, sub_answers, format_valid, outcome) -> list[OutcomeScore]:
+def _episode_scores(completions, golden_answers, sub_answers, format_valid, outcome) -> list[OutcomeScore | None]:
     """`outcome_score` of each completion, parsed as the episode's final turn (see `mempo_outcome_reward`); an entry
-    of ``outcome`` (the trainer's `episode_outcome`) is taken as it is."""
+    of ``outcome`` (the trainer's `episode_outcome`) is taken as it is; None where ``golden_answers`` has none (an
+    environment episode without gold, whose own reward scores it)."""
     _check_batch(
         completions, golden_answers=golden_answers, sub_answers=sub_answers, format_valid=format_valid, outcome=outcome
     )
@@ -207,6 +208,9 @@ def _episode_scores(completions, golden_answers, sub_answers, format_valid, outc
     for i, completion in enumerate(completions):
         if outcome is not None and outcome[i] is not None:
             scores.append(outcome[i])
+            continue
+        if golden_answers[i] is None:
+            scores.append(None)
             continue
         turn = parse_turn(_completion_text(completion))
         answer = turn.content if turn.valid and turn.action == "answer" else None
@@ -224,8 +228,9 @@ def mempo_outcome_reward(
     format_valid: list[bool] | None = None,
     outcome: list[OutcomeScore | None] | None = None,
     **kwargs: Any,
-) -> list[float]:
-    """TRL reward function: exact match of the answer in each completion (``outcome_score(...).em``).
+) -> list[float | None]:
+    """TRL reward function: exact match of the answer in each completion (``outcome_score(...).em``); None (TRL: not
+    scored) where the trajectory has no gold answer (a row of an environment that owns its reward).
 
     Each completion (a string, or chat messages whose last message is used) is parsed as the episode's final turn;
     its answer counts only if that turn is a valid answer turn and ``format_valid[i]`` (when given, e.g. the
@@ -237,7 +242,8 @@ def mempo_outcome_reward(
     >>> mempo_outcome_reward(["q", "q"], [done, [{"role": "assistant", "content": "Ulm"}]], [["ulm"], ["ulm"]])
     [1.0, 0.0]
     """
-    return [score.em for score in _episode_scores(completions, golden_answers, sub_answers, format_valid, outcome)]
+    scores = _episode_scores(completions, golden_answers, sub_answers, format_valid, outcome)
+    return [None if score is None else score.em for score in scores]
 
 
 def mempo_all_parts_reward(
@@ -248,8 +254,9 @@ def mempo_all_parts_reward(
     format_valid: list[bool] | None = None,
     outcome: list[OutcomeScore | None] | None = None,
     **kwargs: Any,
-) -> list[float]:
-    """TRL reward function: 1 when every part of a multi-objective answer is an exact match, else 0.
+) -> list[float | None]:
+    """TRL reward function: 1 when every part of a multi-objective answer is an exact match, else 0 (None without a
+    gold answer, as `mempo_outcome_reward`).
 
     `mempo_outcome_reward` gives each part its share (K parts: ``1/K`` each), so one search and one right value
     already earns ``1/K``; this reward pays only for the whole answer. Rows without ``sub_answers`` score as there.
@@ -259,7 +266,7 @@ def mempo_all_parts_reward(
     [1.0, 0.0]
     """
     scores = _episode_scores(completions, golden_answers, sub_answers, format_valid, outcome)
-    return [float(all(score.per_question_em)) for score in scores]
+    return [None if score is None else float(all(score.per_question_em)) for score in scores]
 
 
 def mempo_format_reward(

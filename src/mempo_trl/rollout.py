@@ -11,6 +11,7 @@ training, evaluation and inference see exactly the same contexts.
 """
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,10 @@ from mempo_trl.environments import (
     EnvironmentFactory,
     call_tool,
     check_environment,
+    environment_factories,
+    environment_name,
     parse_tool_call,
+    reset_arguments,
     task_text,
     tool_schemas,
 )
@@ -190,9 +194,12 @@ def _cut_turn(
     return completion_ids[: plain[last] + 1], text[:cut], False, token_span
 
 
-def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]:
+def memory_scoring_items(
+    episode: Episode, tokenizer, chat_template_kwargs: dict | None = None
+) -> list[MemoryScoringPair]:
     """The (full, mem) scoring pair of every round t >= 2 of ``episode`` that wrote a well-formed ``<mem>``; none
-    when the episode has no gold answer (`Episode.golden_answers`). Contexts render the episode's tools, if any."""
+    when the episode has no gold answer (`Episode.golden_answers`). Contexts render the episode's tools, if any, and
+    ``chat_template_kwargs`` (`render_prompt`)."""
     golds = episode.golden_answers
     if golds is None:
         return []
@@ -204,7 +211,7 @@ def memory_scoring_items(episode: Episode, tokenizer) -> list[MemoryScoringPair]
         if t == 0 or record.turn.mem_chars is None or len(history) < t:
             continue
         full_messages = round_messages(episode.base_messages, history[:t], "full_history")
-        full_ids = render_prompt(tokenizer, full_messages, episode.tools)
+        full_ids = render_prompt(tokenizer, full_messages, episode.tools, chat_template_kwargs)
         start, end = record.turn.mem_chars
         mem_ids = memory_context_ids(tokenizer, base_ids, record.text[start:end])
         pairs.append(
@@ -238,12 +245,16 @@ class TrainingRow:
     scoring: MemoryScoringPair | None
 
 
-def training_rows(episodes: Sequence[Episode], tokenizer, score_memory: bool) -> tuple[TrainingRow, ...]:
+def training_rows(
+    episodes: Sequence[Episode], tokenizer, score_memory: bool, chat_template_kwargs: dict | None = None
+) -> tuple[TrainingRow, ...]:
     """One `TrainingRow` per round of ``episodes``, in episode then round order; with ``score_memory``, the rounds
-    `memory_scoring_items` picks carry their scoring contexts."""
+    `memory_scoring_items` picks carry their scoring contexts (rendered with ``chat_template_kwargs``)."""
     rows = []
     for e, episode in enumerate(episodes):
-        pairs = {p.round_index: p for p in memory_scoring_items(episode, tokenizer)} if score_memory else {}
+        pairs = {}
+        if score_memory:
+            pairs = {p.round_index: p for p in memory_scoring_items(episode, tokenizer, chat_template_kwargs)}
         for t, record in enumerate(episode.rounds):
             span = record.turn.mem_chars
             rows.append(
@@ -284,7 +295,8 @@ class RolloutEngine:
             ``max_context_tokens`` and ``context_overflow``); with an environment, its `TurnProtocol.for_environment`.
         retriever: any object with ``search(queries: list[str], topk: int) -> list[list[Passage]]`` (search task).
         environment_factory: instead of a retriever, a TRL-style environment class or factory
-            (`mempo_trl.environments`): one instance per concurrent episode, built once and reset for each row.
+            (`mempo_trl.environments`): one instance per concurrent episode, built once and reset for each row; or,
+            as in TRL, a dict of them by name, each row playing the one its ``environment`` field names.
         eos_token_ids: the ids that end a turn (`TurnProtocol.stop_token_ids`); a turn that ends otherwise is
             truncated.
         max_prompt_length: the longest context (tokens) the generation backend takes; ``None``: no limit. With the
@@ -313,19 +325,23 @@ class RolloutEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.max_prompt_length = max_prompt_length
         self.environment_factory = environment_factory
-        self.environment_pool = [] if environment_factory is None else [check_environment(environment_factory)]
+        self.environment_factories = {} if environment_factory is None else environment_factories(environment_factory)
+        self.environment_pool = {name: [check_environment(f)] for name, f in self.environment_factories.items()}
         self.actions = SEARCH_ACTIONS if environment_factory is None else TOOL_ACTIONS
 
     def new_episode(self, row: dict, index: int = 0) -> Episode:
-        """The episode of ``row``; with an environment, instance ``index`` of the pool is reset with the row (TRL's
-        pooling: built once, reset for every episode; the pool grows when a batch needs more instances)."""
+        """The episode of ``row``; with an environment, instance ``index`` of the pool of the row's environment
+        (`environment_name`) is reset with the row (TRL's pooling: built once, reset for every episode; the pool
+        grows when a batch needs more instances)."""
         if self.environment_factory is None:
             question = row["question"]
             return Episode(row, self.protocol.initial_messages(question), question=question)
-        while len(self.environment_pool) <= index:
-            self.environment_pool.append(self.environment_factory())
-        environment = self.environment_pool[index]
-        question = task_text(row, environment.reset(**row))
+        name = environment_name(row, self.environment_factories)
+        pool = self.environment_pool[name]
+        while len(pool) <= index:
+            pool.append(self.environment_factories[name]())
+        environment = pool[index]
+        question = task_text(row, environment.reset(**reset_arguments(row, self.environment_factories)))
         return Episode(
             row,
             self.protocol.initial_messages(question),
@@ -356,12 +372,12 @@ class RolloutEngine:
         if limit is None or self.environment_factory is not None or not len(rows):
             return
         questions = list(rows["question"]) if hasattr(rows, "column_names") else [row["question"] for row in rows]
-        template = len(render_prompt(self.tokenizer, self.protocol.initial_messages("")))
+        template = len(self.render(self.protocol.initial_messages("")))
         lengths = self.tokenizer(questions, add_special_tokens=False)["input_ids"]
         for index, (question, ids) in enumerate(zip(questions, lengths)):
             if template + len(ids) + margin <= limit:
                 continue
-            length = len(render_prompt(self.tokenizer, self.protocol.initial_messages(question)))
+            length = len(self.render(self.protocol.initial_messages(question)))
             if length > limit:
                 row_id = rows[index].get("id", index)
                 raise DataError(
@@ -369,6 +385,10 @@ class RolloutEngine:
                     f"{question[:80]!r} is {length} tokens, more than {self._limit_hint(limit)}; or shorten or "
                     "remove the row."
                 )
+
+    def render(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a context: `render_prompt` with the protocol's ``chat_template_kwargs``."""
+        return render_prompt(self.tokenizer, messages, tools, self.protocol.chat_template_kwargs)
 
     def context_messages(self, episode: Episode) -> list[dict[str, str]]:
         """Messages of the episode's next round (docs/algorithm.md, "Context rebuild")."""
@@ -380,7 +400,7 @@ class RolloutEngine:
 
         See ``context_overflow`` in the class docstring.
         """
-        ids = render_prompt(self.tokenizer, self.context_messages(episode), episode.tools)
+        ids = self.render(self.context_messages(episode), episode.tools)
         limit = self.protocol.context_limit(self.max_prompt_length)
         if limit is None or len(ids) <= limit:
             return ids
@@ -397,7 +417,7 @@ class RolloutEngine:
                 while len(ids) > limit and body:
                     body = body[: max(0, len(body) - (len(ids) - limit))]
                     record.information = f"<information>{self.tokenizer.decode(body)} ...</information>"
-                    ids = render_prompt(self.tokenizer, self.context_messages(episode), episode.tools)
+                    ids = self.render(self.context_messages(episode), episode.tools)
                 if len(ids) <= limit:
                     return ids
         episode.finished = episode.context_overflow = True
@@ -425,7 +445,11 @@ class RolloutEngine:
                 taking part in the rounds; after the last one, every process learns (through ``global_active``)
                 whether any process lost it, and all of them raise together, so a caller can save a checkpoint.
         """
-        episodes = [self.new_episode(dict(row), i) for i, row in enumerate(rows)]
+        episodes, handed_out = [], defaultdict(int)  # instances of each environment in use
+        for row in map(dict, rows):
+            name = environment_name(row, self.environment_factories) if self.environment_factories else None
+            episodes.append(self.new_episode(row, handed_out[name]))
+            handed_out[name] += 1
         timings = RolloutTimings()
         outage: RetrieverOutage | None = None
         for round_index in range(self.protocol.max_turns):
@@ -441,7 +465,7 @@ class RolloutEngine:
             elif not active:
                 break
             start = time.perf_counter()
-            placeholder = [render_prompt(self.tokenizer, episodes[0].base_messages, episodes[0].tools)]
+            placeholder = [self.render(episodes[0].base_messages, episodes[0].tools)]
             if getattr(generate, "takes_messages", False):  # a chat endpoint: the same contexts, as messages
                 contexts = [self.context_messages(ep) for ep in active] or [episodes[0].base_messages]
                 completions, logprobs = generate(prompts or placeholder, messages=contexts)
@@ -490,7 +514,11 @@ class RolloutEngine:
         """`run`, then the training rows of its episodes (`training_rows`; with ``score_memory``, the rounds the memory
         reward scores carry both of their contexts): everything a training step needs from the rollout, at once."""
         episodes, timings = self.run(rows, generate, global_active)
-        return Rollout(tuple(episodes), training_rows(episodes, self.tokenizer, score_memory), timings)
+        return Rollout(
+            tuple(episodes),
+            training_rows(episodes, self.tokenizer, score_memory, self.protocol.chat_template_kwargs),
+            timings,
+        )
 
     def _make_record(self, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float] | None):
         completion_ids, text, truncated, token_span = _cut_turn(

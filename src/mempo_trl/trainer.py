@@ -14,12 +14,13 @@ from typing import NamedTuple
 
 import torch
 from accelerate.utils import gather_object, is_peft_model
+from datasets import IterableDataset, IterableDatasetDict
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.trainer.utils import pad, use_adapter
 
-from mempo_trl.advantages import MemPOAdvantages, mempo_advantages
-from mempo_trl.config import MemPOConfig
+from mempo_trl.advantages import MemPOAdvantages, mempo_advantages, normalize_then_sum_advantages
+from mempo_trl.config import ROW_LEVEL_LOSSES, MemPOConfig
 from mempo_trl.data import validate_qa_rows
 from mempo_trl.dynamic_sampling import refillable_groups, zero_std_groups
 from mempo_trl.environments import environment_reward_funcs
@@ -27,7 +28,14 @@ from mempo_trl.grpo_mirror import GRPOMirror, activation_checkpointing_off
 from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import answer_probability, memory_reward, quantile_threshold
 from mempo_trl.model_card import mempo_model_card
-from mempo_trl.rewards import OutcomeScore, episode_metrics, episode_outcome, mempo_outcome_reward
+from mempo_trl.rewards import (
+    OutcomeScore,
+    episode_metrics,
+    episode_outcome,
+    mempo_all_parts_reward,
+    mempo_format_reward,
+    mempo_outcome_reward,
+)
 from mempo_trl.rollout import Episode, Rollout, RolloutEngine, RolloutTimings, TrainingRow
 from mempo_trl.scoring import (
     SHARED_PREFIX_ATTENTION,
@@ -85,14 +93,47 @@ class MemoryScores(NamedTuple):
         return cls(*(torch.full((num_rows,), math.nan) for _ in cls._fields))
 
 
+def check_map_style(train_dataset, eval_dataset) -> None:
+    """Refuse streaming (`datasets.IterableDataset`) train or eval data, with the reason and what to do instead."""
+    named = {"train_dataset": train_dataset}
+    named.update({f"eval_dataset[{n}]": ds for n, ds in eval_dataset.items()} if isinstance(eval_dataset, dict)
+                 else {"eval_dataset": eval_dataset})  # fmt: skip
+    for name, dataset in named.items():
+        if isinstance(dataset, IterableDataset | IterableDatasetDict):
+            raise ValueError(
+                f"{name} is an IterableDataset (streaming): MemPOTrainer needs a map-style Dataset, because it checks "
+                "every row before training (its fields, and that its first context fits) and dynamic_sampling="
+                "'refill' draws rows at random; a stream would be read whole at init, an unbounded one forever. Take "
+                "the rows you train on first: `Dataset.from_list(list(stream.take(n)))`."
+            )
+
+
+def announce_reward_format(reward_funcs) -> None:
+    """Warn once, naming them, that the caller's reward functions (``reward_funcs`` as given: a function, a model or
+    id, or a list) get conversational completions, not TRL's standard-format strings (docs/training.md)."""
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    own = (mempo_outcome_reward, mempo_all_parts_reward, mempo_format_reward)
+    custom = [f.__name__ for f in funcs if callable(f) and not isinstance(f, torch.nn.Module) and f not in own]
+    if custom:
+        logger.warning(
+            "Reward functions %s receive TRL's conversational format, as for a chat dataset: `prompts` are the "
+            "episode's first messages and each completion is [{'role': 'assistant', 'content': <last turn>}] (read "
+            "completion[0]['content']; a function written for strings would measure the list); `trajectory` holds "
+            "every turn's text (docs/training.md, 'Reward functions').",
+            ", ".join(custom),
+        )
+
+
 class MemPOTrainer(GRPOMirror, GRPOTrainer):
     """
     Trainer for MemPO (Self-Memory Policy Optimization, arXiv 2603.00680) search agents.
 
-    It overrides five methods of [`~trl.GRPOTrainer`]: `_generate_and_score_completions` (the MemPO step below),
-    `training_step` (adds the step's time split and tokens/s to the logs), `_save` (also writes the turn protocol,
+    It overrides six methods of [`~trl.GRPOTrainer`]: `_generate_and_score_completions` (the MemPO step below),
+    `training_step` (adds the step's time split and tokens/s to the logs), `_compute_loss` (the loss types that count
+    rows count real rounds: placeholder rows leave the micro-batch first), `_save` (also writes the turn protocol,
     `mempo_agent.json`), `create_model_card` (MemPO's card) and `__init__` (MemPO's own arguments, then TRL's). The
-    loss, the sampler, PEFT, DeepSpeed/FSDP, vLLM weight sync and logging are inherited unchanged.
+    loss itself, the sampler, PEFT, DeepSpeed/FSDP, vLLM weight sync and logging are inherited unchanged; what is
+    taken, adapted or refused of each `GRPOConfig` option is docs/trl_parity.md.
     `_generate_and_score_completions`:
 
     - each question is played as a multi-turn search episode (`mempo_trl.rollout.RolloutEngine`) whose context is
@@ -110,13 +151,16 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         retriever: any object with `search(queries: list[str], topk: int) -> list[list[Passage]]`
             (`mempo_trl.retrieval.BM25Retriever`, `HttpRetriever`, ...).
         reward_funcs: outcome reward functions; defaults to `mempo_outcome_reward` (exact match, 0 on bad format).
-            They receive the final turn as `completions` plus `trajectory` (all turn texts) and `format_valid`.
+            They receive TRL's conversational format (the final turn as ``[{"role": "assistant", "content": ...}]``
+            in `completions`; a warning names the caller's functions) plus `trajectory` (all turn texts) and
+            `format_valid`.
         args: a `MemPOConfig`.
         train_dataset / eval_dataset: QA rows with `question` and `golden_answers` (Search-R1/FlashRAG format); with
             an `environment_factory`, the keyword arguments of its `reset`.
         environment_factory: instead of a retriever, a TRL-style environment class (`reset(**row)`, public methods as
-            tools, optional `get_reward()`; docs/environments.md): the agent calls one tool per turn, with the same
-            context rebuild. As in TRL, a `get_reward` is one more reward source (weight 1, named after the class); the
+            tools, optional `get_reward()`; docs/environments.md), or as in TRL a dict of them by name, each row
+            naming its own in an ``environment`` column: the agent calls one tool per turn, with the same context
+            rebuild. As in TRL, a `get_reward` is one more reward source (weight 1, named after the class); the
             default `reward_funcs` are then none, else `mempo_outcome_reward`. The memory reward needs a gold answer
             (the row's `golden_answers` or the environment's attribute of that name); episodes without one get the
             outcome advantage only (with a warning). A search-task `instruction` is replaced by
@@ -170,6 +214,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             raise ValueError("MemPOTrainer does not take `rollout_func=`: its rollout is the MemPO search episode.")
         if (retriever is None) == (environment_factory is None):
             raise ValueError("MemPOTrainer needs exactly one of `retriever` (search) and `environment_factory`.")
+        check_map_style(train_dataset, eval_dataset)
+        announce_reward_format(reward_funcs)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MemPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-MemPO")
@@ -369,7 +415,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         scoring_start = time.perf_counter()
         with profiling_context(self, "memory_scoring"):
             scored = self._memory_rewards(batch.rows, local_dropped)
-            advantages = self._advantages(batch, scored.reward, rewards.masked_fill(dropped, torch.nan), mode)
+            dropped_rewards = rewards_per_func.masked_fill(dropped.unsqueeze(1), torch.nan)
+            advantages = self._advantages(batch, scored.reward, dropped_rewards, mode)
         if mode == "train":
             check_finite("advantage", advantages.advantages, self.state.global_step + 1, self.accelerator)
         scoring_seconds = time.perf_counter() - scoring_start
@@ -401,6 +448,23 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             self._step_account.generation += timings.generation
             self._step_account.retrieval += timings.retrieval
             self._step_account.memory_scoring += scoring_seconds
+
+    def _compute_loss(self, model, inputs):
+        """TRL's loss; for the loss types that count rows (`ROW_LEVEL_LOSSES`), the micro-batch's placeholder and
+        dropped rows (not ``real_rows``) leave it first, so that the mean over rows (`grpo`, `sapo`, `luspo`) or the
+        rows x `max_completion_length` divisor (`dr_grpo`) count the real rounds, each a sequence as in TRL. A
+        micro-batch without a real row keeps its rows (its loss is 0)."""
+        inputs = dict(inputs)  # the buffered batch serves every iteration (`num_iterations`): never changed here
+        real = inputs.pop("real_rows", None)
+        if real is not None and self.loss_type in ROW_LEVEL_LOSSES and real.any() and not real.all():
+            rows = real.shape[0]
+            inputs = {
+                key: value[real]
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows
+                else value
+                for key, value in inputs.items()
+            }
+        return super()._compute_loss(model, inputs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """GRPOTrainer's training step, then `check_finite` on its loss: a NaN or infinite loss raises
@@ -439,13 +503,14 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         """Warn once when environment episodes have no gold answer: their rounds get the outcome advantage only."""
         if self._warned_no_target or self.rollout_engine.environment_factory is None:
             return
-        if any(ep.golden_answers is None for ep in episodes):
+        missing = sorted({type(ep.environment).__name__ for ep in episodes if ep.golden_answers is None})
+        if missing:
             self._warned_no_target = True
             logger.warning(
                 "Some episodes of %s have no gold answer (no `golden_answers` in the row or on the environment): "
                 "their rounds get no memory reward, only the outcome advantage (memory/scored_rounds counts the "
                 "rounds that do).",
-                type(episodes[0].environment).__name__,
+                " / ".join(missing),
             )
 
     def _outcome_rewards(
@@ -477,8 +542,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         ]
         if self.rollout_engine.environment_factory is not None:
             self.environments = [ep.environment for ep in episodes]
-            for reward_input, ep in zip(reward_inputs, episodes):
-                if "golden_answers" not in reward_input and ep.golden_answers is not None:
+            for reward_input, ep in zip(reward_inputs, episodes):  # None: no gold, the outcome reward gives None
+                if reward_input.get("golden_answers") is None:
                     reward_input["golden_answers"] = ep.golden_answers
         rewards_per_func = self._calculate_rewards(
             reward_inputs, prompts, completions, [ep.rounds[-1].completion_ids for ep in episodes]
@@ -491,28 +556,34 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         self, episodes: list[Episode], rows: Sequence[TrainingRow], mode: str, dropped: list[bool]
     ) -> RoundBatch:
         """The training ``rows`` of ``episodes`` as tensors, padded with placeholder rows (one pad token, completion
-        fully masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``. The
-        rows of the episodes that are ``dropped`` (one flag per episode) get a fully masked completion."""
+        fully masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``; the
+        prompt and completion widths are multiples of ``pad_to_multiple_of`` when set (as in TRL). The rows of the
+        episodes that are ``dropped`` (one flag per episode) get a fully masked completion. ``real_rows`` (bool, one
+        per row) marks the rows that are neither (`_compute_loss`)."""
         device = self.accelerator.device
         rows = tuple(rows)
         per_step = self.args.steps_per_generation if mode == "train" else 1
+        real = [not dropped[row.episode_index] for row in rows]
         num_dummy = math.ceil(self._global_max(len(rows)) / per_step) * per_step - len(rows)
         pad_id = self._tokenizer.pad_token_id
         prompts = [torch.tensor(r.prompt_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
         completions = [torch.tensor(r.completion_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
         masks = [torch.ones_like(c) for c in completions[: len(rows)]] + [torch.zeros(1, dtype=torch.long)] * num_dummy
-        completion_mask = pad(masks, padding_value=0, padding_side="right").to(device)
+        multiple = self.pad_to_multiple_of  # TRL's `pad_to_multiple_of`, on the prompt and completion widths
+        completion_mask = pad(masks, padding_value=0, padding_side="right", pad_to_multiple_of=multiple).to(device)
         if self.mask_truncated_completions:
             truncated = torch.tensor([r.truncated for r in rows] + [False] * num_dummy, device=device)
             completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
-        kept = torch.tensor([not dropped[row.episode_index] for row in rows] + [True] * num_dummy, device=device)
+        kept = torch.tensor(real + [True] * num_dummy, device=device)
         completion_mask = completion_mask * kept.unsqueeze(1).int()
+        prompt_mask = pad([torch.ones_like(p) for p in prompts], 0, "left", pad_to_multiple_of=multiple)
         tensors = {
-            "prompt_ids": pad(prompts, padding_value=pad_id, padding_side="left").to(device),
-            "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device),
-            "completion_ids": pad(completions, padding_value=pad_id, padding_side="right").to(device),
+            "prompt_ids": pad(prompts, pad_id, "left", pad_to_multiple_of=multiple).to(device),
+            "prompt_mask": prompt_mask.to(device),
+            "completion_ids": pad(completions, pad_id, "right", pad_to_multiple_of=multiple).to(device),
             "completion_mask": completion_mask,
             "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
+            "real_rows": torch.tensor(real + [False] * num_dummy, device=device),
         }
         return RoundBatch(mode, episodes, rows, tensors)
 
@@ -584,13 +655,22 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         return rollout, outcomes, stats, rewards_per_func, rewards, zero_std.repeat_interleave(size)
 
     def _advantages(
-        self, batch: RoundBatch, memory_rewards: torch.Tensor, rewards: torch.Tensor, mode: str
+        self, batch: RoundBatch, memory_rewards: torch.Tensor, rewards_per_func: torch.Tensor, mode: str
     ) -> MemPOAdvantages:
         """`mempo_advantages` on the rounds of all processes, returned for this process's rows.
 
         A trajectory's global index is ``process_index * len(episodes) + episode`` (the order in which
-        `_calculate_rewards` gathers ``rewards``), so memory pools span processes exactly like GRPO's groups.
+        `_calculate_rewards` gathers ``rewards_per_func``, ``(N, F)``), so memory pools span processes exactly like
+        GRPO's groups. The outcome advantage aggregates the reward functions as ``multi_objective_aggregation`` says
+        (TRL's two ways; a trajectory of all-NaN rewards is unscorable, advantage 0).
         """
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        outcome = None
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            outcome = normalize_then_sum_advantages(rewards_per_func, weights, num_generations)
         rank, n_local = self.accelerator.process_index, len(batch.episodes)
         local = [
             (rank * n_local + row.episode_index, row.round_index, None if math.isnan(reward) else reward, row.mem_span)
@@ -607,9 +687,10 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             mem_spans=[row[3] for row in everything],
             completion_mask=batch.tensors["completion_mask"],
             local_rows=slice(start, start + len(local)),
-            num_generations=self.num_generations if mode == "train" else self.num_generations_eval,
+            num_generations=num_generations,
             scale_rewards=self.scale_rewards,
             settings=self.memory_settings,
+            outcome_advantages=outcome,
         )
 
     def _log_round_metrics(

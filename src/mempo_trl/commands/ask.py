@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     if agent_args.context_mode == "both":
         raise ValueError("ask plays one context mode: memory or full_history.")
     retriever = build_retriever(retriever_args)
-    result = load_agent(agent_args, retriever, agent_args.context_mode).run(question)
+    with load_agent(agent_args, retriever, agent_args.context_mode) as agent:
+        result = agent.run(question)
     for k, turn in enumerate(result.turns, 1):
         print(f"turn {k} <mem> {turn['mem']}")
         print(f"turn {k} <{turn['action'] or 'invalid'}> {turn['content'] or ''}")

@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         environment_factory = load_environment(eval_args.environment)
         check_environment(environment_factory)
         rows, retriever_info = _environment_rows(eval_args), {"environment": eval_args.environment}
+        sources = {}  # reset rows: no first context to check
         agent = load_agent(agent_args, None, context_mode, environment_factory=environment_factory)
     else:
         sources = _objective_rows(eval_args, agent_args.seed) if eval_args.objectives else _load_rows(eval_args)
@@ -271,12 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         retriever = build_retriever(retriever_args)
         retriever_info = _probe_retriever(retriever, retriever_args, rows[0]["question"])
         agent = load_agent(agent_args, retriever, context_mode)
-        for source, found in sources.items():  # every question fits its first context, before any is played
-            agent.rollout_engine().check_first_contexts(found, source)
 
     modes = list(CONTEXT_MODES) if agent_args.context_mode == "both" else [agent.protocol.context_mode]
     out = Path(eval_args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     settings = {
         "model_name_or_path": agent_args.model_name_or_path,
         "dataset_name": eval_args.dataset_name,
@@ -296,10 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         "seed": agent_args.seed,
         "objectives": eval_args.objectives,
     }
-    if eval_args.objectives:
-        return _sweep(agent, list(sources.values()), modes, out, settings, not eval_args.disable_tqdm)
-    start = time.time()
-    results = [evaluate(agent, rows, context_mode=m, progress=not eval_args.disable_tqdm) for m in modes]
+    with agent:  # a vLLM engine is shut down once the questions are played (or on an error)
+        for source, found in sources.items():
+            agent.rollout_engine().check_first_contexts(found, source)  # every question fits, before any is played
+        out.mkdir(parents=True, exist_ok=True)
+        if eval_args.objectives:
+            return _sweep(agent, list(sources.values()), modes, out, settings, not eval_args.disable_tqdm)
+        start = time.time()
+        results = [evaluate(agent, rows, context_mode=m, progress=not eval_args.disable_tqdm) for m in modes]
     comparison = compare_modes(*results) if len(results) == 2 else None
     replace_run_outputs(out)  # with --overwrite_output_dir: the previous results go once the new ones are ready
     with (out / TRAJECTORIES_FILE).open("w", encoding="utf-8") as f:

@@ -187,7 +187,10 @@ def run_launcher(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from mempo_trl.commands import USAGE_EXIT
+    from mempo_trl.processes import PARENT_PID_ENV, end_with_parent
 
+    end_with_parent()  # `mempo-trl train` killed: SIGTERM, forwarded below
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # the processes it starts end with it
     os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGQUIT"  # torchrun's `--signals_to_handle`: the stop signals are ours
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         lambda record: not record.getMessage().startswith(f"failed (exitcode: {USAGE_EXIT})")

@@ -97,6 +97,7 @@ def launch_training(argv: list[str]) -> int:
         split_launch_args,
     )  # fmt: skip
     from mempo_trl.commands.recipe import check_before_training
+    from mempo_trl.processes import child_env
 
     launch, train_argv = split_launch_args(argv)
     script_args, training_args, model_args, retriever_args = parse_args(train_argv)
@@ -109,7 +110,7 @@ def launch_training(argv: list[str]) -> int:
     if Path(cmd[4]).name.startswith("cpu_"):  # DeepSpeed's accelerator, named: no "Setting accelerator to CPU" warning
         env.setdefault("DS_ACCELERATOR", "cpu")
     print(f"mempo-trl: launching {' '.join(cmd[3:])}", flush=True)
-    process = subprocess.Popen(cmd, env=env)
+    process = subprocess.Popen(cmd, env=child_env(env))
     with forwarded_stop_signals(lambda: [process]):
         return process.wait()
 
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from mempo_trl.commands.launch import LAUNCH_FLAGS
+    from mempo_trl.processes import end_with_parent
 
+    end_with_parent()  # a launched process: its launcher killed, SIGTERM (a checkpoint once training runs)
     quiet_upstream_noise()  # under a launcher, `-m mempo_trl train` comes here without `mempo_trl.cli.main`
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:

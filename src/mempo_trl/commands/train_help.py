@@ -21,10 +21,11 @@ COMMON_TRL_FIELDS = (
 )  # fmt: skip
 """GRPOConfig / ModelConfig fields a MemPO recipe usually sets, listed by name only."""
 
-SETTINGS_HOMES = ((TurnProtocol, ("action", "max_completion_length")), (MemoryRewardSettings, ()),
-                  (DynamicSamplingSettings, ()))  # fmt: skip
+SETTINGS_HOMES = ((TurnProtocol, ("action", "max_completion_length", "chat_template_kwargs")),
+                  (MemoryRewardSettings, ()), (DynamicSamplingSettings, ()))  # fmt: skip
 """The classes whose fields `MemPOConfig` re-exposes flat (`flat_field`), each with the fields it keeps to itself:
-the turn protocol's ``action`` follows the retriever or environment, and ``max_completion_length`` is GRPO's own."""
+the turn protocol's ``action`` follows the retriever or environment, and ``max_completion_length`` and
+``chat_template_kwargs`` are GRPO's own."""
 
 
 def mempo_fields() -> list:
