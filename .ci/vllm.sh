@@ -35,7 +35,7 @@ python -c "import torch, trl, transformers, vllm; print('torch', torch.__version
 echo "vllm install: $(( $(date +%s) - start )) s"
 
 set +e
-timeout 900 python -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm_engine.py
+timeout 1500 python -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm_engine.py
 rc=$?
 set -e
 echo "vLLM CI wall time: $(( $(date +%s) - start )) s"
