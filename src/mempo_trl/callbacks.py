@@ -292,3 +292,23 @@ def format_heldout_result(point: Mapping[str, float]) -> str:
     ]
     seconds = f" ({point['eval_seconds']:.0f} s)" if "eval_seconds" in point else ""
     return f"held-out evaluation at step {point['step']}: {' | '.join(parts)}{seconds}"
+
+
+class ReplaceAtFirstStep(TrainerCallback):
+    """Delete what a run replaces only when its first step begins, once data, corpus, model and the checkpoint it
+    resumes are loaded (a failed load deletes nothing): with `overwrite`, the previous run's outputs
+    (`mempo_trl.outputs.remove_run_outputs`), and, resuming an earlier checkpoint of `output_dir`, the later ones
+    (`drop_abandoned_checkpoints`)."""
+
+    def __init__(self, overwrite: bool):
+        self.overwrite, self.done = overwrite, False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        from mempo_trl.outputs import drop_abandoned_checkpoints, remove_run_outputs, resumes_inside
+
+        if self.done or not state.is_world_process_zero:
+            return
+        self.done = True
+        if self.overwrite and not resumes_inside(args.output_dir, args.resume_from_checkpoint):
+            remove_run_outputs(args.output_dir)
+        drop_abandoned_checkpoints(args.output_dir, args.resume_from_checkpoint)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import trl
-from transformers import TrainerCallback
 
 from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever, describe_retriever
 
@@ -252,26 +251,6 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     return trainer
 
 
-class ReplaceAtFirstStep(TrainerCallback):
-    """Delete what a run replaces only when its first step begins, once data, corpus, model and the checkpoint it
-    resumes are loaded (a failed load deletes nothing): with `overwrite`, the previous run's outputs
-    (`mempo_trl.outputs.remove_run_outputs`), and, resuming an earlier checkpoint of `output_dir`, the later ones
-    (`drop_abandoned_checkpoints`)."""
-
-    def __init__(self, overwrite: bool):
-        self.overwrite, self.done = overwrite, False
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        from mempo_trl.outputs import drop_abandoned_checkpoints, remove_run_outputs, resumes_inside
-
-        if self.done or not state.is_world_process_zero:
-            return
-        self.done = True
-        if self.overwrite and not resumes_inside(args.output_dir, args.resume_from_checkpoint):
-            remove_run_outputs(args.output_dir)
-        drop_abandoned_checkpoints(args.output_dir, args.resume_from_checkpoint)
-
-
 def release_process_groups(trainer) -> None:
     """Wait for every process, then destroy all process groups while Python is still alive.
 
@@ -294,7 +273,9 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
     work: on a stop signal, a retriever that fails for the whole retry budget (`RetrieverOutage`) or answers
     wrongly, or a non-finite loss or advantage, a checkpoint of the last finished step is saved and the error is
     raised again naming it (`--resume_from_checkpoint ...`); so does any other error of a single-process run after
-    a step. An error before this process finished a step (a resume that fails while loading) saves nothing. A final save that fails keeps the model in a temporary directory named in the error (`save_model_or_rescue`). The final save is marked incomplete until the metrics
+    a step. An error before this process finished a step (a resume that fails while loading) saves nothing. A final
+    save that fails keeps the model in a temporary directory named in the error (`save_model_or_rescue`). The final
+    save is marked incomplete until the metrics
     and card are written (`mempo_trl.checkpoints.begin_final_save`). A stop signal during that save waits for it and
     skips the evaluation after training; one during that evaluation stops it at once. Either way the metrics and
     card are written without it, nothing is pushed, and `TrainingStopped` says that the model is saved.
@@ -507,6 +488,8 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
     if changes and int(os.environ.get("RANK", "0")) == 0:
         print(changes)
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
+    from mempo_trl.callbacks import ReplaceAtFirstStep
+
     trainer.add_callback(ReplaceAtFirstStep(script_args.overwrite_output_dir))
     metrics = train(trainer, training_args, script_args.dataset_name)
     if int(os.environ.get("RANK", "0")) == 0:
