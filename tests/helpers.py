@@ -266,3 +266,23 @@ def record_as_run(directory: Path, *names: str) -> None:
 
     record = {"written": {name: fingerprint(directory / name) for name in names}}
     (directory / RUN_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def turn(mem: str, action: str, content: str) -> str:
+    """A scripted MemPO turn: ``<mem>`` ``mem``, a one-letter think, then ``<action>content</action>``."""
+    return f"<mem>{mem}</mem><think>t</think><{action}>{content}</{action}>"
+
+
+SCRIPT = {
+    "Where is Alpha?": [
+        [turn("a1", "search", "alpha"), turn("a1b", "answer", "Paris")],
+        [turn("a2", "answer", "Lyon")],
+    ],
+    "Where is Beta?": [
+        [turn("b1", "answer", "Rome")],
+        [turn("b2", "search", "beta"), turn("b2b", "search", "beta 2"), turn("b2c", "answer", "Rome")],
+    ],
+}
+"""Question -> the scripted turns of its G = 2 trajectories (2, 1, 1 and 3 rounds), for scripted trainers."""
+GOLDS = {"Where is Alpha?": ["Paris"], "Where is Beta?": ["Rome"]}
+"""The gold answers of `SCRIPT`'s questions."""

@@ -7,30 +7,13 @@ batch shape, the advantages, ...) or for its refusal; docs/trl_parity.md is the 
 import pytest
 import torch
 from datasets import Dataset
-from helpers import EchoRetriever, cpu_config
+from helpers import GOLDS, SCRIPT, EchoRetriever, cpu_config
 
 from mempo_trl import MemPOAgent, MemPOTrainer
 from mempo_trl.kit.envs import KeyVaultEnv, OracleGenerator, SafeEnv, key_vault_oracle, safe_oracle
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.rewards import mempo_outcome_reward
 
-
-def turn(mem, action, content):
-    return f"<mem>{mem}</mem><think>t</think><{action}>{content}</{action}>"
-
-
-# question -> the scripted turns of its G = 2 trajectories: 2, 1, 1 and 3 rounds
-SCRIPT = {
-    "Where is Alpha?": [
-        [turn("a1", "search", "alpha"), turn("a1b", "answer", "Paris")],
-        [turn("a2", "answer", "Lyon")],
-    ],
-    "Where is Beta?": [
-        [turn("b1", "answer", "Rome")],
-        [turn("b2", "search", "beta"), turn("b2b", "search", "beta 2"), turn("b2c", "answer", "Rome")],
-    ],
-}
-GOLDS = {"Where is Alpha?": ["Paris"], "Where is Beta?": ["Rome"]}
 
 NO_THINKING = "<think>\n\n</think>\n\n"
 """What a Qwen3-style template appends to the generation prompt with ``enable_thinking=False``."""
