@@ -253,3 +253,58 @@ def test_build_index_accepts_a_read_only_cache_that_holds_the_index(tmp_path, ca
         f"error: index cache {cache} cannot be written and does not hold this index. Choose another "
         "--retriever_cache_dir or fix its permissions.\n"
     ))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ vLLM server
+
+
+def test_an_unreachable_vllm_server_is_one_error_line_before_the_model_loads(tmp_path, capsys, tiny_model_dir):
+    """`vllm_mode: server` with nothing at the server's address: one line naming the URL after
+    `vllm_server_timeout` (TRL's own wait), before any model is loaded or the output directory is claimed."""
+    port = free_port()
+    start = time.monotonic()
+    assert train(tmp_path, tiny_model_dir, use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
+                 vllm_server_port=port, vllm_server_timeout=2) == 2  # fmt: skip
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: the vLLM server http://127.0.0.1:{port} did not answer /health/ within 2 s ("), (
+        line
+    )
+    assert "trl vllm-serve" in line and "vllm_server_timeout" in line
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_vllm_server_check_waits_for_a_server_that_comes_up_and_names_a_bad_answer():
+    """A server that starts listening within the timeout passes; one that answers /health/ with 503 is named."""
+    import http.server
+    import threading
+
+    from mempo_trl.loading import check_vllm_server
+
+    def serve(port: int, status: int, delay: float) -> http.server.HTTPServer:
+        class Health(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(status if self.path == "/health/" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        time.sleep(delay)
+        server = http.server.HTTPServer(("127.0.0.1", port), Health)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    port = free_port()
+    servers = []
+    late = threading.Thread(target=lambda: servers.append(serve(port, 200, delay=1.5)))
+    late.start()
+    check_vllm_server(f"http://127.0.0.1:{port}", timeout=20, interval=0.5)  # passes once the server is up
+    late.join()
+    servers[0].shutdown()
+    busy = serve(free_port(), 503, delay=0)
+    url = f"http://127.0.0.1:{busy.server_address[1]}"
+    with pytest.raises(ConnectionError, match=r"did not answer /health/ within 1 s \(HTTP 503\)"):
+        check_vllm_server(url, timeout=1, interval=0.2)
+    busy.shutdown()

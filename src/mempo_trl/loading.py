@@ -258,3 +258,47 @@ def check_hub_reachable(why: str = "push_to_hub") -> None:
         raise ConnectionError(
             f"{why} needs the Hugging Face Hub, but {constants.ENDPOINT} cannot be reached ({reason}); {fix}"
         ) from None
+
+
+def vllm_server_url(host: str, port: int, base_url: str | None = None) -> str:
+    """The URL TRL's vLLM client talks to: ``base_url`` when given, else ``http://host:port``.
+
+    Example:
+        >>> vllm_server_url("10.0.0.5", 8000), vllm_server_url("h", 1, "https://vllm.example/v0/")
+        ('http://10.0.0.5:8000', 'https://vllm.example/v0')
+    """
+    return base_url.rstrip("/") if base_url else f"http://{host}:{port}"
+
+
+def check_vllm_server(url: str, timeout: float, interval: float = 2.0) -> None:
+    """Raise `ConnectionError` (one line, naming ``url``) unless ``url/health/`` answers 200 within ``timeout``
+    seconds (TRL's ``vllm_server_timeout``), polled every ``interval`` seconds: before the model loads, as TRL's
+    client then waits for the same endpoint. A server started alongside the training job has that long to come up.
+
+    Example:
+        >>> check_vllm_server("http://127.0.0.1:9", timeout=0.1)  # doctest: +SKIP
+        Traceback (most recent call last):
+        ConnectionError: the vLLM server http://127.0.0.1:9 did not answer /health/ within 0 s (...) ...
+    """
+    import time
+
+    import httpx
+
+    deadline, reason = time.monotonic() + timeout, "no answer"
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            answer = httpx.get(f"{url}/health/", timeout=max(0.1, min(5.0, left)))
+            if answer.status_code == 200:
+                return
+            reason = f"HTTP {answer.status_code}"
+        except httpx.HTTPError as err:
+            reason = " ".join(str(err).split()) or type(err).__name__
+        if time.monotonic() + interval > deadline:
+            break
+        time.sleep(interval)
+    raise ConnectionError(
+        f"the vLLM server {url} did not answer /health/ within {timeout:g} s ({reason}): start it first "
+        "(`trl vllm-serve --model MODEL --host 0.0.0.0 --port PORT` on its node), point vllm_server_host / "
+        "vllm_server_port (or vllm_server_base_url) at it, or wait longer with vllm_server_timeout."
+    )
