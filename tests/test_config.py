@@ -2,6 +2,7 @@
 
 import doctest
 import math
+import warnings
 from dataclasses import fields
 
 import pytest
@@ -139,3 +140,25 @@ def test_the_trainer_leaves_the_callers_config_alone(tiny_model_dir, tmp_path):
 
 def test_settings_doctests():
     assert doctest.testmod(settings_module).failed == 0
+
+
+@pytest.mark.parametrize(
+    ("sampling", "named"),
+    [({"top_p": 0.9}, "top_p=0.9"), ({"top_k": 50}, "top_k=50"), ({"min_p": 0.05}, "min_p=0.05")],
+)
+def test_truncated_sampling_with_vllms_importance_correction_is_announced(sampling, named):
+    """vLLM's log-probs under top_p/top_k/min_p are renormalised over the kept tokens, the trainer's are not: TRL's
+    importance-sampling ratio is then scaled by the kept mass (trl#6789). Said at config time, with the fix; silent
+    without vLLM, without truncation, or with the correction off."""
+    base = {"use_cpu": True, "bf16": False}
+    with pytest.warns(UserWarning, match=rf"{named} with vLLM: TRL's importance-sampling ratio .*trl#6789"):
+        MemPOConfig("out", use_vllm=True, **base, **sampling)
+    quiet = [
+        {"use_vllm": False, **sampling},
+        {"use_vllm": True},
+        {"use_vllm": True, "vllm_importance_sampling_correction": False, **sampling},
+    ]
+    for settings in quiet:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*trl#6789")
+            MemPOConfig("out", **base, **settings)

@@ -1,5 +1,6 @@
 """`MemPOConfig`: `GRPOConfig` plus the fields of the MemPO search loop and memory advantage."""
 
+import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -10,6 +11,25 @@ from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings, fi
 
 ROW_LEVEL_LOSSES = ("grpo", "dr_grpo", "sapo", "luspo")
 """TRL's loss types whose normaliser counts rows: `MemPOTrainer` leaves its placeholder rows out of it."""
+
+
+def truncated_sampling(config) -> list[str]:
+    """The sampling settings of ``config`` that truncate the distribution (``top_p < 1``, ``top_k > 0``,
+    ``min_p > 0``), as ``name=value``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> truncated_sampling(SimpleNamespace(top_p=0.9, top_k=0, min_p=None))
+        ['top_p=0.9']
+    """
+    found = []
+    if config.top_p is not None and config.top_p < 1.0:
+        found.append(f"top_p={config.top_p}")
+    if config.top_k is not None and config.top_k > 0:
+        found.append(f"top_k={config.top_k}")
+    if config.min_p is not None and config.min_p > 0:
+        found.append(f"min_p={config.min_p}")
+    return found
 
 
 @dataclass
@@ -166,6 +186,19 @@ class MemPOConfig(GRPOConfig):
         problems += DynamicSamplingSettings.problems(self)
         if problems:
             raise ValueError("Invalid MemPOConfig:\n- " + "\n- ".join(problems))
+        truncation = truncated_sampling(self)
+        if (
+            self.use_vllm
+            and truncation
+            and (self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None)
+        ):
+            warnings.warn(
+                f"{', '.join(truncation)} with vLLM: TRL's importance-sampling ratio (and off-policy mask) compares "
+                "vLLM's log-probs, renormalised over the tokens the truncation keeps, with the trainer's over the "
+                "whole vocabulary, so every ratio is scaled by the kept probability mass (trl#6789). Sample without "
+                "truncation, or set vllm_importance_sampling_correction: false.",
+                stacklevel=2,
+            )
 
     def turn_protocol(self, environment: bool = False) -> TurnProtocol:
         """The turn protocol these fields set (`TurnProtocol.from_config`); ``environment``: its tool-call form."""
