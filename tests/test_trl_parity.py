@@ -414,7 +414,7 @@ FEATURES = {
           "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
           "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
           "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
-          "ds3_gather_for_generation"), "test_vllm_engine.py"),
+          "ds3_gather_for_generation"), "test_vllm_engine.py::test_colocate_training_syncs_the_new_weights_into_vllm"),
     46: ("liger GRPO loss", "untestable", (), None),
     47: ("transformers continuous batching", "works",
          ("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),

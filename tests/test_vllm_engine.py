@@ -131,7 +131,9 @@ def test_colocate_training_syncs_the_new_weights_into_vllm(learner, tmp_path):
     """Two MemPO steps with vLLM colocated on the CPU: the step-2 turns are sampled from the weights of step 1.
 
     TRL's importance-sampling diagnostics compare vLLM's sampling log-probs with the trainer's: ~1 / ~0 only when
-    vLLM generated from the trainer's current weights (a large learning rate makes a skipped sync show).
+    vLLM generated from the trainer's current weights (a large learning rate makes a skipped sync show). TRL's own
+    options of that correction take effect on the real engine too (the parity suite's vLLM part,
+    docs/trl_parity.md): `token_truncate` clamps every logged ratio into [clip_min, clip_max].
     """
     world, out = learner / "world", tmp_path / "run"
     config = Path(__file__).parents[1] / "examples" / "configs" / "quickstart_cpu.yaml"
@@ -140,7 +142,8 @@ def test_colocate_training_syncs_the_new_weights_into_vllm(learner, tmp_path):
         "--corpus", str(world / "corpus.jsonl"), "--output_dir", str(out), "--heldout_questions", "0",
         "--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_max_model_length", "1024", "--max_steps", "2",
         "--per_device_train_batch_size", "8", "--learning_rate", "5e-3", "--save_strategy", "steps",
-        "--save_steps", "2", cwd=learner,
+        "--save_steps", "2", "--vllm_importance_sampling_mode", "token_truncate",
+        "--vllm_importance_sampling_clip_max", "1.05", "--vllm_importance_sampling_clip_min", "0.95", cwd=learner,
     )  # fmt: skip
     steps = [e for e in json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
              if "loss" in e]  # fmt: skip
@@ -151,6 +154,8 @@ def test_colocate_training_syncs_the_new_weights_into_vllm(learner, tmp_path):
     for entry in steps:
         assert entry["sampling/sampling_logp_difference/mean"] < 0.05, entry
         assert entry["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=0.1), entry
+        assert 0.95 - 1e-6 <= entry["sampling/importance_sampling_ratio/min"], entry
+        assert entry["sampling/importance_sampling_ratio/max"] <= 1.05 + 1e-6, entry
 
 
 def test_eval_against_vllms_openai_server_plays_as_transformers(learner, tmp_path):
