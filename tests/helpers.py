@@ -286,3 +286,25 @@ SCRIPT = {
 """Question -> the scripted turns of its G = 2 trajectories (2, 1, 1 and 3 rounds), for scripted trainers."""
 GOLDS = {"Where is Alpha?": ["Paris"], "Where is Beta?": ["Rome"]}
 """The gold answers of `SCRIPT`'s questions."""
+
+
+def play_script(trainer, tokenizer, monkeypatch) -> None:
+    """Make ``trainer`` generate `SCRIPT`'s turns: each context is matched to its question and to the scripted turns it
+    already shows, and a new trajectory takes the question's next script (round-robin over steps)."""
+    started: dict[str, int] = {}
+
+    def scripted_generate(prompt_ids, *args, **kwargs):
+        outs = []
+        for ids in prompt_ids:
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            question = next(q for q in SCRIPT if q in text)
+            seen = [(k, j) for k, script in enumerate(SCRIPT[question]) for j, t in enumerate(script) if t in text]
+            if seen:
+                ((k, j),) = seen
+            else:
+                k, j = (started.setdefault(question, -1) + 1) % len(SCRIPT[question]), -1
+                started[question] = k
+            outs.append(tokenizer(SCRIPT[question][k][j + 1], add_special_tokens=False)["input_ids"])
+        return outs, None
+
+    monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)

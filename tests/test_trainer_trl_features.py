@@ -7,7 +7,7 @@
 
 import pytest
 from datasets import Dataset
-from helpers import GOLDS, SCRIPT, EchoRetriever, cpu_config
+from helpers import GOLDS, SCRIPT, EchoRetriever, cpu_config, play_script
 
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.kit.tiny import load_tiny
@@ -33,23 +33,7 @@ def make_trainer(model_dir, output_dir, monkeypatch):
         train_dataset=dataset,
         processing_class=tokenizer,
     )
-    started: dict[str, int] = {}
-
-    def scripted_generate(prompt_ids, *args, **kwargs):
-        outs = []
-        for ids in prompt_ids:
-            text = tokenizer.decode(ids, skip_special_tokens=False)
-            question = next(q for q in SCRIPT if q in text)
-            seen = [(k, j) for k, script in enumerate(SCRIPT[question]) for j, t in enumerate(script) if t in text]
-            if seen:
-                ((k, j),) = seen
-            else:
-                k, j = started.setdefault(question, -1) + 1, -1
-                started[question] = k
-            outs.append(tokenizer(SCRIPT[question][k][j + 1], add_special_tokens=False)["input_ids"])
-        return outs, None
-
-    monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
+    play_script(trainer, tokenizer, monkeypatch)
     return trainer
 
 

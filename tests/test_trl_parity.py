@@ -7,7 +7,7 @@ batch shape, the advantages, ...) or for its refusal; docs/trl_parity.md is the 
 import pytest
 import torch
 from datasets import Dataset
-from helpers import GOLDS, SCRIPT, EchoRetriever, cpu_config
+from helpers import GOLDS, SCRIPT, EchoRetriever, cpu_config, play_script
 
 from mempo_trl import MemPOAgent, MemPOTrainer
 from mempo_trl.kit.envs import KeyVaultEnv, OracleGenerator, SafeEnv, key_vault_oracle, safe_oracle
@@ -49,23 +49,7 @@ def scripted_trainer(model_dir, output_dir, monkeypatch, tokenizer=None, reward_
         eval_dataset=dataset if "eval_strategy" in config else None,
         processing_class=tokenizer,
     )
-    started: dict[str, int] = {}
-
-    def scripted_generate(prompt_ids, *args, **kwargs):
-        outs = []
-        for ids in prompt_ids:
-            text = tokenizer.decode(ids, skip_special_tokens=False)
-            question = next(q for q in SCRIPT if q in text)
-            seen = [(k, j) for k, script in enumerate(SCRIPT[question]) for j, t in enumerate(script) if t in text]
-            if seen:
-                ((k, j),) = seen
-            else:  # a new trajectory: the next script of its question, round-robin over steps
-                k, j = (started.setdefault(question, -1) + 1) % len(SCRIPT[question]), -1
-                started[question] = k
-            outs.append(tokenizer(SCRIPT[question][k][j + 1], add_special_tokens=False)["input_ids"])
-        return outs, None
-
-    monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
+    play_script(trainer, tokenizer, monkeypatch)
     trainer.batches, trainer.scored_items = [], []
     prepare, score = trainer._generate_and_score_completions, trainer._score_items
 
