@@ -80,12 +80,7 @@ def check_model_files(directory: str | Path) -> None:
         file = directory / name
         if not file.is_file():
             continue
-        try:
-            value = json.loads(file.read_text(encoding="utf-8"))
-        except ValueError as err:  # JSON and encoding errors
-            raise ValueError(f"{file} is not valid JSON ({_one_line(err)}); {RESTORE}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{file} holds {type(value).__name__}, not a JSON object; {RESTORE}")
+        read_json_object(file)
     if not any((directory / name).is_file() for name in TOKENIZER_VOCABULARIES):
         raise ValueError(
             f"{directory / 'tokenizer.json'} is missing: {directory} holds no tokenizer; copy the tokenizer files of "
@@ -101,6 +96,17 @@ def check_model_files(directory: str | Path) -> None:
                 f"{directory / 'tokenizer.json'} is not a tokenizer ({_one_line(err)}); {RESTORE}"
             ) from None
     _check_config_and_weights(directory)
+
+
+def read_json_object(file: Path) -> dict:
+    """The JSON object in ``file``; `ValueError` naming the file when it is not valid JSON or not an object."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as err:  # JSON and encoding errors
+        raise ValueError(f"{file} is not valid JSON ({_one_line(err)}); {RESTORE}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} holds {type(value).__name__}, not a JSON object; {RESTORE}")
+    return value
 
 
 def check_adapter_files(directory: str | Path) -> None:
@@ -124,12 +130,7 @@ def check_adapter_files(directory: str | Path) -> None:
     directory = Path(directory)
     check_final_save(directory)
     config = directory / "adapter_config.json"
-    try:
-        value = json.loads(config.read_text(encoding="utf-8"))
-    except ValueError as err:  # JSON and encoding errors
-        raise ValueError(f"{config} is not valid JSON ({_one_line(err)}); {RESTORE}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{config} holds {type(value).__name__}, not a JSON object; {RESTORE}")
+    read_json_object(config)
     newest = newest_complete_checkpoint(directory)
     fix = f"restore it, or merge the newest complete checkpoint, {newest}, instead" if newest else RESTORE
     weights = [directory / n for n in ("adapter_model.safetensors", "adapter_model.bin") if (directory / n).is_file()]
