@@ -82,6 +82,22 @@ def test_a_launch_with_a_bad_input_is_one_error_line_before_any_process_starts(t
     assert "launching" not in result.stdout
 
 
+def test_a_deepspeed_config_without_deepspeed_is_one_error_line_naming_the_extra(tmp_path):
+    """A newcomer's `.[eval]` install has no DeepSpeed: the README's `cpu_zero3` launch says which extra it needs
+    instead of accelerate's traceback from inside the launcher."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\nreport_to: none\n")
+    argv = ["train", "--config", str(recipe), "--accelerate_config", "cpu_zero3", "--num_processes", "2"]
+    code = f"import sys; sys.modules['deepspeed'] = None; from mempo_trl.cli import main; sys.exit(main({argv!r}))"
+    result = _run_python(code, tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        'error: --accelerate_config cpu_zero3 runs DeepSpeed, which is not installed: `pip install -e ".[deepspeed]"` '
+        "(or `pip install mempo_trl[deepspeed]`), or pick `cpu_ddp` / `multi_gpu`"
+    ]
+    assert "launching" not in result.stdout
+
+
 def test_help_is_short_lists_mempo_fields_first_and_imports_neither_torch_nor_transformers(tmp_path):
     """The help is generated from the dataclasses that declare the fields (TRL's `ScriptArguments` too, from TRL,
     which loads it without torch or transformers)."""

@@ -121,6 +121,22 @@ def check_cpu_config(config: Path, use_cpu: bool) -> None:
         )
 
 
+def check_deepspeed_installed(config: Path) -> None:
+    """A config with `distributed_type: DEEPSPEED` needs the `deepspeed` package: say so before anything starts
+    (accelerate would raise from inside the launcher)."""
+    import importlib.util
+
+    import yaml
+
+    settings = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
+    uses_deepspeed = isinstance(settings, dict) and settings.get("distributed_type") == "DEEPSPEED"
+    if uses_deepspeed and importlib.util.find_spec("deepspeed") is None:
+        raise ValueError(
+            f"--accelerate_config {Path(config).stem} runs DeepSpeed, which is not installed: "
+            '`pip install -e ".[deepspeed]"` (or `pip install mempo_trl[deepspeed]`), or pick `cpu_ddp` / `multi_gpu`'
+        )
+
+
 def machine_rank(launch: dict[str, str], config: Path) -> int:
     """This machine's rank: `--machine_rank`, else the accelerate config's `machine_rank`, else 0.
 
