@@ -15,7 +15,7 @@ import time
 import pyarrow
 import pyarrow.parquet
 import pytest
-from helpers import cpu_recipe, free_port, one_error_line, start_retriever, stop, write_corpus
+from helpers import cpu_recipe, free_port, one_error_line, start_retriever, stop, worker_env, write_corpus
 
 from mempo_trl.checkpoints import validate_checkpoint
 from mempo_trl.cli import main
@@ -344,6 +344,38 @@ def test_a_held_weight_sync_group_port_is_one_error_line_before_the_model_loads(
     )
     assert "pick a free port with vllm_group_port" in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_truncated_sampling_under_vllms_is_correction_is_said_once_per_run(tmp_path, tiny_model_dir):
+    """`top_p < 1` with vLLM and TRL's importance-sampling correction (trl#6789) is announced with its reason and fix
+    once per run, before anything else the run prints: by the launcher of a two-process `mempo-trl train`, not again
+    by the processes it starts (which then stop: vllm is not installed here, or the fake server is not vLLM)."""
+    server = serve_vllm_health(free_port())
+    settings = {"vllm_server_host": "127.0.0.1", "vllm_server_port": server.server_address[1], "top_p": 0.9}
+    recipe = cpu_recipe(tmp_path, tiny_model_dir, use_vllm=True, vllm_mode="server", **settings)
+    command = [sys.executable, "-m", "mempo_trl", "train", "--config", str(recipe)]
+    command += ["--accelerate_config", "cpu_ddp", "--num_processes", "2", "--vllm_group_port", str(free_port())]
+    try:
+        run = subprocess.run(
+            command,
+            cwd=tmp_path,
+            env=worker_env(VLLM_HOST_IP="127.0.0.1", PYTHONUNBUFFERED="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        server.shutdown()
+    lines = run.stdout.splitlines()
+    said = [i for i, line in enumerate(lines) if "trl#6789" in line]
+    assert len(said) == 1, run.stdout[-5000:]
+    assert "top_p=0.9 with vLLM: TRL's importance-sampling ratio" in lines[said[0]]
+    assert "renormalised over the tokens the truncation keeps" in lines[said[0]]
+    assert "set vllm_importance_sampling_correction: false" in lines[said[0]]
+    launching = next(i for i, line in enumerate(lines) if line.startswith("mempo-trl: launching"))
+    assert said[0] < launching, lines[:5]
 
 
 def test_the_group_port_check_passes_a_free_port_and_refuses_an_address_the_server_cannot_reach(monkeypatch):
