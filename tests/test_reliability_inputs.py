@@ -350,24 +350,19 @@ def test_a_held_weight_sync_group_port_is_one_error_line_before_the_model_loads(
 def test_truncated_sampling_under_vllms_is_correction_is_said_once_per_run(tmp_path, tiny_model_dir):
     """`top_p < 1` with vLLM and TRL's importance-sampling correction (trl#6789) is announced with its reason and fix
     once per run, before anything else the run prints: by the launcher of a two-process `mempo-trl train`, not again
-    by the processes it starts (which then stop: vllm is not installed here, or the fake server is not vLLM)."""
-    server = serve_vllm_health(free_port())
-    settings = {"vllm_server_host": "127.0.0.1", "vllm_server_port": server.server_address[1], "top_p": 0.9}
-    recipe = cpu_recipe(tmp_path, tiny_model_dir, use_vllm=True, vllm_mode="server", **settings)
+    by the processes it starts (which then stop, as vllm is not installed here)."""
+    recipe = cpu_recipe(tmp_path, tiny_model_dir, use_vllm=True, vllm_mode="colocate", top_p=0.9)
     command = [sys.executable, "-m", "mempo_trl", "train", "--config", str(recipe)]
-    command += ["--accelerate_config", "cpu_ddp", "--num_processes", "2", "--vllm_group_port", str(free_port())]
-    try:
-        run = subprocess.run(
-            command,
-            cwd=tmp_path,
-            env=worker_env(VLLM_HOST_IP="127.0.0.1", PYTHONUNBUFFERED="1"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        server.shutdown()
+    command += ["--accelerate_config", "cpu_ddp", "--num_processes", "2"]
+    run = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env=worker_env(PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     lines = run.stdout.splitlines()
     said = [i for i, line in enumerate(lines) if "trl#6789" in line]
     assert len(said) == 1, run.stdout[-5000:]
@@ -376,6 +371,30 @@ def test_truncated_sampling_under_vllms_is_correction_is_said_once_per_run(tmp_p
     assert "set vllm_importance_sampling_correction: false" in lines[said[0]]
     launching = next(i for i, line in enumerate(lines) if line.startswith("mempo-trl: launching"))
     assert said[0] < launching, lines[:5]
+    assert sum("vLLM is not available" in line for line in lines) == 2  # both processes started and built a config
+
+
+def test_server_mode_on_a_trainer_without_cuda_is_one_error_line_before_the_model_loads(
+    tmp_path, capsys, tiny_model_dir, monkeypatch
+):
+    """TRL's client syncs the weights over NCCL and refuses a non-CUDA device only after the model has loaded: with
+    the server up and the group port free, a CPU trainer is told so (and what to use instead) before that."""
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    server = serve_vllm_health(free_port())
+    try:
+        settings = {"vllm_server_port": server.server_address[1], "vllm_group_port": free_port()}
+        code = train(
+            tmp_path, tiny_model_dir, use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1", **settings
+        )
+    finally:
+        server.shutdown()
+    assert code == 2
+    line = one_error_line(capsys)
+    assert line.startswith(
+        "error: vllm_mode: server syncs the weights into the vLLM server over NCCL, which needs a "
+    ), line
+    assert "use_cpu is set" in line and "vllm_mode: colocate" in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_group_port_check_passes_a_free_port_and_refuses_an_address_the_server_cannot_reach(monkeypatch):

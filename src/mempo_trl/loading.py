@@ -357,6 +357,20 @@ def check_vllm_group_port(server_host: str, port: int, timeout: float = 5.0) -> 
             )
 
 
+def check_vllm_weight_sync_device(use_cpu: bool) -> None:
+    """Raise `ValueError` unless this trainer has a CUDA device for the server's weight sync: TRL's client sends the
+    weights over vLLM's NCCL weight-transfer engine (`VLLMClient.init_communicator`), which refuses any other device
+    once the model has loaded."""
+    import torch
+
+    if use_cpu or not torch.cuda.is_available():
+        raise ValueError(
+            "vllm_mode: server syncs the weights into the vLLM server over NCCL, which needs a CUDA device on the "
+            f"trainer, and this run has none ({'use_cpu is set' if use_cpu else 'torch sees no CUDA device'}): train "
+            "on a GPU node, or set vllm_mode: colocate (vLLM in the training process; it runs on a CPU too)."
+        )
+
+
 def _loopback(host: str) -> bool:
     """Whether ``host`` names this machine only (a loopback or unset address); a name that does not resolve is not."""
     import ipaddress

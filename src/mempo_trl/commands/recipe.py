@@ -424,6 +424,7 @@ def check_before_training(
         check_model_path,
         check_vllm_group_port,
         check_vllm_server,
+        check_vllm_weight_sync_device,
         vllm_server_url,
     )
     from mempo_trl.outputs import check_report_to, claim_output_dir, prepare_output_dir
@@ -451,6 +452,7 @@ def check_before_training(
         check_vllm_server(url, training_args.vllm_server_timeout)
         if first and int(os.environ.get("RANK", "0")) == 0:  # the trainer's main process hosts the weight-sync group
             check_vllm_group_port(urlparse(url).hostname, training_args.vllm_group_port)
+        check_vllm_weight_sync_device(training_args.use_cpu)
     inputs = {"model": model_args.model_name_or_path, "dataset": script_args.dataset_name,
               "corpus": retriever_args.corpus}  # fmt: skip
     if first and int(os.environ.get("RANK", "0")) == 0:  # the run's first process holds output_dir until it ends
