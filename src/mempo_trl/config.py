@@ -207,7 +207,7 @@ class MemPOConfig(GRPOConfig):
                 "vLLM's log-probs, renormalised over the tokens the truncation keeps, with the trainer's over the "
                 "whole vocabulary, so every ratio is scaled by the kept probability mass (trl#6789). Sample without "
                 "truncation, or set vllm_importance_sampling_correction: false.",
-                stacklevel=2,
+                stacklevel=3,  # the caller of MemPOConfig(...), past the generated __init__
             )
 
     def turn_protocol(self, environment: bool = False) -> TurnProtocol:
