@@ -308,3 +308,10 @@ def play_script(trainer, tokenizer, monkeypatch) -> None:
         return outs, None
 
     monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
+
+
+def scripted_p_mem(memory: str) -> float:
+    """A scripted P_mem in [0.05, 0.94], fixed by the ``<mem>`` text ``memory`` (a worker's scorer and its test)."""
+    import zlib
+
+    return 0.05 + zlib.crc32(memory.encode()) % 90 / 100

@@ -162,3 +162,20 @@ def test_truncated_sampling_with_vllms_importance_correction_is_announced(sampli
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*trl#6789")
             MemPOConfig("out", **base, **settings)
+
+
+def test_truncated_sampling_is_said_by_the_runs_first_process_only(monkeypatch):
+    """Said once per run: not again by a process of rank > 0, nor by one a `mempo-trl train` launcher started (it
+    said it; `HELD_ENV` marks its processes)."""
+    from mempo_trl.outputs import HELD_ENV
+
+    settings = {"use_cpu": True, "bf16": False, "use_vllm": True, "top_k": 20}
+    for env in ({"RANK": "1"}, {HELD_ENV: "/runs/out"}):
+        with monkeypatch.context() as patch, warnings.catch_warnings():
+            for name, value in env.items():
+                patch.setenv(name, value)
+            warnings.filterwarnings("error", message=".*trl#6789")
+            MemPOConfig("out", **settings)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.warns(UserWarning, match="top_k=20 with vLLM"):
+        MemPOConfig("out", **settings)

@@ -15,7 +15,7 @@ import time
 import pyarrow
 import pyarrow.parquet
 import pytest
-from helpers import cpu_recipe, free_port, one_error_line, start_retriever, stop, write_corpus
+from helpers import cpu_recipe, free_port, one_error_line, start_retriever, stop, worker_env, write_corpus
 
 from mempo_trl.checkpoints import validate_checkpoint
 from mempo_trl.cli import main
@@ -266,45 +266,149 @@ def test_an_unreachable_vllm_server_is_one_error_line_before_the_model_loads(tmp
     assert train(tmp_path, tiny_model_dir, use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
                  vllm_server_port=port, vllm_server_timeout=2) == 2  # fmt: skip
     line = one_error_line(capsys)
-    assert line.startswith(f"error: the vLLM server http://127.0.0.1:{port} did not answer /health/ within 2 s ("), (
-        line
-    )
+    assert line.startswith(f"error: the vLLM server http://127.0.0.1:{port} did not answer /health within 2 s ("), line
     assert "trl vllm-serve" in line and "vllm_server_timeout" in line
     assert time.monotonic() - start < 60
     assert not (tmp_path / "out").exists()
 
 
-def test_the_vllm_server_check_waits_for_a_server_that_comes_up_and_names_a_bad_answer():
-    """A server that starts listening within the timeout passes; one that answers /health/ with 503 is named."""
+def serve_vllm_health(port: int, status: int = 200, delay: float = 0.0):
+    """After ``delay`` seconds, an HTTP server on 127.0.0.1:``port`` answering ``/health`` with ``status`` and, as
+    vLLM's server does, ``/health/`` with a redirect there (307); returns it (end it with ``shutdown()``)."""
     import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            code = {"/health": status, "/health/": 307}.get(self.path, 404)
+            self.send_response(code)
+            if code == 307:
+                self.send_header("Location", "/health")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    time.sleep(delay)
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_the_vllm_server_check_waits_for_a_server_that_comes_up_and_names_a_bad_answer():
+    """A server that starts listening within the timeout passes (vLLM's real one redirects ``/health/``: the check
+    asks ``/health``, as TRL's client does); one that answers 503 is named."""
     import threading
 
     from mempo_trl.loading import check_vllm_server
 
-    def serve(port: int, status: int, delay: float) -> http.server.HTTPServer:
-        class Health(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                self.send_response(status if self.path == "/health/" else 404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        time.sleep(delay)
-        server = http.server.HTTPServer(("127.0.0.1", port), Health)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        return server
-
     port = free_port()
     servers = []
-    late = threading.Thread(target=lambda: servers.append(serve(port, 200, delay=1.5)))
+    late = threading.Thread(target=lambda: servers.append(serve_vllm_health(port, 200, delay=1.5)))
     late.start()
     check_vllm_server(f"http://127.0.0.1:{port}", timeout=20, interval=0.5)  # passes once the server is up
     late.join()
     servers[0].shutdown()
-    busy = serve(free_port(), 503, delay=0)
+    busy = serve_vllm_health(free_port(), 503)
     url = f"http://127.0.0.1:{busy.server_address[1]}"
-    with pytest.raises(ConnectionError, match=r"did not answer /health/ within 1 s \(HTTP 503\)"):
+    with pytest.raises(ConnectionError, match=r"did not answer /health within 1 s \(HTTP 503\)"):
         check_vllm_server(url, timeout=1, interval=0.2)
     busy.shutdown()
+
+
+def test_a_held_weight_sync_group_port_is_one_error_line_before_the_model_loads(
+    tmp_path, capsys, tiny_model_dir, monkeypatch
+):
+    """The trainer's main process listens on `vllm_group_port` for the vLLM server's workers (TRL 1.16, vLLM >=
+    0.28): a port another process holds (an earlier run's trainer) is one line naming host and port, before any model
+    loads or the output directory is claimed, not a failed rendezvous after the model loaded."""
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    server = serve_vllm_health(free_port())
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    group_port = holder.getsockname()[1]
+    try:
+        settings = {"vllm_server_port": server.server_address[1], "vllm_group_port": group_port}
+        code = train(
+            tmp_path, tiny_model_dir, use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1", **settings
+        )
+    finally:
+        holder.close()
+        server.shutdown()
+    assert code == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: the weight-sync group port 127.0.0.1:{group_port} (vllm_group_port) is in use "), (
+        line
+    )
+    assert "pick a free port with vllm_group_port" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_truncated_sampling_under_vllms_is_correction_is_said_once_per_run(tmp_path, tiny_model_dir):
+    """`top_p < 1` with vLLM and TRL's importance-sampling correction (trl#6789) is announced with its reason and fix
+    once per run, before anything else the run prints: by the launcher of a two-process `mempo-trl train`, not again
+    by the processes it starts (which then stop, as vllm is not installed here)."""
+    recipe = cpu_recipe(tmp_path, tiny_model_dir, use_vllm=True, vllm_mode="colocate", top_p=0.9)
+    command = [sys.executable, "-m", "mempo_trl", "train", "--config", str(recipe)]
+    command += ["--accelerate_config", "cpu_ddp", "--num_processes", "2"]
+    run = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env=worker_env(PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    lines = run.stdout.splitlines()
+    said = [i for i, line in enumerate(lines) if "trl#6789" in line]
+    assert len(said) == 1, run.stdout[-5000:]
+    assert "top_p=0.9 with vLLM: TRL's importance-sampling ratio" in lines[said[0]]
+    assert "renormalised over the tokens the truncation keeps" in lines[said[0]]
+    assert "set vllm_importance_sampling_correction: false" in lines[said[0]]
+    launching = next(i for i, line in enumerate(lines) if line.startswith("mempo-trl: launching"))
+    assert said[0] < launching, lines[:5]
+    # A process that built its config (silently) ends there; the first to end may take the other down first.
+    assert any("vLLM is not available" in line for line in lines)
+
+
+def test_server_mode_on_a_trainer_without_cuda_is_one_error_line_before_the_model_loads(
+    tmp_path, capsys, tiny_model_dir, monkeypatch
+):
+    """TRL's client syncs the weights over NCCL and refuses a non-CUDA device only after the model has loaded: with
+    the server up and the group port free, a CPU trainer is told so (and what to use instead) before that."""
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    server = serve_vllm_health(free_port())
+    try:
+        settings = {"vllm_server_port": server.server_address[1], "vllm_group_port": free_port()}
+        code = train(
+            tmp_path, tiny_model_dir, use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1", **settings
+        )
+    finally:
+        server.shutdown()
+    assert code == 2
+    line = one_error_line(capsys)
+    assert line.startswith(
+        "error: vllm_mode: server syncs the weights into the vLLM server over NCCL, which needs a "
+    ), line
+    assert "use_cpu is set" in line and "vllm_mode: colocate" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_group_port_check_passes_a_free_port_and_refuses_an_address_the_server_cannot_reach(monkeypatch):
+    """A free port on this machine passes; a trainer that would announce a loopback address to a server on another
+    machine is told to set VLLM_HOST_IP (the server's workers would wait for the group until they time out)."""
+    from mempo_trl.loading import check_vllm_group_port
+
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    check_vllm_group_port("127.0.0.1", free_port())
+    check_vllm_group_port("localhost", free_port())
+    with pytest.raises(
+        ConnectionError, match=r"^the vLLM server on 192\.0\.2\.10 would connect back to 127\.0\.0\.1:"
+    ):
+        check_vllm_group_port("192.0.2.10", 51216)
+    monkeypatch.setenv("VLLM_HOST_IP", "192.0.2.20")
+    check_vllm_group_port("192.0.2.10", free_port())  # an address the server can reach: only the port is checked

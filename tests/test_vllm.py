@@ -14,7 +14,7 @@ from pathlib import Path
 import fake_vllm
 import pytest
 from datasets import Dataset
-from fake_vllm import end_round
+from fake_vllm import end_round, turn_text
 from helpers import cpu_config, free_port, worker_env
 
 from mempo_trl import MemPOTrainer
@@ -111,3 +111,54 @@ def test_sleep_mode_keeps_vllm_awake_across_the_rounds_of_a_step(tiny_model_dir,
     assert counters.syncs == 2  # one per step (TRL alone: one per round)
     assert counters.sleeps == 1 + 2  # at start-up, then after each step's rollout
     assert trainer.vllm_generation.enable_sleep_mode and trainer.vllm_generation._llm_weights_sleeping
+
+
+def test_the_share_of_each_rounds_tokens_masked_by_truncation_or_the_is_cap_is_logged(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """One real training step on the fake engine, TRL's per-token IS mask (`token_mask`, cap 3) and
+    `mask_truncated_completions`: in round 2 the engine's log-probs of the first two tokens are 2 below the trainer's
+    (ratio e^2 > 3: masked), round 3's turn is cut before its closing tag (truncated: all masked). Logged per round and
+    overall, as shares of the round's completion tokens, computed here from the turns' token counts."""
+    for name, value in fake_vllm.colocate_env().items():
+        monkeypatch.setenv(name, value)
+    fake_vllm.install(tiny_model_dir)
+    complete = fake_vllm.Engine.complete
+
+    def skewed_complete(self, prompt_ids):
+        ids, logps, key = complete(self, prompt_ids)
+        if key is not None and key[1] == 2:
+            logps = [lp - 2.0 for lp in logps[:2]] + logps[2:]
+        if key is not None and key[1] == 3:  # cut before the closing tag: the turn hit its length budget
+            ids = self.tokenizer(turn_text(*key).rsplit("</", 1)[0], add_special_tokens=False)["input_ids"]
+            logps = logps[: len(ids)]
+        return ids, logps, key
+
+    monkeypatch.setattr(fake_vllm.Engine, "complete", skewed_complete)
+    model, tokenizer = load_tiny(tiny_model_dir)
+    args = cpu_config(
+        tmp_path,
+        per_device_train_batch_size=2,
+        max_turns=4,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_importance_sampling_mode="token_mask",
+        mask_truncated_completions=True,
+        disable_tqdm=True,
+    )
+    dataset = Dataset.from_list([{"question": "Q3 where?", "golden_answers": ["A3"]}])  # answers in round 4
+
+    class Retriever:
+        def search(self, queries, topk):
+            return [[Passage(id=q, title=q, text="x")] for q in queries]
+
+    trainer = MemPOTrainer(model, Retriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    lengths = [len(tokenizer(turn_text(3, t), add_special_tokens=False)["input_ids"]) for t in (1, 2)]
+    lengths.append(len(tokenizer(turn_text(3, 3).rsplit("</", 1)[0], add_special_tokens=False)["input_ids"]))
+    assert logged["tokens/masked_share/round_1"] == 0.0
+    assert logged["tokens/masked_share/round_2"] == pytest.approx(2 / lengths[1])
+    assert logged["tokens/masked_share/round_3"] == 1.0
+    assert "tokens/masked_share/round_4" not in logged  # the truncated turn ended the episodes
+    assert logged["tokens/masked_share"] == pytest.approx((2 + lengths[2]) / sum(lengths))

@@ -203,3 +203,47 @@ def test_eval_against_vllms_openai_server_plays_as_transformers(learner, tmp_pat
     turns = [r for record in api for r in record["rounds"]]
     assert {t["action"] for t in turns if t["valid"]} == {"search", "answer"}
     assert any(t["truncated"] for t in turns)  # a turn cut at max_tokens came back unfinished
+
+
+def test_server_mode_against_vllms_server_runs_up_to_the_nccl_weight_sync(learner, tmp_path):
+    """`vllm_mode: server` against vLLM's real server, started as `trl vllm-serve` starts it (its weight-transfer
+    engine, processed log-probs; `trl vllm-serve` itself cannot start on the CPU build, docs/training.md): TRL's client
+    generates a turn through it, and `train` passes the server and group-port checks (the server redirects
+    `/health/`), then stops in one line before the model loads, where the run would need NCCL and a GPU."""
+    from helpers import free_port
+    from trl.generation.vllm_client import VLLMClient
+
+    from mempo_trl.loading import load_tokenizer
+
+    port, log = free_port(), tmp_path / "server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(learner / "model")]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024"]
+    command += ["--enforce-eager", "--enable-scale-out", "--weight-transfer-config", '{"backend": "nccl"}']
+    command += ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
+    env = {**_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        client = VLLMClient(base_url=f"http://127.0.0.1:{port}", connection_timeout=600)
+        tokenizer = load_tokenizer(learner / "model")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Q?"}], add_generation_prompt=True, tokenize=False
+        )
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out = client.generate([prompt], max_tokens=8, logprobs=0)
+        assert len(out["completion_ids"][0]) == len(out["logprobs"][0]) > 0
+        config = Path(__file__).parents[1] / "examples" / "configs" / "quickstart_cpu.yaml"
+        world = learner / "world"
+        train = [sys.executable, "-m", "mempo_trl", "train", "--config", str(config)]
+        train += ["--model_name_or_path", str(learner / "model"), "--output_dir", str(tmp_path / "out")]
+        train += ["--dataset_name", str(world), "--corpus", str(world / "corpus.jsonl")]
+        train += ["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1"]
+        train += ["--vllm_server_port", str(port), "--vllm_group_port", str(free_port())]
+        run = subprocess.run(train, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert run.returncode == 2 and len(errors) == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert errors[0].startswith("error: vllm_mode: server syncs the weights into the vLLM server over NCCL"), errors
+    assert not (tmp_path / "out").exists()

@@ -1,5 +1,6 @@
 """`MemPOConfig`: `GRPOConfig` plus the fields of the MemPO search loop and memory advantage."""
 
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -30,6 +31,14 @@ def truncated_sampling(config) -> list[str]:
     if config.min_p is not None and config.min_p > 0:
         found.append(f"min_p={config.min_p}")
     return found
+
+
+def first_to_announce() -> bool:
+    """Whether this process says a run's start-up notices, once for the run: not a process of rank > 0 (``RANK``), nor
+    one that a `mempo-trl train` launcher started (it said them, and holds the output directory: ``HELD_ENV``)."""
+    from mempo_trl.outputs import HELD_ENV
+
+    return int(os.environ.get("RANK", "0") or 0) == 0 and HELD_ENV not in os.environ
 
 
 @dataclass
@@ -191,13 +200,14 @@ class MemPOConfig(GRPOConfig):
             self.use_vllm
             and truncation
             and (self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None)
+            and first_to_announce()
         ):
             warnings.warn(
                 f"{', '.join(truncation)} with vLLM: TRL's importance-sampling ratio (and off-policy mask) compares "
                 "vLLM's log-probs, renormalised over the tokens the truncation keeps, with the trainer's over the "
                 "whole vocabulary, so every ratio is scaled by the kept probability mass (trl#6789). Sample without "
                 "truncation, or set vllm_importance_sampling_correction: false.",
-                stacklevel=2,
+                stacklevel=3,  # the caller of MemPOConfig(...), past the generated __init__
             )
 
     def turn_protocol(self, environment: bool = False) -> TurnProtocol:

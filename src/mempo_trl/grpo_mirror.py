@@ -60,6 +60,26 @@ def reload_vllm_weights(generation) -> None:
     generation.llm.reset_prefix_cache()
 
 
+def masked_tokens_by_round(rounds, lengths, completion_mask, ratio, num_rounds: int) -> torch.Tensor:
+    """``(num_rounds, 2)``: for each round, the completion tokens of the rows given and how many of them the loss
+    does not train. A row's round is ``rounds[i]`` (0-based) and its length ``lengths[i]``; a token is left out
+    where ``completion_mask`` ``(R, T)`` is 0 (a truncated turn under ``mask_truncated_completions``) or TRL's
+    importance-sampling ``ratio`` (``(R, T)`` or ``(R, 1)``; None without it) is 0 (outside the cap of its ``*_mask``
+    modes), as the loss multiplies by both.
+
+    >>> mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    >>> ratio = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0], [2.0, 1.0, 1.0]])
+    >>> masked_tokens_by_round([0, 1, 1], [2, 3, 1], mask, ratio, 2)
+    tensor([[2., 1.],
+            [4., 3.]])
+    """
+    trained = completion_mask.bool() if ratio is None else completion_mask.bool() & (ratio != 0)
+    counts = torch.zeros(num_rounds, 2)
+    for t, n, kept in zip(rounds, lengths, trained.sum(dim=1).tolist()):
+        counts[t] += torch.tensor([float(n), float(n - kept)])
+    return counts
+
+
 @contextmanager
 def activation_checkpointing_off(model, checkpointing_kwargs: dict | None = None):
     """TRL's `disable_gradient_checkpointing` under transformers 5's names: activation checkpointing is off inside
@@ -263,6 +283,27 @@ class GRPOMirror:
         metrics["sampling/importance_sampling_ratio/min"].append(nanmin(low).item())
         metrics["sampling/importance_sampling_ratio/mean"].append(mean.nanmean().item())
         metrics["sampling/importance_sampling_ratio/max"].append(nanmax(high).item())
+
+    def _log_masked_tokens(self, mode, records, batch: dict[str, torch.Tensor], ratio) -> None:
+        """Log ``tokens/masked_share`` and ``tokens/masked_share/round_<t>``: the share of the completion tokens of
+        ``records`` (this process's real rows; all processes counted, rows of dropped groups left out) that the loss
+        does not train because truncation or the importance-sampling cap masked them (`masked_tokens_by_round`)."""
+        real = batch["real_rows"][: len(records)].tolist()
+        index = [i for i, keep in enumerate(real) if keep]
+        counts = masked_tokens_by_round(
+            [records[i].round_index for i in index],
+            [len(records[i].completion_ids) for i in index],
+            batch["completion_mask"][index],
+            None if ratio is None else ratio[index],
+            self.args.max_turns,
+        )
+        totals = self.accelerator.gather(counts.to(self.accelerator.device).unsqueeze(0)).sum(dim=0).tolist()
+        metrics = self._metrics[mode]
+        tokens, masked = (sum(column) for column in zip(*totals))
+        metrics["tokens/masked_share"].append(masked / tokens if tokens else 0.0)
+        for t, (round_tokens, round_masked) in enumerate(totals, start=1):
+            if round_tokens:
+                metrics[f"tokens/masked_share/round_{t}"].append(round_masked / round_tokens)
 
     def _log_grpo_metrics(self, mode, records, rewards_per_func, rewards, advantages, prompts, completions) -> None:
         """The metrics and completions-table rows `GRPOTrainer` logs for a batch.

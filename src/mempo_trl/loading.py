@@ -272,14 +272,15 @@ def vllm_server_url(host: str, port: int, base_url: str | None = None) -> str:
 
 
 def check_vllm_server(url: str, timeout: float, interval: float = 2.0) -> None:
-    """Raise `ConnectionError` (one line, naming ``url``) unless ``url/health/`` answers 200 within ``timeout``
+    """Raise `ConnectionError` (one line, naming ``url``) unless ``url/health`` answers 200 within ``timeout``
     seconds (TRL's ``vllm_server_timeout``), polled every ``interval`` seconds: before the model loads, as TRL's
-    client then waits for the same endpoint. A server started alongside the training job has that long to come up.
+    client then waits for the same endpoint (vLLM answers ``/health/`` with a redirect). A server started alongside
+    the training job has that long to come up.
 
     Example:
         >>> check_vllm_server("http://127.0.0.1:9", timeout=0.1)  # doctest: +SKIP
         Traceback (most recent call last):
-        ConnectionError: the vLLM server http://127.0.0.1:9 did not answer /health/ within 0 s (...) ...
+        ConnectionError: the vLLM server http://127.0.0.1:9 did not answer /health within 0 s (...) ...
     """
     import time
 
@@ -289,7 +290,7 @@ def check_vllm_server(url: str, timeout: float, interval: float = 2.0) -> None:
     while True:
         left = deadline - time.monotonic()
         try:
-            answer = httpx.get(f"{url}/health/", timeout=max(0.1, min(5.0, left)))
+            answer = httpx.get(f"{url}/health", timeout=max(0.1, min(5.0, left)))
             if answer.status_code == 200:
                 return
             reason = f"HTTP {answer.status_code}"
@@ -299,7 +300,85 @@ def check_vllm_server(url: str, timeout: float, interval: float = 2.0) -> None:
             break
         time.sleep(interval)
     raise ConnectionError(
-        f"the vLLM server {url} did not answer /health/ within {timeout:g} s ({reason}): start it first "
+        f"the vLLM server {url} did not answer /health within {timeout:g} s ({reason}): start it first "
         "(`trl vllm-serve --model MODEL --host 0.0.0.0 --port PORT` on its node), point vllm_server_host / "
         "vllm_server_port (or vllm_server_base_url) at it, or wait longer with vllm_server_timeout."
     )
+
+
+def trainer_group_address() -> str:
+    """The address TRL's vLLM client announces for the weight-sync group, as vLLM's ``get_ip`` finds it:
+    ``VLLM_HOST_IP``, else the address of this machine's default route (no packet is sent), else ``0.0.0.0``."""
+    import socket
+
+    if os.environ.get("VLLM_HOST_IP"):
+        return os.environ["VLLM_HOST_IP"]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("8.8.8.8", 80))
+            return probe.getsockname()[0]
+    except OSError:
+        return "0.0.0.0"
+
+
+def check_vllm_group_port(server_host: str, port: int, timeout: float = 5.0) -> None:
+    """Raise `ConnectionError` (one line naming host and port) when TRL's weight-sync group cannot form at
+    ``port`` (``vllm_group_port``), before the model loads rather than when the first step syncs.
+
+    With vLLM >= 0.28 the trainer's main process is rank 0 of that group: it listens on ``port`` at
+    `trainer_group_address`, and the server's workers connect to it (the server listens on no group port). So the
+    port must be free here (a TCP connect within ``timeout`` seconds that succeeds means another process, an earlier
+    run's trainer say, holds it), and the announced address must not be one the server on ``server_host`` cannot
+    reach back (a loopback or unset address when the server is on another machine).
+
+    Example:
+        >>> check_vllm_group_port("10.0.0.5", 51216)  # doctest: +SKIP
+        Traceback (most recent call last):
+        ConnectionError: the weight-sync group port 10.0.0.7:51216 (vllm_group_port) is in use on this machine ...
+    """
+    import socket
+
+    address = trainer_group_address()
+    if _loopback(address) and not _loopback(server_host):
+        raise ConnectionError(
+            f"the vLLM server on {server_host} would connect back to {address}:{port} (vllm_group_port) for the "
+            "weight sync, an address of no other machine: set VLLM_HOST_IP to this machine's address that the server "
+            "node reaches."
+        )
+    for target in dict.fromkeys(("127.0.0.1" if address == "0.0.0.0" else address, "127.0.0.1")):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.settimeout(timeout)
+            held = probe.connect_ex((target, port)) == 0
+        if held:
+            raise ConnectionError(
+                f"the weight-sync group port {target}:{port} (vllm_group_port) is in use on this machine: the trainer "
+                "listens there for the vLLM server's workers. End the process that holds it (an earlier run's "
+                "trainer?), or pick a free port with vllm_group_port."
+            )
+
+
+def check_vllm_weight_sync_device(use_cpu: bool) -> None:
+    """Raise `ValueError` unless this trainer has a CUDA device for the server's weight sync: TRL's client sends the
+    weights over vLLM's NCCL weight-transfer engine (`VLLMClient.init_communicator`), which refuses any other device
+    once the model has loaded."""
+    import torch
+
+    if use_cpu or not torch.cuda.is_available():
+        raise ValueError(
+            "vllm_mode: server syncs the weights into the vLLM server over NCCL, which needs a CUDA device on the "
+            f"trainer, and this run has none ({'use_cpu is set' if use_cpu else 'torch sees no CUDA device'}): train "
+            "on a GPU node, or set vllm_mode: colocate (vLLM in the training process; it runs on a CPU too)."
+        )
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (a loopback or unset address); a name that does not resolve is not."""
+    import ipaddress
+    import socket
+
+    if host in ("localhost", "0.0.0.0", ""):
+        return True
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False

@@ -422,6 +422,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         scoring_seconds = time.perf_counter() - scoring_start
         output = {**batch.tensors, "advantages": advantages.advantages}
         output.update(self._loss_log_probs(batch.tensors, self._sampling_logps(batch.rows), mode))
+        self._log_masked_tokens(mode, batch.rows, batch.tensors, output.get("importance_sampling_ratio"))
         self._log_step(batch, stats, rewards_per_func, rewards, advantages, scored, rollout.timings, scoring_seconds)
         return output
 

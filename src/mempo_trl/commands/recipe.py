@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import trl
 
@@ -418,7 +419,14 @@ def check_before_training(
     """Fail in seconds, not after training: model path, logging backends, the Hub when pushing, a writable
     `output_dir` apart from the inputs and free of earlier results (`mempo_trl.outputs.claim_output_dir`, which the
     run's first process holds; `first=False` on the launcher of a machine other than the main one)."""
-    from mempo_trl.loading import check_hub_reachable, check_model_path, check_vllm_server, vllm_server_url
+    from mempo_trl.loading import (
+        check_hub_reachable,
+        check_model_path,
+        check_vllm_group_port,
+        check_vllm_server,
+        check_vllm_weight_sync_device,
+        vllm_server_url,
+    )
     from mempo_trl.outputs import check_report_to, claim_output_dir, prepare_output_dir
 
     if not model_args.model_name_or_path:
@@ -442,6 +450,9 @@ def check_before_training(
             training_args.vllm_server_host, training_args.vllm_server_port, training_args.vllm_server_base_url
         )
         check_vllm_server(url, training_args.vllm_server_timeout)
+        if first and int(os.environ.get("RANK", "0")) == 0:  # the trainer's main process hosts the weight-sync group
+            check_vllm_group_port(urlparse(url).hostname, training_args.vllm_group_port)
+        check_vllm_weight_sync_device(training_args.use_cpu)
     inputs = {"model": model_args.model_name_or_path, "dataset": script_args.dataset_name,
               "corpus": retriever_args.corpus}  # fmt: skip
     if first and int(os.environ.get("RANK", "0")) == 0:  # the run's first process holds output_dir until it ends
