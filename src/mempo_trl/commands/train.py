@@ -75,14 +75,15 @@ def check_output_dir_early(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    """`recipe.main`; a stopped run's line (which names the checkpoint every process saved) is left to rank 0."""
+    """`recipe.main`; a stopped run's line (which names the checkpoint every process saved) is left to the first
+    process of each machine (`LOCAL_RANK` 0): one line per machine."""
     from mempo_trl.commands import USAGE_EXIT, recipe
     from mempo_trl.interruptions import TrainingStopped
 
     try:
         return recipe.main(*parse_args(argv))
     except TrainingStopped:
-        if int(os.environ.get("RANK", "0")) == 0 or os.environ.get("MEMPO_DEBUG"):
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 or os.environ.get("MEMPO_DEBUG"):
             raise
         return USAGE_EXIT
 
