@@ -932,6 +932,20 @@ def rl_corpus(passages: list[dict], held_out_names: list[str]) -> list[dict]:
     return [p for p in passages if not pattern.search(p["contents"])]
 
 
+def job_pool(workers: int):
+    """A spawn pool of ``workers`` processes that end with this one, however it ends (SIGKILL too): a killed
+    experiment leaves no worker training on (`end_with`)."""
+    return multiprocessing.get_context("spawn").Pool(workers, initializer=end_with, initargs=(os.getpid(),))
+
+
+def end_with(parent: int) -> None:
+    """A pool worker's initializer: receive SIGTERM (and end) when ``parent`` dies (`mempo_trl.processes`)."""
+    from mempo_trl.processes import PARENT_PID_ENV, end_with_parent
+
+    os.environ[PARENT_PID_ENV] = str(parent)
+    end_with_parent()
+
+
 def run_one(job: dict) -> dict:
     """Train one (arm, seed) from the warm start, evaluate per K before and after; write ``run.json``."""
     import torch
@@ -1327,7 +1341,7 @@ def main(argv: list[str] | None = None) -> int:
                     "bm25": str(out / "bm25"), "device": args.device, "record_copy": record_copy and str(record_copy),
                 })  # fmt: skip
     if args.jobs > 1 and len(jobs) > 1:
-        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:
+        with job_pool(min(args.jobs, len(jobs))) as pool:
             for _ in pool.imap_unordered(run_one, jobs):
                 pass
     else:
