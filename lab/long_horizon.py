@@ -26,8 +26,9 @@ kept run of its warm start instead of training it again. The kit learner's warm 
 in git too (`COMMITTED_WARM`, its files checked by sha256), so every machine trains from the same one: rebuilt, it
 differs between CPUs with other float kernels. Each warm start's runs are kept apart and a summary never mixes two;
 the default runs refuse to start without the committed `--tune` choice of their settings (`read_tuned`). `--jobs N` trains N
-runs side by side as processes (on one GPU with `--device cuda`). Run directories stay out of git (default `--out
-runs/long_horizon`); the published configuration (no `--set`, `--split test`, not `--quick`, no `--passage_words`, no
+runs side by side as processes (on one GPU with `--device cuda`), which end with the experiment however it ends (a
+SIGKILL too). Run directories stay out of git (default `--out runs/long_horizon`); the published configuration (no
+`--set`, `--split test`, not `--quick`, no `--passage_words`, no
 `--outcome_reward`)
 writes its summary and figure to `lab/results/long_horizon.json` / `.png`, any other next to its runs.
 

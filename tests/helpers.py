@@ -308,3 +308,10 @@ def play_script(trainer, tokenizer, monkeypatch) -> None:
         return outs, None
 
     monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
+
+
+def reward_by_length(completions, **kwargs):
+    """A reward function (give its import path, ``helpers.reward_by_length``) that scores each episode by the length
+    of its completion (characters / 100): rewards that differ within a group, so that every step moves the weights
+    even of a model that never answers."""
+    return [len(str(completion)) / 100 for completion in completions]

@@ -37,8 +37,8 @@ class NonFiniteError(TrainingStopped):
 
 
 class PeerLost(TrainingStopped):
-    """A collective failed: a process of the run (on another machine, typically) ended or stopped answering, so
-    the processes left can save nothing together."""
+    """A collective failed: another process of the run (on another machine, say) ended or stopped answering, so the
+    processes left can save nothing together."""
 
 
 def is_peer_lost(err: BaseException) -> bool:
@@ -62,10 +62,11 @@ def peer_lost_message(err: BaseException, step: int, timeout: int, checkpoint) -
     ``checkpoint`` (the newest complete one, or None).
 
     Example:
-        >>> print(peer_lost_message(RuntimeError("[x/gloo/y.cc:1] Timed out waiting 30000ms"), 7, 30, "out/ckpt-5"))
-        training stopped after step 7: a process of the run on another machine ended or stopped answering (Timed
-        out waiting 30000ms; this process waits at most ddp_timeout=30 s for one). Nothing can be saved without
-        it: start every machine again with --resume_from_checkpoint out/ckpt-5.
+        >>> err = RuntimeError("[x/gloo/y.cc:1] Timed out waiting 30000ms")
+        >>> print(peer_lost_message(err, 7, 30, "out/ckpt-5"))  # doctest: +NORMALIZE_WHITESPACE
+        training stopped after step 7: another process of the run ended or stopped answering (Timed out waiting
+        30000ms; this process waits at most ddp_timeout=30 s for one). Nothing can be saved without it: start every
+        machine again with --resume_from_checkpoint out/ckpt-5.
     """
     import re
 
@@ -77,7 +78,7 @@ def peer_lost_message(err: BaseException, step: int, timeout: int, checkpoint) -
         else "no checkpoint was saved yet, start every machine again"
     )
     return (
-        f"training stopped after step {step}: a process of the run on another machine ended or stopped answering "
+        f"training stopped after step {step}: another process of the run ended or stopped answering "
         f"({reason}; this process waits at most ddp_timeout={timeout} s for one). Nothing can be saved without it: "
         f"{go_on}."
     )

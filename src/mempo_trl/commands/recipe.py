@@ -291,6 +291,7 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
 
 
 def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> dict:
+    from mempo_trl.callbacks import end_progress_bar
     from mempo_trl.checkpoints import (
         begin_final_save,
         check_room_to_save,
@@ -327,6 +328,7 @@ def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> d
             doing = f"training stopped at step {step}: saving {Path(training_args.output_dir, f'checkpoint-{step}')}"
             raise disk_full_error(doing, training_args) from err
         if training_args.world_size > 1 and is_peer_lost(err):
+            end_progress_bar(trainer)
             checkpoint = newest_complete_checkpoint(training_args.output_dir)
             step = trainer.state.global_step
             raise PeerLost(peer_lost_message(err, step, training_args.ddp_timeout, checkpoint)) from err

@@ -92,6 +92,7 @@ def launch_training(argv: list[str]) -> int:
     """Check the recipe and the output directory here, then start the processes; returns the launcher's exit code."""
     from mempo_trl.commands.launch import (
         check_cpu_config,
+        check_machines,
         forwarded_stop_signals,
         launch_command,
         machine_rank,
@@ -104,6 +105,7 @@ def launch_training(argv: list[str]) -> int:
     script_args, training_args, model_args, retriever_args = parse_args(train_argv)
     cmd = launch_command(launch, train_argv, use_cpu=training_args.use_cpu)
     check_cpu_config(Path(cmd[4]), training_args.use_cpu)
+    check_machines(launch, Path(cmd[4]))
     main_machine = machine_rank(launch, Path(cmd[4])) == 0  # the others' first process is not the run's first
     check_before_training(script_args, training_args, model_args, retriever_args, first=main_machine)
     # torchrun sets OMP_NUM_THREADS=1 in every process anyway (and warns that it did); say it once here instead.
