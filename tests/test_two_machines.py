@@ -95,8 +95,12 @@ def two_machines(args: list[str], first: int = 0, between=None, command=None) ->
     """Start machine ``first``, call ``between(machine)`` once it has launched, then start the other."""
     port = free_port()
     started = {first: Machine(first, args, port, command)}
-    if between is not None:
-        between(started[first])
+    try:
+        if between is not None:
+            between(started[first])
+    except BaseException:
+        started[first].tree.kill()  # it would wait for the other machine for minutes
+        raise
     started[1 - first] = Machine(1 - first, args, port, command)
     return [started[0], started[1]]
 
@@ -143,9 +147,14 @@ def straight(tmp_path_factory, tiny_model_dir):
         seen["while machine 1 waits"] = sorted(p.name for p in out.iterdir()), is_locked(out)
 
     machines = two_machines(["--config", str(recipe)], first=1, between=look)
-    machines[0].wait_for("mempo-trl: launching")
-    seen["machine 0 started"] = is_locked(out)
-    assert finish_both(machines) == [0, 0], machines[0].output[-3000:] + machines[1].output[-3000:]
+    try:
+        machines[0].wait_for("mempo-trl: launching")
+        seen["machine 0 started"] = is_locked(out)
+        rcs = finish_both(machines)
+    finally:
+        for machine in machines:  # machine 0 refused: machine 1 would wait for it for minutes
+            machine.tree.kill()
+    assert rcs == [0, 0], machines[0].output[-3000:] + machines[1].output[-3000:]
     return recipe, machines, seen
 
 
