@@ -26,8 +26,9 @@ kept run of its warm start instead of training it again. The kit learner's warm 
 in git too (`COMMITTED_WARM`, its files checked by sha256), so every machine trains from the same one: rebuilt, it
 differs between CPUs with other float kernels. Each warm start's runs are kept apart and a summary never mixes two;
 the default runs refuse to start without the committed `--tune` choice of their settings (`read_tuned`). `--jobs N` trains N
-runs side by side as processes (on one GPU with `--device cuda`). Run directories stay out of git (default `--out
-runs/long_horizon`); the published configuration (no `--set`, `--split test`, not `--quick`, no `--passage_words`, no
+runs side by side as processes (on one GPU with `--device cuda`), which end with the experiment however it ends (a
+SIGKILL too). Run directories stay out of git (default `--out runs/long_horizon`); the published configuration (no
+`--set`, `--split test`, not `--quick`, no `--passage_words`, no
 `--outcome_reward`)
 writes its summary and figure to `lab/results/long_horizon.json` / `.png`, any other next to its runs.
 
@@ -932,6 +933,20 @@ def rl_corpus(passages: list[dict], held_out_names: list[str]) -> list[dict]:
     return [p for p in passages if not pattern.search(p["contents"])]
 
 
+def job_pool(workers: int):
+    """A spawn pool of ``workers`` processes that end with this one, however it ends (SIGKILL too): a killed
+    experiment leaves no worker training on (`end_with`)."""
+    return multiprocessing.get_context("spawn").Pool(workers, initializer=end_with, initargs=(os.getpid(),))
+
+
+def end_with(parent: int) -> None:
+    """A pool worker's initializer: receive SIGTERM (and end) when ``parent`` dies (`mempo_trl.processes`)."""
+    from mempo_trl.processes import PARENT_PID_ENV, end_with_parent
+
+    os.environ[PARENT_PID_ENV] = str(parent)
+    end_with_parent()
+
+
 def run_one(job: dict) -> dict:
     """Train one (arm, seed) from the warm start, evaluate per K before and after; write ``run.json``."""
     import torch
@@ -1327,7 +1342,7 @@ def main(argv: list[str] | None = None) -> int:
                     "bm25": str(out / "bm25"), "device": args.device, "record_copy": record_copy and str(record_copy),
                 })  # fmt: skip
     if args.jobs > 1 and len(jobs) > 1:
-        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:
+        with job_pool(min(args.jobs, len(jobs))) as pool:
             for _ in pool.imap_unordered(run_one, jobs):
                 pass
     else:

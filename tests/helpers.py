@@ -315,3 +315,10 @@ def scripted_p_mem(memory: str) -> float:
     import zlib
 
     return 0.05 + zlib.crc32(memory.encode()) % 90 / 100
+
+
+def reward_by_length(completions, **kwargs):
+    """A reward function (give its import path, ``helpers.reward_by_length``) that scores each episode by the length
+    of its completion (characters / 100): rewards that differ within a group, so that every step moves the weights
+    even of a model that never answers."""
+    return [len(str(completion)) / 100 for completion in completions]

@@ -12,6 +12,7 @@ import yaml
 
 from mempo_trl.commands.launch import (
     check_cpu_config,
+    check_machines,
     launch_command,
     packaged_accelerate_configs,
     resolve_accelerate_config,
@@ -96,6 +97,31 @@ def test_a_deepspeed_config_without_deepspeed_is_one_error_line_naming_the_extra
         "(or `pip install mempo_trl[deepspeed]`), or pick `cpu_ddp` / `multi_gpu`"
     ]
     assert "launching" not in result.stdout
+
+
+def test_a_launch_on_several_machines_is_checked_before_any_process_starts(tmp_path):
+    config = packaged_accelerate_configs()["cpu_ddp"]
+    check_machines({}, config)  # one machine
+    two = {"--num_machines": "2", "--main_process_ip": "10.0.0.1", "--num_processes": "4"}
+    check_machines({**two, "--machine_rank": "1"}, config)
+    check_machines({"--machine_rank": "1"}, packaged_accelerate_configs()["multi_node"])  # the config's settings
+    with pytest.raises(ValueError, match="use a multiple of 2, 2 x the processes of one machine"):
+        check_machines({**two, "--num_processes": "3"}, config)
+    with pytest.raises(ValueError, match="--num_machines 2 needs --main_process_ip"):
+        check_machines({"--num_machines": "2"}, config)
+    with pytest.raises(ValueError, match="--num_machines two: expected a whole number"):
+        check_machines({"--num_machines": "two"}, config)
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\nbf16: false\nreport_to: none\n")
+    machines = "--accelerate_config cpu_ddp --num_machines 2 --machine_rank 2 --main_process_ip 127.0.0.1"
+    command = [sys.executable, "-m", "mempo_trl", "train", "--config", str(recipe), *machines.split()]
+    result = subprocess.run([*command, "--num_processes", "2"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "error: --machine_rank 2 with --num_machines 2: give each machine its own rank, 0 to 1 (0 on the main machine)"
+    ]
+    assert "launching" not in result.stdout and not (tmp_path / "out").exists()
 
 
 def test_help_is_short_lists_mempo_fields_first_and_imports_neither_torch_nor_transformers(tmp_path):

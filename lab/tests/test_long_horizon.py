@@ -709,3 +709,27 @@ def test_the_default_runs_fail_loudly_without_their_tuned_choice(tmp_path, capsy
         long_horizon.read_tuned(path, changed, required=True)
     with pytest.raises(ValueError, match="is missing"):
         long_horizon.read_tuned(tmp_path / "none.json", settings, required=True)
+
+
+def test_the_workers_of_jobs_end_with_a_killed_experiment(tmp_path):
+    """`--jobs N` runs in a pool whose workers (each training a run for minutes) end with the experiment, however
+    it ends: a SIGKILL cannot be forwarded, so each worker asks for the parent-death signal."""
+    import signal
+
+    from helpers import ProcessTree
+
+    code = (
+        f"import sys, time; sys.path.insert(0, {str(LAB)!r}); import long_horizon; "
+        "pool = long_horizon.job_pool(2); pool.map_async(time.sleep, [600, 600], chunksize=1); "
+        "print('started', flush=True); time.sleep(600)"
+    )
+    experiment = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    tree = ProcessTree(experiment.pid)
+    try:
+        assert experiment.stdout.readline() == "started\n"
+        tree.wait_seen(2)
+        os.kill(experiment.pid, signal.SIGKILL)
+        assert experiment.wait(timeout=60) == -signal.SIGKILL
+        assert tree.wait_gone(timeout=60) == []
+    finally:
+        tree.kill()

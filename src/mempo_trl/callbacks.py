@@ -182,6 +182,15 @@ def use_step_summary(trainer) -> None:
     trainer.add_callback(StepSummaryCallback())
 
 
+def end_progress_bar(trainer) -> None:
+    """Close the training progress bar of a run that an error ends (`on_train_end` never comes), so that the error's
+    line starts a line of its own."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+            callback.training_bar.close()
+            callback.training_bar = None
+
+
 class HeldOutEvalCallback(TrainerCallback):
     """Evaluates the trained model on held-out rows before training, every ``eval_every`` steps (0: never in
     between) and after training, on the main process: greedy episodes of ``protocol`` (a `TurnProtocol`; the

@@ -36,6 +36,54 @@ class NonFiniteError(TrainingStopped):
     """A NaN or infinite advantage or loss; nothing of that step was applied to the weights."""
 
 
+class PeerLost(TrainingStopped):
+    """A collective failed: another process of the run (on another machine, say) ended or stopped answering, so the
+    processes left can save nothing together."""
+
+
+def is_peer_lost(err: BaseException) -> bool:
+    """Whether ``err`` is a failed collective: one of torch.distributed's errors, or a gloo error (a plain
+    RuntimeError naming gloo, raised when a peer's connection closes or the process group's timeout passes).
+
+    Example:
+        >>> is_peer_lost(RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+        True
+    """
+    import torch.distributed
+
+    if isinstance(err, torch.distributed.DistError):
+        return True
+    return isinstance(err, RuntimeError) and "/gloo/" in str(err)
+
+
+def peer_lost_message(err: BaseException, step: int, timeout: int, checkpoint) -> str:
+    """The line that ends a process whose peer is gone (`is_peer_lost`): the step, the failure (its first line,
+    without gloo's source location and advice), the bound waited (``timeout``, `ddp_timeout`) and how to go on from
+    ``checkpoint`` (the newest complete one, or None).
+
+    Example:
+        >>> err = RuntimeError("[x/gloo/y.cc:1] Timed out waiting 30000ms")
+        >>> print(peer_lost_message(err, 7, 30, "out/ckpt-5"))  # doctest: +NORMALIZE_WHITESPACE
+        training stopped after step 7: another process of the run ended or stopped answering (Timed out waiting
+        30000ms; this process waits at most ddp_timeout=30 s for one). Nothing can be saved without it: start every
+        machine again with --resume_from_checkpoint out/ckpt-5.
+    """
+    import re
+
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0].rstrip(".")
+    go_on = (
+        f"start every machine again with --resume_from_checkpoint {checkpoint}"
+        if checkpoint
+        else "no checkpoint was saved yet, start every machine again"
+    )
+    return (
+        f"training stopped after step {step}: another process of the run ended or stopped answering "
+        f"({reason}; this process waits at most ddp_timeout={timeout} s for one). Nothing can be saved without it: "
+        f"{go_on}."
+    )
+
+
 def check_finite(name: str, values: torch.Tensor, step: int, accelerator=None) -> None:
     """Raise `NonFiniteError` (on every process alike) if any process's `values` hold a NaN or an infinity.
 

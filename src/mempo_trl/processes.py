@@ -53,6 +53,21 @@ def end_with_parent(signum: int = signal.SIGTERM) -> bool:
     return True
 
 
+def bound_collectives(seconds: int) -> None:
+    """Give the default process group, if there is one, a timeout of ``seconds`` (`ddp_timeout`): a collective that
+    waits longer for a process that ended or stopped answering (a machine gone) raises instead of hanging.
+
+    transformers passes `ddp_timeout` to the process group it starts on GPUs but not with `use_cpu` (gloo), where
+    torch's default of 30 minutes would apply.
+    """
+    from datetime import timedelta
+
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
 ROOT = str(Path(__file__).resolve().parents[1])
 """The directory `mempo_trl` is imported from (a `Reaper` imports it from there too)."""
 

@@ -137,6 +137,16 @@ def check_deepspeed_installed(config: Path) -> None:
         )
 
 
+def launch_setting(launch: dict[str, str], config: Path, name: str, default=None):
+    """An `accelerate launch` setting: `--name` given, else the accelerate config's `name`, else ``default``."""
+    import yaml
+
+    if f"--{name}" in launch:
+        return launch[f"--{name}"]
+    settings = yaml.safe_load(config.read_text(encoding="utf-8"))
+    return settings.get(name, default) if isinstance(settings, dict) else default
+
+
 def machine_rank(launch: dict[str, str], config: Path) -> int:
     """This machine's rank: `--machine_rank`, else the accelerate config's `machine_rank`, else 0.
 
@@ -144,12 +154,42 @@ def machine_rank(launch: dict[str, str], config: Path) -> int:
         >>> machine_rank({"--machine_rank": "1"}, resolve_accelerate_config("multi_node"))
         1
     """
-    import yaml
+    return int(launch_setting(launch, config, "machine_rank", 0))
 
-    if "--machine_rank" in launch:
-        return int(launch["--machine_rank"])
-    settings = yaml.safe_load(config.read_text(encoding="utf-8"))
-    return int(settings.get("machine_rank", 0)) if isinstance(settings, dict) else 0
+
+def check_machines(launch: dict[str, str], config: Path) -> None:
+    """With several machines (`num_machines` > 1): `machine_rank` is one of them, `main_process_ip` is set, and
+    `num_processes` (the processes of all machines together, as in accelerate) is a multiple of `num_machines` (else
+    accelerate starts fewer processes than asked, silently).
+
+    Example:
+        >>> check_machines({"--num_machines": "2", "--num_processes": "3"}, resolve_accelerate_config("multi_node"))
+        Traceback (most recent call last):
+        ValueError: --num_processes 3 is the number of processes on all 2 machines together ...
+    """
+    values = {name: launch_setting(launch, config, name) for name in ("num_machines", "num_processes", "machine_rank")}
+    for name, value in values.items():
+        if value is not None and not str(value).isdigit():
+            raise ValueError(f"--{name} {value}: expected a whole number")
+    machines = int(values["num_machines"] or 1)
+    if machines <= 1:
+        return
+    rank, processes = int(values["machine_rank"] or 0), int(values["num_processes"] or machines)
+    if rank >= machines:
+        raise ValueError(
+            f"--machine_rank {rank} with --num_machines {machines}: give each machine its own rank, 0 to {machines - 1} "
+            "(0 on the main machine)"
+        )
+    if processes % machines:
+        raise ValueError(
+            f"--num_processes {processes} is the number of processes on all {machines} machines together (as in "
+            f"accelerate): use a multiple of {machines}, {machines} x the processes of one machine"
+        )
+    if not launch_setting(launch, config, "main_process_ip"):
+        raise ValueError(
+            f"--num_machines {machines} needs --main_process_ip: an address of the main machine (machine_rank 0) "
+            "that every machine reaches"
+        )
 
 
 @contextlib.contextmanager

@@ -292,17 +292,19 @@ def train(trainer, training_args, dataset_name: str | None = None) -> dict:
 
 
 def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> dict:
+    from mempo_trl.callbacks import end_progress_bar
     from mempo_trl.checkpoints import (
         begin_final_save,
         check_room_to_save,
         disk_full_error,
         end_final_save,
         is_disk_full,
+        newest_complete_checkpoint,
         read_trainer_state,
         save_model_or_rescue,
     )
     from mempo_trl.commands import error_message
-    from mempo_trl.interruptions import NonFiniteError, TrainingStopped
+    from mempo_trl.interruptions import NonFiniteError, PeerLost, TrainingStopped, is_peer_lost, peer_lost_message
     from mempo_trl.model_card import heldout_summary
     from mempo_trl.retrieval import RetrievalError, RetrieverOutage
 
@@ -326,6 +328,11 @@ def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> d
             step = trainer.state.global_step
             doing = f"training stopped at step {step}: saving {Path(training_args.output_dir, f'checkpoint-{step}')}"
             raise disk_full_error(doing, training_args) from err
+        if training_args.world_size > 1 and is_peer_lost(err):
+            end_progress_bar(trainer)
+            checkpoint = newest_complete_checkpoint(training_args.output_dir)
+            step = trainer.state.global_step
+            raise PeerLost(peer_lost_message(err, step, training_args.ddp_timeout, checkpoint)) from err
         if trainer.state.global_step <= start or training_args.world_size > 1:
             raise  # no step ran here (a failed load writes nothing), or the other processes would not join the save
         checkpoint = save_checkpoint_and_release(trainer)
@@ -484,7 +491,9 @@ def protocol_changes(training_args, environment: bool) -> str | None:
 def main(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments) -> int:
     """Check the inputs, build the trainer, train, save (and push); print where everything went."""
     from mempo_trl.checkpoints import check_checkpoint_lora, prepare_resume
+    from mempo_trl.processes import bound_collectives
 
+    bound_collectives(training_args.ddp_timeout)  # a machine gone: the others end after ddp_timeout, not hang
     if training_args.ddp_find_unused_parameters is None:
         # Trainer's default without activation checkpointing is True, and DDP then warns every run that it found none:
         # every parameter of a MemPO policy (full or LoRA) gets a gradient.
@@ -510,6 +519,9 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
     metrics = train(trainer, training_args, script_args.dataset_name)
     if int(os.environ.get("RANK", "0")) == 0:
         print(end_of_run(trainer, training_args.output_dir, metrics))
+    elif int(os.environ.get("LOCAL_RANK", "0")) == 0:  # the first process of another machine than the main one
+        done = f"trained {trainer.state.global_step} steps; the main machine (machine_rank 0) saved the model"
+        print(f"{done}, metrics and model card to {training_args.output_dir}")
     release_process_groups(trainer)
     return 0
 

@@ -75,14 +75,15 @@ def check_output_dir_early(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    """`recipe.main`; a stopped run's line (which names the checkpoint every process saved) is left to rank 0."""
+    """`recipe.main`; a stopped run's line (which names the checkpoint every process saved) is left to the first
+    process of each machine (`LOCAL_RANK` 0): one line per machine."""
     from mempo_trl.commands import USAGE_EXIT, recipe
     from mempo_trl.interruptions import TrainingStopped
 
     try:
         return recipe.main(*parse_args(argv))
     except TrainingStopped:
-        if int(os.environ.get("RANK", "0")) == 0 or os.environ.get("MEMPO_DEBUG"):
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 or os.environ.get("MEMPO_DEBUG"):
             raise
         return USAGE_EXIT
 
@@ -92,6 +93,7 @@ def launch_training(argv: list[str]) -> int:
     from mempo_trl.commands.launch import (
         check_cpu_config,
         check_deepspeed_installed,
+        check_machines,
         forwarded_stop_signals,
         launch_command,
         machine_rank,
@@ -105,6 +107,7 @@ def launch_training(argv: list[str]) -> int:
     cmd = launch_command(launch, train_argv, use_cpu=training_args.use_cpu)
     check_cpu_config(Path(cmd[4]), training_args.use_cpu)
     check_deepspeed_installed(Path(cmd[4]))
+    check_machines(launch, Path(cmd[4]))
     main_machine = machine_rank(launch, Path(cmd[4])) == 0  # the others' first process is not the run's first
     check_before_training(script_args, training_args, model_args, retriever_args, first=main_machine)
     # torchrun sets OMP_NUM_THREADS=1 in every process anyway (and warns that it did); say it once here instead.
