@@ -20,9 +20,9 @@ from transformers import Qwen2ForCausalLM
 
 import mempo_trl
 from mempo_trl import MemPOTrainer, rewards
+from mempo_trl.context import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
-from mempo_trl.protocol import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
 from mempo_trl.settings import DynamicSamplingSettings
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from mempo_trl.context import render_prompt
+from mempo_trl.context import DEFAULT_INSTRUCTION, render_information, render_prompt
 from mempo_trl.data import read_jsonl
 from mempo_trl.kit import warmstart
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
@@ -20,9 +20,10 @@ from mempo_trl.kit.warmstart import (
     sft_warm_start,
     tiny_warm_settings,
 )
-from mempo_trl.protocol import DEFAULT_INSTRUCTION, TurnProtocol, parse_turn, render_information
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.rewards import exact_match
 from mempo_trl.rollout import RolloutEngine
+from mempo_trl.turns import parse_turn
 
 
 @pytest.fixture(scope="module")

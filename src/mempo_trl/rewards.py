@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mempo_trl.protocol import parse_turn, split_answers
+from mempo_trl.turns import parse_turn, split_answers
 
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

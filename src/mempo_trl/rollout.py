@@ -2,7 +2,7 @@
 
 `RolloutEngine.run` plays a batch of episodes round by round: it renders each active episode's context with
 `mempo_trl.context`, asks a generation function for one turn per episode, cuts each turn after its action,
-parses it with `mempo_trl.protocol.parse_turn`, runs the round's tool actions, and ends an episode on ``<answer>``,
+parses it with `mempo_trl.turns.parse_turn`, runs the round's tool actions, and ends an episode on ``<answer>``,
 on an invalid turn, or at ``max_turns``. The environment is either the built-in search task (``<search>`` actions,
 all of a round answered with one batched retriever call) or a TRL-style environment (`mempo_trl.environments`: one
 instance per episode, ``reset(**row)``, one ``<tool_call>`` per turn run on that instance). The generation function
@@ -18,7 +18,16 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from mempo_trl.context import MemoryScoringPair, ScoringItem, gold_answer_tokens, memory_context_ids, render_prompt
+from mempo_trl.context import (
+    MemoryScoringPair,
+    ScoringItem,
+    gold_answer_tokens,
+    memory_context_ids,
+    render_information,
+    render_prompt,
+    round_messages,
+    shown_rounds,
+)
 from mempo_trl.data import DataError
 from mempo_trl.environments import (
     EnvironmentFactory,
@@ -31,19 +40,10 @@ from mempo_trl.environments import (
     task_text,
     tool_schemas,
 )
-from mempo_trl.protocol import (
-    ACTION_STOPS,
-    SEARCH_ACTIONS,
-    TOOL_ACTIONS,
-    Turn,
-    TurnProtocol,
-    locate_char_span,
-    parse_turn,
-    render_information,
-    round_messages,
-    token_char_offsets,
-)
+from mempo_trl.offsets import locate_char_span, token_char_offsets
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.retrieval.base import RetrieverOutage
+from mempo_trl.turns import ACTION_STOPS, SEARCH_ACTIONS, TOOL_ACTIONS, Turn, parse_turn
 
 
 GenerateFn = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None]]
@@ -411,7 +411,7 @@ class RolloutEngine:
             )
         if self.protocol.context_overflow == "truncate_information":
             searched = [r for r in episode.rounds if r.information is not None]
-            for record in searched if self.protocol.context_mode == "full_history" else searched[-1:]:
+            for record in shown_rounds(searched, self.protocol.context_mode):
                 body = self.tokenizer(record.information[len("<information>") : -len("</information>")],
                                       add_special_tokens=False)["input_ids"]  # fmt: skip
                 while len(ids) > limit and body:
