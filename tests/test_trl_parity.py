@@ -458,9 +458,9 @@ def refusal_cases(tiny_model_dir, tmp_path):
         config = {
             key: kwargs.pop(key) for key in list(kwargs) if key in grpo_only_fields() | {"remove_unused_columns"}
         }
-        args = cpu_config(tmp_path, **config)
         return lambda: MemPOTrainer(
-            model, retriever, args=args, train_dataset=dataset, processing_class=tokenizer, **kwargs
+            model, retriever, args=cpu_config(tmp_path, **config), train_dataset=dataset, processing_class=tokenizer,
+            **kwargs,
         )
 
     def tool(x: int) -> int:

@@ -284,6 +284,18 @@ class Rollout:
     rows: tuple[TrainingRow, ...]
     timings: RolloutTimings
 
+    def splice(self, fresh: "Rollout", take: Sequence[bool]) -> "Rollout":
+        """This rollout with the episodes ``take`` marks (one flag per episode) and their rows replaced by those of
+        ``fresh``, a rollout of as many episodes; the timings add up."""
+        episodes = tuple(b if t else a for a, b, t in zip(self.episodes, fresh.episodes, take))
+        rows = [row for row in self.rows if not take[row.episode_index]]
+        rows += [row for row in fresh.rows if take[row.episode_index]]
+        rows.sort(key=lambda row: (row.episode_index, row.round_index))
+        timings = RolloutTimings(
+            self.timings.generation + fresh.timings.generation, self.timings.retrieval + fresh.timings.retrieval
+        )
+        return Rollout(episodes, tuple(rows), timings)
+
 
 class RolloutEngine:
     """Plays MemPO episodes with a retriever or a TRL-style environment; generation is delegated to a `GenerateFn`.
