@@ -257,7 +257,7 @@ def test_warm_model_learned_the_format(warm_model_dir, demo_paths, retriever):
     model, tokenizer = load_tiny(warm_model_dir)
     engine = RolloutEngine(tokenizer, TurnProtocol(), retriever)
     rows = read_jsonl(demo_paths.train)[:6]
-    prompts = [render_prompt(tokenizer, engine.context_messages(engine.new_episode(row))) for row in rows]
+    prompts = [render_prompt(tokenizer, engine.context_messages(episode)) for episode in engine.new_episodes(rows)]
     completions, _ = HFGenerator(model, tokenizer, max_new_tokens=48)(prompts)
     turns = [parse_turn(tokenizer.decode(ids, skip_special_tokens=True)) for ids in completions]
     assert all(turn.valid and turn.action == "search" for turn in turns), [t.reason for t in turns]

@@ -12,8 +12,7 @@ ROUND_METRICS = (
     "episode/format_valid",
     "episode/answer_rate",
     "episode/turns",
-    "episode/searches",
-    "episode/tool_calls",
+    "episode/actions",
     "episode/truncated_turns",
     "episode/context_overflow",
     "tokens/prompt_per_round",
@@ -24,12 +23,17 @@ ROUND_METRICS = (
     "memory/advantage",
     "memory/scored_rounds",
 )
-"""The metrics `MemPOTrainer` adds to TRL's, averaged over processes (and ``memory/{reward,advantage}/round_<t>``)."""
+"""The metrics `MemPOTrainer` adds to TRL's, averaged over processes (and ``memory/{reward,advantage}/round_<t>``);
+``episode/actions`` stands for the task's count of actions run (`Task.action_metric`: ``episode/searches``,
+``episode/tool_calls``)."""
 
 
-def round_metric_values(rows: Sequence, stats: Sequence[dict[str, float]], scores, memory_advantages, max_turns: int):
-    """This process's values of every MemPO metric, by name (every name of `ROUND_METRICS` and the per-round memory
-    ones up to ``max_turns``, empty lists included, so that all processes gather the same names).
+def round_metric_values(
+    rows: Sequence, stats: Sequence[dict[str, float]], scores, memory_advantages, max_turns: int, action_metric: str
+):
+    """This process's values of every MemPO metric, by name (every name of `ROUND_METRICS`, ``episode/actions`` named
+    ``episode/<action_metric>``, and the per-round memory ones up to ``max_turns``, empty lists included, so that all
+    processes gather the same names).
 
     ``rows`` are the step's `TrainingRow`s, ``stats`` each episode's `episode_metrics`, ``scores`` the rows'
     `MemoryScores` and ``memory_advantages`` the (rows, completion tokens) memory advantages.
@@ -52,7 +56,22 @@ def round_metric_values(rows: Sequence, stats: Sequence[dict[str, float]], score
             values[f"memory/reward/round_{row.round_index + 1}"].append(columns["reward"][i])
             values[f"memory/advantage/round_{row.round_index + 1}"].append(advantage)
     values["memory/scored_rounds"].append(float(sum(not math.isnan(r) for r in columns["reward"])))
-    names = [*ROUND_METRICS]
+    names = [name.replace("/actions", f"/{action_metric}") for name in ROUND_METRICS]
     for t in range(2, max_turns + 1):
         names += [f"memory/reward/round_{t}", f"memory/advantage/round_{t}"]
     return {name: values[name] for name in names}
+
+
+def final_metrics(history: Sequence[dict]) -> dict[str, float]:
+    """The numeric metrics of the last logged training step, plus those of the last evaluation (`eval_*`).
+
+    Each comes whole from one log entry: a metric missing at that step (no memory round was scored, say) is
+    missing here, never filled in from an earlier step. `step` is the step they were logged at.
+    """
+    evals = [e for e in history if any(k.startswith("eval_") for k in e)]
+    steps = [e for e in history if "train_runtime" not in e and not any(k.startswith("eval_") for k in e)]
+    last = {
+        **(steps[-1] if steps else {}),
+        **{k: v for k, v in (evals[-1:] or [{}])[0].items() if k.startswith("eval_")},
+    }
+    return {k: v for k, v in last.items() if isinstance(v, int | float) and not isinstance(v, bool)}

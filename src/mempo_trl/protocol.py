@@ -22,7 +22,7 @@ from mempo_trl.context import (
     round_messages,
 )
 from mempo_trl.settings import field_type_problems, setting, setting_problems
-from mempo_trl.turns import ACTION_STOPS, TOOL_STOPS, stop_token_ids
+from mempo_trl.turns import ACTION_STOPS, SEARCH_ACTIONS, TOOL_ACTIONS, TOOL_STOPS, stop_token_ids
 
 
 CONTEXT_OVERFLOWS = ("end_episode", "truncate_information")
@@ -109,6 +109,11 @@ class TurnProtocol:
         """
         limits = [limit for limit in (backend_limit, self.max_context_tokens) if limit is not None]
         return min(limits, default=None)
+
+    @property
+    def actions(self) -> tuple[str, ...]:
+        """The action tags of a turn: ``search``/``answer``, or ``tool_call``/``answer``."""
+        return SEARCH_ACTIONS if self.action == "search" else TOOL_ACTIONS
 
     @property
     def stops(self) -> tuple[str, ...]:

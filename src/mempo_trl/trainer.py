@@ -18,20 +18,18 @@ from trl.trainer.utils import pad, use_adapter
 
 from mempo_trl.advantages import MemPOAdvantages, mempo_advantages, normalize_then_sum_advantages
 from mempo_trl.config import ROW_LEVEL_LOSSES, MemPOConfig
-from mempo_trl.data import check_map_style, named_datasets, validate_datasets
+from mempo_trl.data import check_map_style, named_datasets
 from mempo_trl.dynamic_sampling import ScoredStep, dynamic_sampling
-from mempo_trl.environments import environment_reward_funcs
 from mempo_trl.grpo_mirror import GRPOMirror, activation_checkpointing_off
 from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import MemoryScores, memory_scores, quantile_threshold
-from mempo_trl.metrics import round_metric_values
+from mempo_trl.metrics import final_metrics, round_metric_values
 from mempo_trl.model_card import mempo_model_card
 from mempo_trl.rewards import (
     OutcomeScore,
     announce_reward_format,
     episode_metrics,
     episode_outcome,
-    mempo_outcome_reward,
 )
 from mempo_trl.rollout import Episode, Rollout, RolloutEngine, TrainingRow
 from mempo_trl.scoring import (
@@ -40,6 +38,7 @@ from mempo_trl.scoring import (
     pack_shared_prefix,
     shared_prefix_answer_logps,
 )
+from mempo_trl.tasks import Task, make_task
 
 
 logger = logging.getLogger(__name__)
@@ -110,6 +109,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             (the row's `golden_answers` or the environment's attribute of that name); episodes without one get the
             outcome advantage only (with a warning). A search-task `instruction` is replaced by
             `ENVIRONMENT_INSTRUCTION`.
+        task: instead of `retriever` or `environment_factory`, any `mempo_trl.tasks.Task` (those two are
+            `SearchTask` and `EnvironmentTask`).
         **kwargs: the other arguments of `GRPOTrainer` (``processing_class``, ``callbacks``, ``optimizers``,
             ``peft_config``, ``quantization_config``, ...), passed on as they are. ``tools`` and ``rollout_func`` are
             not supported (a `ValueError` says so rather than ignoring them): tools are `retriever` (search) or the
@@ -146,48 +147,39 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         eval_dataset=None,
         *,
         environment_factory=None,
+        task: Task | None = None,
         **kwargs,
     ):
-        args = self._check_arguments(model, retriever, args, environment_factory, kwargs)
+        args, task = self._check_arguments(model, retriever, args, environment_factory, task, kwargs)
         check_map_style(train_dataset, eval_dataset)
         announce_reward_format(reward_funcs)
-        protocol = args.turn_protocol(environment=environment_factory is not None)
-        if environment_factory is not None:
-            args.instruction = protocol.instruction
-            reward_funcs = environment_reward_funcs(environment_factory, reward_funcs, train_dataset)
-        else:
-            train_dataset, eval_dataset = validate_datasets(train_dataset, eval_dataset)
+        protocol = task.protocol(args.turn_protocol())
+        args.instruction = protocol.instruction
+        reward_funcs, train_dataset, eval_dataset = task.prepare(reward_funcs, train_dataset, eval_dataset)
         if args.use_vllm:  # vLLM stops on the closing action tags as strings, whatever their tokenisation
             stops = {"stop": list(protocol.stops), "include_stop_str_in_output": True}
             args.generation_kwargs = {**stops, **(args.generation_kwargs or {})}
-        reward_funcs = reward_funcs if reward_funcs is not None else [mempo_outcome_reward]
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, **kwargs)
-        self.protocol, self.retriever, self.model_card_info = protocol, retriever, {}
+        self.protocol, self.task, self.retriever, self.model_card_info = protocol, task, retriever, {}
         self.memory_settings = args.memory_settings()
         self.dynamic_sampling_settings = args.dynamic_sampling_settings()
         self.shared_prefix_scoring = self._check_model_arguments()
         self._score_memory = protocol.context_mode == "memory" and self.memory_settings.memory_coef != 0.0
         self._stop_turns_on(protocol.stops, protocol.stop_token_ids(self._tokenizer, self.eos_token_ids))
         self._sync_vllm_by_reload()
-        self.rollout_engine = RolloutEngine(
-            self._tokenizer,
-            protocol,
-            retriever,
-            eos_token_ids=self.eos_token_ids,
-            max_prompt_length=self._max_prompt_length(),
-            environment_factory=environment_factory,
-        )
-        if environment_factory is None:  # every question fits its first context, before any step
-            for name, rows in named_datasets(train_dataset, eval_dataset).items():
-                if rows is not None:
-                    self.rollout_engine.check_first_contexts(rows, name)
+        limit = self._max_prompt_length()
+        self.rollout_engine = RolloutEngine(self._tokenizer, protocol, None, self.eos_token_ids, limit, task=task)
+        for name, rows in named_datasets(train_dataset, eval_dataset).items():  # every first context fits, up front
+            if rows is not None:
+                self.rollout_engine.check_first_contexts(rows, name)
         self._warned_no_target = self._warned_all_dropped = False
         self._step_account = StepAccount()
 
     @staticmethod
-    def _check_arguments(model, retriever, args, environment_factory, kwargs: dict) -> MemPOConfig:
+    def _check_arguments(model, retriever, args, environment_factory, task, kwargs: dict) -> tuple[MemPOConfig, Task]:
         """Refuse what MemPO cannot train with, before any model is loaded; return this trainer's copy of ``args``
-        (a default `MemPOConfig` named after the model when None): what changes in it stays with this trainer."""
+        (a default `MemPOConfig` named after the model when None: what changes in it stays with this trainer) and
+        its task (`make_task`)."""
         if kwargs.get("tools"):
             raise ValueError(
                 "MemPOTrainer does not take `tools=`: its rollout plays the `<search>` turn protocol against "
@@ -197,19 +189,21 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             )
         if kwargs.get("rollout_func") is not None:
             raise ValueError("MemPOTrainer does not take `rollout_func=`: its rollout is the MemPO search episode.")
-        if (retriever is None) == (environment_factory is None):
-            raise ValueError("MemPOTrainer needs exactly one of `retriever` (search) and `environment_factory`.")
+        try:
+            task = make_task(retriever, environment_factory, task)
+        except ValueError as err:
+            raise ValueError(f"MemPOTrainer {err}") from None
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MemPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-MemPO")
         if not isinstance(args, MemPOConfig):
             raise TypeError(f"MemPOTrainer needs a MemPOConfig, got {type(args).__name__}.")
-        if args.dynamic_sampling == "refill" and environment_factory is not None:
+        if args.dynamic_sampling == "refill" and not task.can_refill:
             raise ValueError(
-                "dynamic_sampling='refill' plays further prompts with the retriever; with `environment_factory` use "
-                "dynamic_sampling='drop'."
+                f"dynamic_sampling='refill' plays further prompts, which {type(task).__name__} cannot (with "
+                "`environment_factory` use dynamic_sampling='drop')."
             )
-        return copy.copy(args)
+        return copy.copy(args), task
 
     def _check_model_arguments(self) -> bool:
         """Refuse the memory settings the loaded model cannot serve, announce a run without the memory advantage, and
@@ -286,10 +280,11 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         return rollout
 
     def _warn_no_memory_target(self, episodes: Sequence[Episode]) -> None:
-        """Warn once when environment episodes have no gold answer: their rounds get the outcome advantage only."""
-        if self._warned_no_target or self.rollout_engine.environment_factory is None:
+        """Warn once when episodes have no gold answer (an environment may set none): their rounds get the outcome
+        advantage only."""
+        if self._warned_no_target:
             return
-        missing = sorted({type(ep.environment).__name__ for ep in episodes if ep.golden_answers is None})
+        missing = sorted({type(ep.environment or self.task).__name__ for ep in episodes if ep.golden_answers is None})
         if missing:
             self._warned_no_target = True
             logger.warning(
@@ -343,11 +338,10 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             }
             for row, ep, o, stat in zip(inputs, episodes, outcomes, stats)
         ]
-        if self.rollout_engine.environment_factory is not None:
-            self.environments = [ep.environment for ep in episodes]
-            for reward_input, ep in zip(reward_inputs, episodes):  # None: no gold, the outcome reward gives None
-                if reward_input.get("golden_answers") is None:
-                    reward_input["golden_answers"] = ep.golden_answers
+        self.environments = [ep.environment for ep in episodes] if self.task.passes_environments else None
+        for reward_input, ep in zip(reward_inputs, episodes):  # None: no gold, the outcome reward gives None
+            if reward_input.get("golden_answers") is None:
+                reward_input["golden_answers"] = ep.golden_answers
         rewards_per_func = self._calculate_rewards(
             reward_inputs, prompts, completions, [ep.rounds[-1].completion_ids for ep in episodes]
         )
@@ -545,7 +539,9 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         self._log_grpo_metrics(
             batch.mode, batch.rows, step.rewards_per_func, step.rewards, advantages.outcome, prompts, trajectories
         )
-        values = round_metric_values(batch.rows, step.stats, scores, advantages.memory, self.protocol.max_turns)
+        values = round_metric_values(
+            batch.rows, step.stats, scores, advantages.memory, self.protocol.max_turns, self.task.action_metric
+        )
         device, metrics, timings = self.accelerator.device, self._metrics[batch.mode], step.rollout.timings
         local = torch.tensor([[sum(v), len(v), sum(x * x for x in v)] for v in values.values()])
         totals = self.accelerator.gather(local.to(device).unsqueeze(0)).sum(dim=0)
@@ -606,19 +602,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
     # ------------------------------------------------------------------ results and model card
 
     def final_metrics(self) -> dict[str, float]:
-        """The numeric metrics of the last logged training step, plus those of the last evaluation (`eval_*`).
-
-        Each comes whole from one log entry: a metric missing at that step (no memory round was scored, say) is
-        missing here, never filled in from an earlier step. `step` is the step they were logged at.
-        """
-        history = self.state.log_history
-        evals = [e for e in history if any(k.startswith("eval_") for k in e)]
-        steps = [e for e in history if "train_runtime" not in e and not any(k.startswith("eval_") for k in e)]
-        last = {
-            **(steps[-1] if steps else {}),
-            **{k: v for k, v in (evals[-1:] or [{}])[0].items() if k.startswith("eval_")},
-        }
-        return {k: v for k, v in last.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        """The numeric metrics of the last logged training step and of the last evaluation (`mempo_trl.metrics.final_metrics`)."""
+        return final_metrics(self.state.log_history)
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """Save as TRL does, plus the agent's turn protocol (`mempo_agent.json`, read by `MemPOAgent`)."""
