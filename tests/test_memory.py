@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 import mempo_trl.memory as memory
 from mempo_trl.memory import (
-    MEMORY_REWARDS,
     MemoryScores,
     answer_probability,
     memory_reward,
@@ -19,6 +18,7 @@ from mempo_trl.memory import (
     quantile_threshold,
     scatter_span_values,
 )
+from mempo_trl.memory_rewards import MEMORY_REWARDS
 from mempo_trl.settings import MemoryRewardSettings
 
 

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from mempo_trl.memory_rewards import MEMORY_REWARDS
+
 
 def answer_probability(
     logps: torch.Tensor, mask: torch.Tensor, threshold: float | None = math.log(0.5)
@@ -59,23 +61,6 @@ def quantile_threshold(logps: torch.Tensor, mask: torch.Tensor, q: float) -> flo
     if pos == lo or low == high or math.isinf(low):
         return low
     return low + (pos - lo) * (high - low)
-
-
-def diff_reward(p_mem: torch.Tensor, p_full: torch.Tensor, eps: float) -> torch.Tensor:
-    """``p_mem - p_full`` (the paper's memory reward), ``(N,), (N,) -> (N,)``; ``eps`` is unused."""
-    return p_mem - p_full
-
-
-def log_ratio_reward(p_mem: torch.Tensor, p_full: torch.Tensor, eps: float) -> torch.Tensor:
-    """``log(p_mem + eps) - log(p_full + eps)``, ``(N,), (N,) -> (N,)``; ``eps`` > 0."""
-    if eps <= 0:
-        raise ValueError(f"eps must be > 0 for mode='log_ratio', got {eps}")
-    return torch.log(p_mem + eps) - torch.log(p_full + eps)
-
-
-MEMORY_REWARDS = {"diff": diff_reward, "log_ratio": log_ratio_reward}
-"""The memory-reward variants by name: the choices of `MemoryRewardSettings.memory_reward_type`. A new variant is one
-function ``(p_mem, p_full, eps) -> reward`` here and its name among that setting's choices."""
 
 
 def memory_reward(
