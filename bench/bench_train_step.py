@@ -64,10 +64,10 @@ import torch
 from bench_memory_scoring import MODEL_DIMS, ScriptedPolicy, demo_rows  # run as a script: bench/ is on sys.path
 from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
 
+from mempo_trl.context import DEFAULT_SYSTEM_PROMPT, initial_messages, render_information
 from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.kit.tiny import build_tiny_model, qwen2_5_chat_template
 from mempo_trl.loading import load_tokenizer
-from mempo_trl.protocol import DEFAULT_SYSTEM_PROMPT, initial_messages, render_information
 from mempo_trl.retrieval import BM25Retriever
 from mempo_trl.rewards import exact_match  # noqa: E402
 

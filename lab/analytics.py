@@ -13,8 +13,8 @@ what RL can gain before any is spent, and how much remembering a fact raises P(g
 from collections.abc import Sequence
 from typing import Any
 
+from mempo_trl.context import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
 from mempo_trl.kit.learner import found_facts, memory_recall_metric, needed_facts
-from mempo_trl.protocol import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT
 
 
 FAILURE_KINDS = ("correct", "no_answer", "invalid_format", "not_retrieved", "forgotten", "miscopied", "wrong_choice")
@@ -165,10 +165,9 @@ def memory_signal(
     memory reward: near 0 on a type, the memory advantage has nothing to teach there. Rows without hops, or
     whose hops do not retrieve their facts, are skipped. Returns the means overall and per ``data_source``, with ``rows``.
     """
-    from mempo_trl.context import ScoringItem, gold_answer_tokens, memory_context_ids, render_prompt
+    from mempo_trl.context import ScoringItem, gold_answer_tokens, initial_messages, memory_context_ids, render_prompt
     from mempo_trl.kit.warmstart import NOTHING_YET
     from mempo_trl.memory import answer_probability
-    from mempo_trl.protocol import initial_messages
     from mempo_trl.scoring import answer_token_logps
 
     items, owners = [], []  # owners[i]: (row index, "all" | "drop" | "none")

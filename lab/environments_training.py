@@ -107,9 +107,10 @@ def warm_start(env: str, warm_dir: Path, settings: dict) -> dict:
     from mempo_trl.kit.envs import KIT_ENVIRONMENTS, ORACLES, OracleGenerator
     from mempo_trl.kit.tiny import build_tiny_model, load_tiny
     from mempo_trl.padding import pad_ids
-    from mempo_trl.protocol import TOOL_STOPS, TurnProtocol
+    from mempo_trl.protocol import TurnProtocol
     from mempo_trl.rewards import episode_metrics
     from mempo_trl.rollout import RolloutEngine
+    from mempo_trl.turns import TOOL_STOPS
 
     record_path = warm_dir / "warm_start.json"
     if record_path.is_file():

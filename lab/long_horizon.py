@@ -99,8 +99,8 @@ from pathlib import Path
 import learning
 from learning import _versions, parse_overrides
 
+from mempo_trl.context import CONTEXT_MODES
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
-from mempo_trl.protocol import CONTEXT_MODES
 
 
 WORLD = {

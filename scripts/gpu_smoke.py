@@ -382,7 +382,9 @@ def realsize_one(work: Path, config: str, cpu: bool) -> dict:
     # One real round of generation at this size: the first round's 16 prompts, exactly 96 new tokens each.
     engine = trainer.rollout_engine
     questions = trajectories // 2
-    prompts = [engine.fit_prompt(engine.new_episode(row)) for row in trainer.train_dataset.select(range(questions))]
+    prompts = [
+        engine.fit_prompt(episode) for episode in engine.new_episodes(trainer.train_dataset.select(range(questions)))
+    ]
     generation_round = _time_generate(trainer, prompts * 2, 96, clock)
     budget = REALSIZE_BUDGET_GIB.get((shape, mode))
     ok = (

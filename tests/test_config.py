@@ -12,10 +12,10 @@ from trl import GRPOConfig
 import mempo_trl.settings as settings_module
 from mempo_trl import MemPOConfig, MemPOTrainer
 from mempo_trl.commands.train_help import mempo_fields
+from mempo_trl.context import DEFAULT_INSTRUCTION, ENVIRONMENT_INSTRUCTION
 from mempo_trl.data import DataError
 from mempo_trl.kit.envs import KeyVaultEnv, key_vault_rows
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.protocol import DEFAULT_INSTRUCTION, ENVIRONMENT_INSTRUCTION
 from mempo_trl.retrieval import Passage
 from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings
 

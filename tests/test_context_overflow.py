@@ -11,16 +11,10 @@ from datasets import Dataset
 from helpers import EchoRetriever, cpu_config
 
 from mempo_trl import MemPOAgent, MemPOTrainer
-from mempo_trl.context import render_prompt
+from mempo_trl.context import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT, initial_messages, render_prompt
 from mempo_trl.evaluation import evaluate
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.protocol import (
-    DEFAULT_INSTRUCTION,
-    DEFAULT_SYSTEM_PROMPT,
-    PROTOCOL_FILE,
-    TurnProtocol,
-    initial_messages,
-)
+from mempo_trl.protocol import PROTOCOL_FILE, TurnProtocol
 from mempo_trl.retrieval import Passage
 from mempo_trl.rollout import RolloutEngine
 

@@ -14,7 +14,8 @@ from mempo_trl.cli import main
 from mempo_trl.data import read_jsonl
 from mempo_trl.distill import keep_reason, sft_rows
 from mempo_trl.endpoint import request_key
-from mempo_trl.protocol import PROTOCOL_FILE, TurnProtocol, parse_turn
+from mempo_trl.protocol import PROTOCOL_FILE, TurnProtocol
+from mempo_trl.turns import parse_turn
 
 
 @pytest.fixture(autouse=True)

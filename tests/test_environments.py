@@ -13,7 +13,7 @@ from datasets import Dataset
 from helpers import cpu_config, scripted_scorers
 
 from mempo_trl import MemPOTrainer
-from mempo_trl.context import render_prompt
+from mempo_trl.context import ENVIRONMENT_INSTRUCTION, initial_messages, render_prompt, round_messages
 from mempo_trl.environments import (
     EnvironmentConventionError,
     call_tool,
@@ -32,17 +32,11 @@ from mempo_trl.kit.envs import (
     safe_rows,
 )
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.protocol import (
-    ENVIRONMENT_INSTRUCTION,
-    TOOL_ACTIONS,
-    TurnProtocol,
-    initial_messages,
-    locate_mem_span,
-    parse_turn,
-    round_messages,
-)
+from mempo_trl.offsets import locate_mem_span
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.rewards import episode_metrics
 from mempo_trl.rollout import RolloutEngine
+from mempo_trl.turns import TOOL_ACTIONS, parse_turn
 
 
 class Counter:

@@ -8,6 +8,7 @@ from helpers import cpu_recipe
 
 from mempo_trl.agent import AgentError, MemPOAgent
 from mempo_trl.cli import main
+from mempo_trl.context import ENVIRONMENT_INSTRUCTION
 from mempo_trl.evaluation import compare_modes, evaluate
 from mempo_trl.kit.envs import (
     KIT_ENVIRONMENTS,
@@ -19,7 +20,6 @@ from mempo_trl.kit.envs import (
     safe_rows,
 )
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.protocol import ENVIRONMENT_INSTRUCTION
 
 
 @pytest.fixture(scope="module")

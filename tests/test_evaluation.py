@@ -11,14 +11,15 @@ from helpers import EchoRetriever, free_port
 
 from mempo_trl.agent import MemPOAgent
 from mempo_trl.cli import main
-from mempo_trl.context import render_prompt
+from mempo_trl.context import initial_messages, render_information, render_prompt
 from mempo_trl.evaluation import HELDOUT_OVERALL, compare_modes, evaluate, heldout_metrics
 from mempo_trl.generation import HFGenerator, strip_completion
 from mempo_trl.kit.demo_world import demo_paths
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.loading import load_tokenizer
-from mempo_trl.protocol import TurnProtocol, initial_messages, render_information, stop_token_ids
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.retrieval import Passage
+from mempo_trl.turns import stop_token_ids
 
 
 DEMO = demo_paths()

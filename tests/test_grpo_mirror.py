@@ -13,8 +13,8 @@ import torch
 from datasets import Dataset
 
 from mempo_trl import MemPOConfig, MemPOTrainer
+from mempo_trl.context import initial_messages
 from mempo_trl.kit.tiny import load_tiny
-from mempo_trl.protocol import initial_messages
 from mempo_trl.retrieval import Passage
 
 

@@ -15,8 +15,9 @@ import mempo_trl
 
 
 PACKAGE = Path(mempo_trl.__file__).parent
-CHAIN = ("protocol", "context", "rollout", "scoring", "memory", "advantages", "trainer")
-"""The stages a training step's data goes through, in order; the turn format (`protocol`, `context`) is shared."""
+CHAIN = ("turns", "offsets", "context", "protocol", "rollout", "scoring", "memory", "advantages", "trainer")
+"""The stages a training step's data goes through, in order; the turn format (`turns`, `offsets`), the context rebuild
+(`context`) and the rules of the game (`protocol`) are shared."""
 
 
 def module_name(path: Path, package: Path) -> str:

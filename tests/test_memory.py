@@ -1,5 +1,6 @@
 import doctest
 import math
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -9,12 +10,16 @@ from hypothesis import strategies as st
 
 import mempo_trl.memory as memory
 from mempo_trl.memory import (
+    MemoryScores,
     answer_probability,
     memory_reward,
+    memory_scores,
     normalize_memory_rewards,
     quantile_threshold,
     scatter_span_values,
 )
+from mempo_trl.memory_rewards import MEMORY_REWARDS
+from mempo_trl.settings import MemoryRewardSettings
 
 
 INF = float("inf")
@@ -113,6 +118,29 @@ def test_memory_reward_log_ratio_and_length_penalty():
     assert both.tolist() == pytest.approx([v - 0.5 for v in expected], rel=1e-5)
     ignored = memory_reward(p_mem, p_full, mem_lengths=[20, 0, 200], max_mem_tokens=100)
     assert ignored.tolist() == pytest.approx([-0.23, 0.0, 0.25])
+
+
+def test_the_memory_reward_variants_are_the_choices_of_their_setting():
+    """One registry: `memory_reward_type` offers exactly its keys, and each key computes its own variant."""
+    (choices,) = [f.metadata["choices"] for f in fields(MemoryRewardSettings) if f.name == "memory_reward_type"]
+    assert tuple(MEMORY_REWARDS) == choices
+    p_mem, p_full = torch.tensor([0.5]), torch.tensor([0.25])
+    assert [memory_reward(p_mem, p_full, mode=mode, eps=1e-9).item() for mode in choices] == pytest.approx(
+        [0.25, math.log(2.0)]
+    )
+
+
+def test_memory_scores_fill_the_scored_rows_and_leave_the_others_nan():
+    """Rows 0 and 2 of 3 are scored: P = exp(mean kept log p), reward P_mem - P_full less the length penalty."""
+    full = (torch.tensor([[math.log(0.5)], [math.log(0.8)]]), torch.ones(2, 1))
+    mem = (torch.tensor([[math.log(0.75)], [math.log(0.2)]]), torch.ones(2, 1))
+    settings = MemoryRewardSettings(memory_length_penalty=0.5)
+    scores = memory_scores(3, [0, 2], full, mem, [10, 20], settings, threshold=None, max_mem_tokens=100)
+    assert isinstance(scores, MemoryScores)
+    assert scores.p_full[[0, 2]].tolist() == pytest.approx([0.5, 0.8])
+    assert scores.reward[[0, 2]].tolist() == pytest.approx([0.25 - 0.05, -0.6 - 0.1])
+    assert all(math.isnan(column[1]) for column in scores)
+    assert [c.numel() for c in memory_scores(2, [], full, mem, [], settings, None, 100)] == [2, 2, 2]
 
 
 @pytest.mark.parametrize(

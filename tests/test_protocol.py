@@ -8,22 +8,18 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+import mempo_trl.context as context
+import mempo_trl.offsets as offsets
 import mempo_trl.protocol as protocol
-from mempo_trl.protocol import (
-    MEMPO_TAGS,
-    extract_answer,
-    locate_char_span,
-    locate_mem_span,
-    parse_turn,
-    render_gold_answer,
-    render_information,
-    split_answers,
-    token_char_offsets,
-)
+import mempo_trl.turns as turns
+from mempo_trl.context import render_gold_answer, render_information
+from mempo_trl.offsets import locate_char_span, locate_mem_span, token_char_offsets
+from mempo_trl.turns import MEMPO_TAGS, parse_turn, split_answers
 
 
-def test_doctests():
-    assert doctest.testmod(protocol, optionflags=doctest.ELLIPSIS).failed == 0
+@pytest.mark.parametrize("module", [turns, offsets, context, protocol])
+def test_doctests(module):
+    assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
 
 
 # ----------------------------------------------------------------------------------------------------- parse_turn
@@ -189,13 +185,7 @@ def test_any_damage_is_invalid(case, kind, data):
     assert not parse_turn(damaged).valid
 
 
-def test_extract_and_split_answers():
-    search = "<mem>a</mem><think>b</think><search>q</search>"
-    answer = "<mem>a</mem><think>b</think><answer> Ulm ; Max </answer>"
-    assert extract_answer([search, answer]) == "Ulm ; Max"
-    assert extract_answer([answer, search]) is None
-    assert extract_answer([answer + " trailing"]) is None
-    assert extract_answer([]) is None
+def test_split_answers():
     assert split_answers("Ulm ; Max") == ["Ulm", "Max"]
     assert split_answers("Ulm") == ["Ulm"]
     assert split_answers(";x;") == ["", "x", ""]
@@ -397,7 +387,7 @@ def test_fallback_when_stream_pieces_do_not_add_up(monkeypatch):
     tokenizer = TOKENIZERS["tags_added"]
     ids = tokenizer.encode("x <mem>中文</mem>", add_special_tokens=False)
     expected = token_char_offsets(ids, tokenizer)
-    monkeypatch.setattr(protocol, "DecodeStream", _WrongStream)
+    monkeypatch.setattr(offsets, "DecodeStream", _WrongStream)
     assert token_char_offsets(ids, tokenizer) == expected == _brute_force_offsets(ids, tokenizer)
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers import EchoRetriever
 
-from mempo_trl.context import ScoringItem, gold_answer_tokens, render_prompt
+from mempo_trl.context import ScoringItem, gold_answer_tokens, render_prompt, round_messages
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.memory import answer_probability
-from mempo_trl.protocol import TurnProtocol, round_messages
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.rollout import RolloutEngine, memory_scoring_items
 from mempo_trl.scoring import (
     answer_token_logps,

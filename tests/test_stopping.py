@@ -12,10 +12,10 @@ from helpers import EchoRetriever, cpu_config
 from transformers import Qwen2ForCausalLM
 
 from mempo_trl import MemPOTrainer
-from mempo_trl.context import render_prompt
+from mempo_trl.context import initial_messages, render_prompt
 from mempo_trl.generation import HFGenerator
 from mempo_trl.loading import load_tokenizer
-from mempo_trl.protocol import TurnProtocol, initial_messages
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.rollout import RolloutEngine
 
 

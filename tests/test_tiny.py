@@ -18,7 +18,7 @@ import mempo_trl.kit.tiny as tiny_module
 from mempo_trl.cli import main
 from mempo_trl.kit.tiny import build_tiny_model, load_tiny
 from mempo_trl.loading import load_tokenizer
-from mempo_trl.protocol import MEMPO_TAGS
+from mempo_trl.turns import MEMPO_TAGS
 
 
 TEXT = "<mem> Pansik Textiles was founded in 1834. </mem>\n<think> search </think>\n<search> founder </search>"

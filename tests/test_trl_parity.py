@@ -151,7 +151,7 @@ def test_a_dict_environment_factory_routes_each_row_to_its_environment(tiny_mode
     (warning,) = [r.getMessage() for r in caplog.records if "no gold answer" in r.getMessage()]
     assert warning.startswith("Some episodes of SafeEnv have")  # KeyVaultEnv's episodes have their gold
     assert [type(e).__name__ for e in trainer.environments] == ["KeyVaultEnv"] * 2 + ["SafeEnv"] * 2
-    assert [len(pool) for pool in trainer.rollout_engine.environment_pool.values()] == [2, 2]
+    assert [len(pool) for pool in trainer.task.pool.values()] == [2, 2]
     metrics = trainer._metrics["train"]
     # each environment scored only its own episodes, all solved by their oracle: mean 1 over the scored ones
     assert metrics["rewards/SafeEnv/mean"][-1] == 1.0 and metrics["rewards/mempo_outcome_reward/mean"][-1] == 1.0
@@ -458,9 +458,13 @@ def refusal_cases(tiny_model_dir, tmp_path):
         config = {
             key: kwargs.pop(key) for key in list(kwargs) if key in grpo_only_fields() | {"remove_unused_columns"}
         }
-        args = cpu_config(tmp_path, **config)
         return lambda: MemPOTrainer(
-            model, retriever, args=args, train_dataset=dataset, processing_class=tokenizer, **kwargs
+            model,
+            retriever,
+            args=cpu_config(tmp_path, **config),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            **kwargs,
         )
 
     def tool(x: int) -> int:

@@ -13,10 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mempo_trl.kit.qwen as qwen_module
-from mempo_trl.context import gold_answer_tokens, render_prompt
+from mempo_trl.context import gold_answer_tokens, render_prompt, round_messages
 from mempo_trl.kit.tiny import qwen2_5_chat_template
-from mempo_trl.protocol import MEMPO_TAGS, TurnProtocol, locate_mem_span, parse_turn, round_messages
+from mempo_trl.offsets import locate_mem_span
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.rollout import RolloutEngine, cut_after_action, memory_scoring_items
+from mempo_trl.turns import MEMPO_TAGS, parse_turn
 
 
 # ------------------------------------------------------------------------------------------- the real tokenizer

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from mempo_trl.context import render_prompt
+from mempo_trl.context import DEFAULT_INSTRUCTION, render_information, render_prompt
 from mempo_trl.data import read_jsonl
 from mempo_trl.kit import warmstart
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
@@ -20,9 +20,10 @@ from mempo_trl.kit.warmstart import (
     sft_warm_start,
     tiny_warm_settings,
 )
-from mempo_trl.protocol import DEFAULT_INSTRUCTION, TurnProtocol, parse_turn, render_information
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.rewards import exact_match
 from mempo_trl.rollout import RolloutEngine
+from mempo_trl.turns import parse_turn
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +257,7 @@ def test_warm_model_learned_the_format(warm_model_dir, demo_paths, retriever):
     model, tokenizer = load_tiny(warm_model_dir)
     engine = RolloutEngine(tokenizer, TurnProtocol(), retriever)
     rows = read_jsonl(demo_paths.train)[:6]
-    prompts = [render_prompt(tokenizer, engine.context_messages(engine.new_episode(row))) for row in rows]
+    prompts = [render_prompt(tokenizer, engine.context_messages(episode)) for episode in engine.new_episodes(rows)]
     completions, _ = HFGenerator(model, tokenizer, max_new_tokens=48)(prompts)
     turns = [parse_turn(tokenizer.decode(ids, skip_special_tokens=True)) for ids in completions]
     assert all(turn.valid and turn.action == "search" for turn in turns), [t.reason for t in turns]

@@ -572,10 +572,9 @@ def test_the_scripted_oracle_bound_counts_every_round_context_in_both_modes(worl
     context mode. K = 1 has one search, whose result both modes keep: ratio 1. K = 2: the first two rounds read the
     same in both modes; the third sees the second turn and its result with memory, both turns and results with full
     history, so full history costs exactly the first turn and its result more (counted here by hand)."""
-    from mempo_trl.context import render_prompt
+    from mempo_trl.context import initial_messages, render_prompt, round_messages
     from mempo_trl.kit.warmstart import oracle_episode_turns
     from mempo_trl.loading import load_tokenizer
-    from mempo_trl.protocol import initial_messages, round_messages
     from mempo_trl.retrieval import BM25Retriever
 
     path = tmp_path / "corpus.jsonl"

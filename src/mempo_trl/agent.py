@@ -31,6 +31,7 @@ from typing import Any
 from mempo_trl.environments import EnvironmentFactory
 from mempo_trl.protocol import PROTOCOL_FILE, TurnProtocol
 from mempo_trl.rollout import Episode, GenerateFn, RolloutEngine, RolloutTimings
+from mempo_trl.tasks import Task, make_task
 
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class MemPOAgent:
         protocol: the `TurnProtocol` (default: `TurnProtocol()`; with an environment, `TurnProtocol.for_environment`
             of it).
         environment_factory: a TRL-style environment class (`mempo_trl.environments`) to play instead of searching.
+        task: instead of either, any `mempo_trl.tasks.Task`.
 
     `close` (or a ``with`` block) shuts the generator's engine down, if it has one (``use_vllm``; its processes end).
     """
@@ -122,21 +124,16 @@ class MemPOAgent:
         generator: GenerateFn,
         protocol: TurnProtocol | None = None,
         environment_factory: EnvironmentFactory | None = None,
+        task: Task | None = None,
     ):
-        if (retriever is None) == (environment_factory is None):
-            raise AgentError("a MemPOAgent needs exactly one of a retriever (search) and an environment_factory")
-        if isinstance(retriever, str):
-            from mempo_trl.retrieval import load_retriever
-
-            retriever = load_retriever(retriever)
-        protocol = protocol or TurnProtocol()
-        if environment_factory is not None:
-            protocol = protocol.for_environment()
+        try:
+            self.task = make_task(retriever, environment_factory, task)
+        except ValueError as err:
+            raise AgentError(f"a MemPOAgent {err}") from None
         self.tokenizer = tokenizer
-        self.retriever = retriever
+        self.retriever = getattr(self.task, "retriever", None)
         self.generator = generator
-        self.protocol = protocol
-        self.environment_factory = environment_factory
+        self.protocol = self.task.protocol(protocol or TurnProtocol())
         self.saved_protocol: TurnProtocol | None = None  # what `from_pretrained` found, before overrides
 
     @classmethod
@@ -146,6 +143,7 @@ class MemPOAgent:
         retriever=None,
         *,
         environment_factory: EnvironmentFactory | None = None,
+        task: Task | None = None,
         use_vllm: bool = False,
         revision: str | None = None,
         device: str | None = None,
@@ -180,23 +178,26 @@ class MemPOAgent:
             protocol, messages = (saved or TurnProtocol()).override(**overrides)
         except ValueError as err:
             raise AgentError(str(err)) from None
-        if saved is not None and saved.action == "tool_call" and environment_factory is None:
+        try:
+            task = make_task(retriever, environment_factory, task)
+        except ValueError as err:
+            raise AgentError(f"a MemPOAgent {err}") from None
+        if saved is not None and saved.action not in ("search", task.action):  # a search protocol suits any task
             raise AgentError(
-                f"{Path(path, PROTOCOL_FILE)}: action 'tool_call' is the protocol of an agent trained on a TRL-style "
-                "environment; play it with its environment (environment_factory, `mempo-trl eval --environment`), "
-                "not with a retriever"
+                f"{Path(path, PROTOCOL_FILE)}: action {saved.action!r} is the protocol of an agent trained on a "
+                "TRL-style environment; play it with its environment (environment_factory, `mempo-trl eval "
+                f"--environment`), not with {type(task).__name__}"
             )
         if saved is None:
             logger.info("%s has no %s: the turn protocol is the defaults and the arguments", path, PROTOCOL_FILE)
         for message in messages if saved is not None else []:
             logger.warning("%s (%s of %s)", message, PROTOCOL_FILE, path)
-        if environment_factory is not None:
-            protocol = protocol.for_environment()
+        protocol = task.protocol(protocol)
         tokenizer = load_chat_tokenizer(path, revision=revision)
         if openai is not None:
             from mempo_trl.endpoint import OpenAIChatGenerator
 
-            if environment_factory is not None:
+            if task.action != "search":
                 raise AgentError("an OpenAI-compatible endpoint plays the search task; an environment's tool schemas "
                                  "are not sent to it: drop --openai_base_url or --environment")  # fmt: skip
             generator = OpenAIChatGenerator(
@@ -223,7 +224,7 @@ class MemPOAgent:
                 model, tokenizer, protocol.max_completion_length, temperature, batch_size=batch_size,
                 stops=protocol.stops,
             )  # fmt: skip
-        agent = cls(tokenizer, retriever, generator, protocol, environment_factory)
+        agent = cls(tokenizer, None, generator, protocol, task=task)
         agent.saved_protocol = saved
         return agent
 
@@ -243,10 +244,9 @@ class MemPOAgent:
         return RolloutEngine(
             self.tokenizer,
             protocol,
-            self.retriever,
             eos_token_ids=eos if eos is not None else protocol.stop_token_ids(self.tokenizer),
             max_prompt_length=getattr(self.generator, "max_prompt_length", None),
-            environment_factory=self.environment_factory,
+            task=self.task,
         )
 
     def run_batch(self, questions: Sequence[str | dict]) -> list[AgentResult]:

@@ -4,7 +4,7 @@ MemPO's main setting (and MEM1's) asks several questions at once: the agent must
 it found in its memory until it answers all of them. `compose_objectives` builds such rows from any QA rows
 (`mempo_trl.load_qa`): the questions numbered one per line (``1. ...\\n2. ...``, as the demo world's
 multi-objective rows), ``golden_answers`` the first alias of every part joined by ``"; "`` (the rendered gold of the
-memory reward, `mempo_trl.protocol.render_gold_answer`), and ``sub_questions``/``sub_answers``, which the share-of-parts
+memory reward, `mempo_trl.context.render_gold_answer`), and ``sub_questions``/``sub_answers``, which the share-of-parts
 and all-parts rewards score part by part (`mempo_trl.rewards.outcome_score`). `mempo-trl compose` writes them.
 """
 

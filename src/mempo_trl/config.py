@@ -193,6 +193,11 @@ class MemPOConfig(GRPOConfig):
         super().__post_init__()
         problems += TurnProtocol.problems(self) + MemoryRewardSettings.problems(self)
         problems += DynamicSamplingSettings.problems(self)
+        if self.remove_unused_columns:
+            problems.append(
+                "remove_unused_columns must be False: MemPOTrainer reads the dataset's own columns (`question`, "
+                "`golden_answers`, an environment's `reset` arguments); set remove_unused_columns=False."
+            )
         if problems:
             raise ValueError("Invalid MemPOConfig:\n- " + "\n- ".join(problems))
         truncation = truncated_sampling(self)

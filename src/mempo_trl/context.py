@@ -1,4 +1,5 @@
-"""The one context builder of MemPO (docs/algorithm.md, "Context rebuild"), shared by training, evaluation and inference.
+"""The one context builder of MemPO (docs/algorithm.md, "Context rebuild"), shared by training, evaluation and inference:
+the prompts, the round messages, the rendering of search results and gold answers, and the scoring contexts.
 
 Round t of an episode is generated from:
 
@@ -7,24 +8,138 @@ Round t of an episode is generated from:
   tool(<information> of round t-1)``. Nothing older is kept: what the model still needs must be in its ``<mem>``;
 - t > 1, ``context_mode="full_history"`` (Search-R1 baseline): every earlier round's output and result.
 
-With a TRL-style environment (`mempo_trl.environments`) the question is the task text its ``reset`` returned and the
-result of round t-1 is its tool's result; the rebuild is the same.
+Which finished rounds a context shows is one rule, `shown_rounds`. With a TRL-style environment
+(`mempo_trl.environments`) the question is the task text its ``reset`` returned and the result of round t-1 is its
+tool's result; the rebuild is the same.
 
 The same builder renders the two scoring contexts of the memory reward: ``full_traj_t`` is the
 full-history context of round t and ``mem_traj_t`` is ``system + user(question)`` followed by round t's ``<mem>``
-block at the start of the assistant turn.
-
-The settings of that game (`TurnProtocol`), its prompts and the round messages live with the turn format in
-`mempo_trl.protocol` (``mempo_trl.context.TurnProtocol`` and ``CONTEXT_MODES`` still name them for the lab and the
-notebook).
+block at the start of the assistant turn. `mempo_trl.protocol.TurnProtocol` holds the settings these functions take.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
-from mempo_trl.protocol import CONTEXT_MODES as CONTEXT_MODES
-from mempo_trl.protocol import TurnProtocol as TurnProtocol
-from mempo_trl.protocol import render_gold_answer
+
+ContextMode = Literal["memory", "full_history"]
+CONTEXT_MODES = ("memory", "full_history")
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+DEFAULT_INSTRUCTION = (
+    "Answer the question by searching a knowledge base. Every turn, first write <mem> ... </mem> with everything "
+    "useful you know so far (only your latest turn and search result stay visible), then <think> ... </think>, then "
+    "exactly one action: <search> query </search> to search, or <answer> final answer </answer> when you know it. "
+    "For several questions, give the answers in order separated by ';'.\n\nQuestion: {question}"
+)
+
+
+def initial_messages(
+    question: str, system_prompt: str = DEFAULT_SYSTEM_PROMPT, instruction: str = DEFAULT_INSTRUCTION
+) -> list[dict[str, str]]:
+    """Messages of round 1: ``system + user(instruction with the question)``.
+
+    Example:
+        >>> initial_messages("Who founded Orbix?")[1]["role"]
+        'user'
+    """
+    return [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": instruction.format(question=question)},
+    ]
+
+
+def shown_rounds(rounds: Sequence, context_mode: ContextMode = "memory") -> Sequence:
+    """The finished rounds a context shows, oldest first: the last one (``"memory"``) or all of them
+    (``"full_history"``). The rebuild (`round_messages`) and the truncation of an overlong context
+    (`mempo_trl.rollout.RolloutEngine.fit_prompt`) both follow this one rule.
+
+    Example:
+        >>> shown_rounds([1, 2, 3]), shown_rounds([1, 2, 3], "full_history"), shown_rounds([])
+        ([3], [1, 2, 3], [])
+    """
+    if context_mode not in CONTEXT_MODES:
+        raise ValueError(f"context_mode must be one of {CONTEXT_MODES}, got {context_mode!r}.")
+    return rounds if context_mode == "full_history" else rounds[-1:]
+
+
+def round_messages(
+    base: list[dict[str, str]],
+    history: Sequence[tuple[str, str]],
+    context_mode: ContextMode = "memory",
+) -> list[dict[str, str]]:
+    """Messages that generate the next round, from the round-1 messages and the finished rounds.
+
+    Args:
+        base: the round-1 messages (`initial_messages`).
+        history: one ``(assistant_output, information_block)`` pair per finished round, oldest first.
+        context_mode: ``"memory"`` keeps only the last pair; ``"full_history"`` keeps them all.
+
+    Example:
+        >>> base = initial_messages("q")
+        >>> len(round_messages(base, [("<mem>a</mem>...", "<information>x</information>")] * 3))
+        4
+    """
+    messages = list(base)
+    for output, information in shown_rounds(history, context_mode):
+        messages.append({"role": "assistant", "content": output})
+        messages.append({"role": "tool", "content": information})
+    return messages
+
+
+ENVIRONMENT_INSTRUCTION = (
+    "Solve the task with the tools. Every turn, first write <mem> ... </mem> with everything useful you know so far "
+    "(only your latest turn and tool result stay visible), then <think> ... </think>, then exactly one action: "
+    '<tool_call>{{"name": tool name, "arguments": {{...}}}}</tool_call> to call a tool, or <answer> final answer '
+    "</answer> when you are done.\n\n{question}"
+)
+"""The default instruction of an environment task: `MemPOConfig.instruction` when it is left at the search one."""
+
+
+NO_RESULTS = "No results."
+
+
+def _field(passage: Any, key: str) -> str:
+    value = passage[key] if isinstance(passage, Mapping) else getattr(passage, key)
+    return str(value).strip()
+
+
+def render_information(passages: Sequence[Any]) -> str:
+    """Search-R1 style result message; passages have ``.title``/``.text`` or are dicts with those keys.
+
+    An empty result list renders as ``<information>No results.</information>``.
+
+    >>> render_information([{"title": "Ulm", "text": "A city."}, {"title": "B", "text": "C."}])
+    '<information>Doc 1(Title: Ulm) A city.\\nDoc 2(Title: B) C.</information>'
+    """
+    docs = [f"Doc {i}(Title: {_field(p, 'title')}) {_field(p, 'text')}" for i, p in enumerate(passages, start=1)]
+    return "<information>" + ("\n".join(docs) if docs else NO_RESULTS) + "</information>"
+
+
+def render_gold_answer(
+    golden_answers: Sequence[str], sub_answers: Sequence[Sequence[str]] | None = None
+) -> tuple[str, tuple[int, int]]:
+    """``<answer> GOLD </answer>`` and the ``[start, end)`` char span of GOLD (the only scored part).
+
+    GOLD is the first alias, or for multi-objective rows (non-empty ``sub_answers``) the first alias of each
+    sub-question joined by ``"; "``. Raises ``ValueError`` when there is no alias to render.
+
+    >>> render_gold_answer(["Paris", "paris, France"])
+    ('<answer> Paris </answer>', (9, 14))
+    >>> render_gold_answer([], [["Ulm"], ["Max", "M."]])[0]
+    '<answer> Ulm; Max </answer>'
+    """
+    if sub_answers:
+        if any(not aliases for aliases in sub_answers):
+            raise ValueError("every sub-question needs at least one gold alias")
+        gold = "; ".join(str(aliases[0]).strip() for aliases in sub_answers)
+    elif golden_answers:
+        gold = str(golden_answers[0]).strip()
+    else:
+        raise ValueError("golden_answers is empty and there are no sub_answers")
+    prefix = "<answer> "
+    return f"{prefix}{gold} </answer>", (len(prefix), len(prefix) + len(gold))
 
 
 def render_prompt(

@@ -407,3 +407,44 @@ def load_qa(source: str | Path, split: str = "train", config: str | None = None)
     if path.suffix in _FILE_SUFFIXES:
         raise DataError(f"{path}: file not found.")
     return validate_qa_rows(datasets.load_dataset(str(source), config, split=split), f"{source} [{split}]")
+
+
+def named_datasets(train_dataset, eval_dataset) -> dict[str, object]:
+    """The trainer's datasets by the names its messages use: ``train_dataset``, ``eval_dataset`` or
+    ``eval_dataset[name]`` for each of a dict of them; None where one is not given.
+
+    Example:
+        >>> list(named_datasets([], {"a": [], "b": []}))
+        ['train_dataset', 'eval_dataset[a]', 'eval_dataset[b]']
+    """
+    named = {"train_dataset": train_dataset}
+    if isinstance(eval_dataset, dict):
+        named.update({f"eval_dataset[{name}]": dataset for name, dataset in eval_dataset.items()})
+    else:
+        named["eval_dataset"] = eval_dataset
+    return named
+
+
+def check_map_style(train_dataset, eval_dataset) -> None:
+    """Refuse streaming (`datasets.IterableDataset`) train or eval data, with the reason and what to do instead."""
+    for name, dataset in named_datasets(train_dataset, eval_dataset).items():
+        if isinstance(dataset, datasets.IterableDataset | datasets.IterableDatasetDict):
+            raise ValueError(
+                f"{name} is an IterableDataset (streaming): MemPOTrainer needs a map-style Dataset, because it checks "
+                "every row before training (its fields, and that its first context fits) and dynamic_sampling="
+                "'refill' draws rows at random; a stream would be read whole at init, an unbounded one forever. Take "
+                "the rows you train on first: `Dataset.from_list(list(stream.take(n)))`."
+            )
+
+
+def validate_datasets(train_dataset, eval_dataset):
+    """``train_dataset`` and ``eval_dataset`` (one, or a dict of them) through `validate_qa_rows`, None left as is."""
+    named = {
+        name: validate_qa_rows(rows, name)
+        for name, rows in named_datasets(train_dataset, eval_dataset).items()
+        if rows is not None
+    }
+    train = named.pop("train_dataset", None)
+    if isinstance(eval_dataset, dict):
+        return train, {name: named[f"eval_dataset[{name}]"] for name in eval_dataset}
+    return train, named.get("eval_dataset")

@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 
 from mempo_trl.data import append_lines
-from mempo_trl.protocol import ACTION_STOPS
 from mempo_trl.retrieval.http_client import retry_after_seconds
+from mempo_trl.turns import ACTION_STOPS
 
 
 logger = logging.getLogger(__name__)

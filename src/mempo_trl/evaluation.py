@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from mempo_trl.agent import AgentResult, MemPOAgent
+from mempo_trl.context import ContextMode
 from mempo_trl.environments import has_own_reward
-from mempo_trl.protocol import ContextMode, TurnProtocol
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.rewards import episode_metrics, part_scores
 from mempo_trl.rollout import Episode, GenerateFn
 

@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mempo_trl.padding import pad_ids
-from mempo_trl.protocol import ACTION_STOPS, stop_token_ids
 from mempo_trl.stopping import action_stopping_criteria
+from mempo_trl.turns import ACTION_STOPS, stop_token_ids
 
 
 def strip_completion(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:

@@ -222,7 +222,7 @@ def check_chat_template(tokenizer, path: str | Path) -> None:
     user, assistant, tool and the generation prompt): a syntax error, or a `raise_exception` it reaches."""
     import jinja2
 
-    from mempo_trl.protocol import initial_messages, round_messages
+    from mempo_trl.context import initial_messages, round_messages
 
     messages = round_messages(initial_messages("q"), [("<mem>m</mem>", "<information>i</information>")])
     try:

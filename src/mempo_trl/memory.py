@@ -9,8 +9,11 @@ on the ``<mem>…</mem>`` tokens of their round.
 import math
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
 import torch
+
+from mempo_trl.memory_rewards import MEMORY_REWARDS
 
 
 def answer_probability(
@@ -69,7 +72,7 @@ def memory_reward(
     length_penalty: float = 0.0,
     max_mem_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Memory reward per round, ``(N,), (N,) -> (N,)``.
+    """Memory reward per round, ``(N,), (N,) -> (N,)``: the variant ``mode`` names (`MEMORY_REWARDS`).
 
     ``"diff"``: ``p_mem - p_full`` (paper); ``"log_ratio"``: ``log(p_mem + eps) - log(p_full + eps)``.
     With ``length_penalty > 0`` subtracts ``length_penalty * mem_lengths / max_mem_tokens``.
@@ -79,14 +82,9 @@ def memory_reward(
     """
     if p_mem.shape != p_full.shape:
         raise ValueError(f"p_mem {tuple(p_mem.shape)} and p_full {tuple(p_full.shape)} must have the same shape")
-    if mode == "diff":
-        reward = p_mem - p_full
-    elif mode == "log_ratio":
-        if eps <= 0:
-            raise ValueError(f"eps must be > 0 for mode='log_ratio', got {eps}")
-        reward = torch.log(p_mem + eps) - torch.log(p_full + eps)
-    else:
-        raise ValueError(f"mode must be 'diff' or 'log_ratio', got {mode!r}")
+    if mode not in MEMORY_REWARDS:
+        raise ValueError(f"mode must be one of {tuple(MEMORY_REWARDS)}, got {mode!r}")
+    reward = MEMORY_REWARDS[mode](p_mem, p_full, eps)
     if length_penalty < 0:
         raise ValueError(f"length_penalty must be >= 0, got {length_penalty}")
     if length_penalty > 0:
@@ -97,6 +95,53 @@ def memory_reward(
             raise ValueError(f"mem_lengths {tuple(lengths.shape)} must have the shape of p_mem {tuple(reward.shape)}")
         reward = reward - length_penalty * lengths / max_mem_tokens
     return reward
+
+
+class MemoryScores(NamedTuple):
+    """P_full, P_mem and the memory reward of each row of a batch, shape (rows,); NaN where not scored."""
+
+    p_full: torch.Tensor
+    p_mem: torch.Tensor
+    reward: torch.Tensor
+
+    @classmethod
+    def unscored(cls, num_rows: int) -> "MemoryScores":
+        """Scores of ``num_rows`` rows none of which is scored."""
+        return cls(*(torch.full((num_rows,), math.nan) for _ in cls._fields))
+
+
+def memory_scores(
+    num_rows: int,
+    scored: Sequence[int],
+    full: tuple[torch.Tensor, torch.Tensor],
+    mem: tuple[torch.Tensor, torch.Tensor],
+    mem_lengths: Sequence[int],
+    settings,
+    threshold: float | None,
+    max_mem_tokens: int,
+) -> MemoryScores:
+    """The `MemoryScores` of ``num_rows`` rows from the answer-token log-probs and masks of the ``scored`` rows, each
+    ``(len(scored), K)``, under the full history (``full``) and the memory (``mem``); ``settings`` is a
+    `MemoryRewardSettings` (the variant, its eps, the length penalty), ``threshold`` the one `answer_probability`
+    applies."""
+    scores = MemoryScores.unscored(num_rows)
+    if not scored:
+        return scores
+    p_full = answer_probability(*full, threshold).cpu()
+    p_mem = answer_probability(*mem, threshold).cpu()
+    rewards = memory_reward(
+        p_mem,
+        p_full,
+        mode=settings.memory_reward_type,
+        eps=settings.memory_reward_eps,
+        mem_lengths=torch.tensor([float(length) for length in mem_lengths]),
+        length_penalty=settings.memory_length_penalty,
+        max_mem_tokens=max_mem_tokens,
+    )
+    index = torch.tensor(list(scored))
+    for column, values in zip(scores, (p_full, p_mem, rewards)):
+        column[index] = values.float()
+    return scores
 
 
 def _pool_stats(values: list[float]) -> tuple[float, float]:

@@ -230,9 +230,10 @@ def mempo_model_card(trainer, dataset_name: str | None = None) -> Path:
     model_id = args.hub_model_id if args.push_to_hub and args.hub_model_id else str(args.output_dir)
     retriever = str(info.get("retriever_arg") or "corpus.jsonl")
     question = info.get("example_question") or "your question"
+    environment_factory = getattr(trainer.task, "environment_factory", None)  # an `EnvironmentTask`'s
     text = re.sub(
         r"(## Quick start\n\n)```python\n.*?```",
-        lambda m: m.group(1) + usage(model_id, retriever, question, trainer.rollout_engine.environment_factory),
+        lambda m: m.group(1) + usage(model_id, retriever, question, environment_factory),
         text,
         count=1,
         flags=re.S,

@@ -1,6 +1,7 @@
 """Outcome scores: SQuAD answer normalisation (after Unicode NFKC) with Search-R1 ``qa_em`` semantics, token F1,
 multi-objective rows."""
 
+import logging
 import re
 import string
 import unicodedata
@@ -9,7 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mempo_trl.protocol import parse_turn, split_answers
+from mempo_trl.turns import parse_turn, split_answers
+
+
+logger = logging.getLogger(__name__)
 
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -284,3 +288,21 @@ def mempo_format_reward(
     """
     _check_batch(completions, format_valid=format_valid)
     return [float(bool(valid)) for valid in format_valid]
+
+
+def announce_reward_format(reward_funcs) -> None:
+    """Warn once, naming them, that the caller's reward functions (``reward_funcs`` as given: a function, a model or
+    id, or a list) get conversational completions, not TRL's standard-format strings (docs/training.md)."""
+    import torch
+
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    own = (mempo_outcome_reward, mempo_all_parts_reward, mempo_format_reward)
+    custom = [f.__name__ for f in funcs if callable(f) and not isinstance(f, torch.nn.Module) and f not in own]
+    if custom:
+        logger.warning(
+            "Reward functions %s receive TRL's conversational format, as for a chat dataset: `prompts` are the "
+            "episode's first messages and each completion is [{'role': 'assistant', 'content': <last turn>}] (read "
+            "completion[0]['content']; a function written for strings would measure the list); `trajectory` holds "
+            "every turn's text (docs/training.md, 'Reward functions').",
+            ", ".join(custom),
+        )

@@ -2,7 +2,7 @@
 
 `RolloutEngine.run` plays a batch of episodes round by round: it renders each active episode's context with
 `mempo_trl.context`, asks a generation function for one turn per episode, cuts each turn after its action,
-parses it with `mempo_trl.protocol.parse_turn`, runs the round's tool actions, and ends an episode on ``<answer>``,
+parses it with `mempo_trl.turns.parse_turn`, runs the round's tool actions, and ends an episode on ``<answer>``,
 on an invalid turn, or at ``max_turns``. The environment is either the built-in search task (``<search>`` actions,
 all of a round answered with one batched retriever call) or a TRL-style environment (`mempo_trl.environments`: one
 instance per episode, ``reset(**row)``, one ``<tool_call>`` per turn run on that instance). The generation function
@@ -11,39 +11,28 @@ training, evaluation and inference see exactly the same contexts.
 """
 
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from mempo_trl.context import MemoryScoringPair, ScoringItem, gold_answer_tokens, memory_context_ids, render_prompt
-from mempo_trl.data import DataError
-from mempo_trl.environments import (
-    EnvironmentFactory,
-    call_tool,
-    check_environment,
-    environment_factories,
-    environment_name,
-    parse_tool_call,
-    reset_arguments,
-    task_text,
-    tool_schemas,
-)
-from mempo_trl.protocol import (
-    ACTION_STOPS,
-    SEARCH_ACTIONS,
-    TOOL_ACTIONS,
-    Turn,
-    TurnProtocol,
-    locate_char_span,
-    parse_turn,
-    render_information,
+from mempo_trl.context import (
+    MemoryScoringPair,
+    ScoringItem,
+    gold_answer_tokens,
+    memory_context_ids,
+    render_prompt,
     round_messages,
-    token_char_offsets,
+    shown_rounds,
 )
+from mempo_trl.data import DataError
+from mempo_trl.environments import EnvironmentFactory
+from mempo_trl.offsets import locate_char_span, token_char_offsets
+from mempo_trl.protocol import TurnProtocol
 from mempo_trl.retrieval.base import RetrieverOutage
+from mempo_trl.tasks import Task, make_task
+from mempo_trl.turns import ACTION_STOPS, Turn, parse_turn
 
 
 GenerateFn = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None]]
@@ -87,13 +76,14 @@ class Episode:
     question: str = ""
     environment: Any = None
     tools: list[dict] | None = None
+    action_metric: str = "searches"
 
     @property
     def golden_answers(self) -> list[str] | None:
         """The gold answers: the row's ``golden_answers``, else the environment's ``golden_answers`` attribute (read
         after ``reset``), else None (no target: no exact match, no memory reward)."""
         golds = self.row.get("golden_answers")
-        if golds is None and self.environment is not None:
+        if golds is None:
             golds = getattr(self.environment, "golden_answers", None)
         if golds is None:
             return None
@@ -120,14 +110,14 @@ class Episode:
         """The rollout's own numbers for one finished episode (the outcome ones, ``em``/``f1``/``sub_em``, are scored
         downstream: `mempo_trl.rewards.episode_metrics` puts them in front of these).
 
-        ``format_valid``, ``answer_rate``, ``context_overflow`` are 0/1; ``turns`` counts rounds, and ``searches``
-        (search task) or ``tool_calls`` (environment) the tool actions that were run.
+        ``format_valid``, ``answer_rate``, ``context_overflow`` are 0/1; ``turns`` counts rounds, and
+        ``action_metric`` (the task's: ``searches``, ``tool_calls``) the actions that were run.
         """
         return {
             "format_valid": float(self.format_valid),
             "answer_rate": float(self.answer is not None),
             "turns": float(len(self.rounds)),
-            "searches" if self.environment is None else "tool_calls": float(self.num_searches),
+            self.action_metric: float(self.num_searches),
             "context_overflow": float(self.context_overflow),
         }
 
@@ -284,19 +274,33 @@ class Rollout:
     rows: tuple[TrainingRow, ...]
     timings: RolloutTimings
 
+    def splice(self, fresh: "Rollout", take: Sequence[bool]) -> "Rollout":
+        """This rollout with the episodes ``take`` marks (one flag per episode) and their rows replaced by those of
+        ``fresh``, a rollout of as many episodes; the timings add up."""
+        episodes = tuple(b if t else a for a, b, t in zip(self.episodes, fresh.episodes, take))
+        rows = [row for row in self.rows if not take[row.episode_index]]
+        rows += [row for row in fresh.rows if take[row.episode_index]]
+        rows.sort(key=lambda row: (row.episode_index, row.round_index))
+        timings = RolloutTimings(
+            self.timings.generation + fresh.timings.generation, self.timings.retrieval + fresh.timings.retrieval
+        )
+        return Rollout(episodes, tuple(rows), timings)
+
 
 class RolloutEngine:
-    """Plays MemPO episodes with a retriever or a TRL-style environment; generation is delegated to a `GenerateFn`.
+    """Plays MemPO episodes of a `Task` (a retriever's search task, a TRL-style environment, ...); generation is
+    delegated to a `GenerateFn`.
 
     Args:
         tokenizer: the policy's tokenizer (with a chat template).
         protocol: the `TurnProtocol` (prompts, ``max_turns``, ``retrieval_topk``, ``context_mode``: ``"memory"``
             (MemPO) or ``"full_history"`` (Search-R1 baseline, TRL's append-only context), the context budget
-            ``max_context_tokens`` and ``context_overflow``); with an environment, its `TurnProtocol.for_environment`.
-        retriever: any object with ``search(queries: list[str], topk: int) -> list[list[Passage]]`` (search task).
-        environment_factory: instead of a retriever, a TRL-style environment class or factory
-            (`mempo_trl.environments`): one instance per concurrent episode, built once and reset for each row; or,
-            as in TRL, a dict of them by name, each row playing the one its ``environment`` field names.
+            ``max_context_tokens`` and ``context_overflow``), as the task plays it (`Task.protocol`).
+        retriever: any object with ``search(queries: list[str], topk: int) -> list[list[Passage]]``: the search task
+            (`mempo_trl.tasks.SearchTask`).
+        environment_factory: instead of a retriever, a TRL-style environment class or factory, or as in TRL a dict
+            of them by name (`mempo_trl.tasks.EnvironmentTask`).
+        task: instead of either, any `mempo_trl.tasks.Task`.
         eos_token_ids: the ids that end a turn (`TurnProtocol.stop_token_ids`); a turn that ends otherwise is
             truncated.
         max_prompt_length: the longest context (tokens) the generation backend takes; ``None``: no limit. With the
@@ -316,39 +320,31 @@ class RolloutEngine:
         eos_token_ids: Sequence[int] = (),
         max_prompt_length: int | None = None,
         environment_factory: EnvironmentFactory | None = None,
+        task: Task | None = None,
     ):
-        if (retriever is None) == (environment_factory is None):
-            raise ValueError("RolloutEngine needs exactly one of `retriever` (search) and `environment_factory`.")
+        try:
+            self.task = make_task(retriever, environment_factory, task)
+        except ValueError as err:
+            raise ValueError(f"RolloutEngine {err}") from None
         self.tokenizer = tokenizer
-        self.protocol = protocol if environment_factory is None else protocol.for_environment()
-        self.retriever = retriever
+        self.protocol = self.task.protocol(protocol)
         self.eos_token_ids = list(eos_token_ids)
         self.max_prompt_length = max_prompt_length
-        self.environment_factory = environment_factory
-        self.environment_factories = {} if environment_factory is None else environment_factories(environment_factory)
-        self.environment_pool = {name: [check_environment(f)] for name, f in self.environment_factories.items()}
-        self.actions = SEARCH_ACTIONS if environment_factory is None else TOOL_ACTIONS
 
-    def new_episode(self, row: dict, index: int = 0) -> Episode:
-        """The episode of ``row``; with an environment, instance ``index`` of the pool of the row's environment
-        (`environment_name`) is reset with the row (TRL's pooling: built once, reset for every episode; the pool
-        grows when a batch needs more instances)."""
-        if self.environment_factory is None:
-            question = row["question"]
-            return Episode(row, self.protocol.initial_messages(question), question=question)
-        name = environment_name(row, self.environment_factories)
-        pool = self.environment_pool[name]
-        while len(pool) <= index:
-            pool.append(self.environment_factories[name]())
-        environment = pool[index]
-        question = task_text(row, environment.reset(**reset_arguments(row, self.environment_factories)))
-        return Episode(
-            row,
-            self.protocol.initial_messages(question),
-            question=question,
-            environment=environment,
-            tools=tool_schemas(environment),
-        )
+    def new_episodes(self, rows: Sequence[dict]) -> list[Episode]:
+        """The episodes of ``rows``, started by the task (`Task.start`)."""
+        rows = [dict(row) for row in rows]
+        return [
+            Episode(
+                row,
+                self.protocol.initial_messages(start.question),
+                question=start.question,
+                environment=start.environment,
+                tools=start.tools,
+                action_metric=self.task.action_metric,
+            )
+            for row, start in zip(rows, self.task.start(rows))
+        ]
 
     def _limit_hint(self, limit: int) -> str:
         """Which setting the context limit ``limit`` comes from, and how to raise it."""
@@ -362,16 +358,16 @@ class RolloutEngine:
     def check_first_contexts(self, rows, source_name: str, margin: int = 16) -> None:
         """Raise `DataError` naming the row when a question's first context (system prompt and instruction with the
         question, rendered with the chat template) is longer than the context limit `fit_prompt` applies: checked
-        when the data is loaded, not at the step that draws the row. Search task only (an environment's first
-        context comes from its ``reset``).
+        when the data is loaded, not at the step that draws the row; only for a task that knows its questions
+        before an episode starts (`Task.questions`: not an environment's, which come from its ``reset``).
 
         Questions are tokenised in one batch; a row whose question tokens plus the template's come within
         ``margin`` of the limit is rendered whole and measured exactly.
         """
         limit = self.protocol.context_limit(self.max_prompt_length)
-        if limit is None or self.environment_factory is not None or not len(rows):
+        questions = self.task.questions(rows) if limit is not None and len(rows) else None
+        if questions is None:
             return
-        questions = list(rows["question"]) if hasattr(rows, "column_names") else [row["question"] for row in rows]
         template = len(self.render(self.protocol.initial_messages("")))
         lengths = self.tokenizer(questions, add_special_tokens=False)["input_ids"]
         for index, (question, ids) in enumerate(zip(questions, lengths)):
@@ -411,7 +407,7 @@ class RolloutEngine:
             )
         if self.protocol.context_overflow == "truncate_information":
             searched = [r for r in episode.rounds if r.information is not None]
-            for record in searched if self.protocol.context_mode == "full_history" else searched[-1:]:
+            for record in shown_rounds(searched, self.protocol.context_mode):
                 body = self.tokenizer(record.information[len("<information>") : -len("</information>")],
                                       add_special_tokens=False)["input_ids"]  # fmt: skip
                 while len(ids) > limit and body:
@@ -445,11 +441,7 @@ class RolloutEngine:
                 taking part in the rounds; after the last one, every process learns (through ``global_active``)
                 whether any process lost it, and all of them raise together, so a caller can save a checkpoint.
         """
-        episodes, handed_out = [], defaultdict(int)  # instances of each environment in use
-        for row in map(dict, rows):
-            name = environment_name(row, self.environment_factories) if self.environment_factories else None
-            episodes.append(self.new_episode(row, handed_out[name]))
-            handed_out[name] += 1
+        episodes = self.new_episodes(rows)
         timings = RolloutTimings()
         outage: RetrieverOutage | None = None
         for round_index in range(self.protocol.max_turns):
@@ -477,26 +469,22 @@ class RolloutEngine:
                 record = self._make_record(prompt_ids, completions[i], None if logprobs is None else logprobs[i])
                 ep.rounds.append(record)
                 last_round = round_index + 1 == self.protocol.max_turns
-                if record.turn.valid and record.turn.action in ("search", "tool_call") and not last_round:
+                if record.turn.valid and record.turn.action != "answer" and not last_round:
                     searches.append((ep, record.turn.content))
                 else:
                     ep.finished = True
-            if searches and self.environment_factory is not None:
-                start = time.perf_counter()
-                for ep, content in searches:
-                    ep.rounds[-1].information = call_tool(ep.environment, *parse_tool_call(content))
-                timings.retrieval += time.perf_counter() - start
-            elif searches:
+            if searches:
                 start = time.perf_counter()
                 try:
-                    results = self.retriever.search([query for _, query in searches], self.protocol.retrieval_topk)
+                    environments, contents = [ep.environment for ep, _ in searches], [c for _, c in searches]
+                    results = self.task.act(environments, contents, self.protocol.retrieval_topk)
                 except RetrieverOutage as e:
                     outage, results = e, []
                     for ep in episodes:
                         ep.finished = True
                 timings.retrieval += time.perf_counter() - start
-                for (ep, _), passages in zip(searches, results):
-                    ep.rounds[-1].information = render_information(passages)
+                for (ep, _), information in zip(searches, results):
+                    ep.rounds[-1].information = information
         for ep in episodes:
             ep.finished = True
         lost = global_active(int(outage is not None)) if global_active is not None else int(outage is not None)
@@ -526,10 +514,10 @@ class RolloutEngine:
         )
         if logprobs is not None:
             logprobs = list(logprobs[: len(completion_ids)])
-        turn = parse_turn(text, self.actions)
-        if turn.valid and turn.action == "tool_call" and parse_tool_call(turn.content) is None:
-            turn = Turn(False, "<tool_call> is not a JSON call {\"name\": ..., \"arguments\": {...}}", turn.mem,
-                        None, None, None, turn.mem_chars)  # fmt: skip
+        turn = parse_turn(text, self.protocol.actions)
+        problem = self.task.action_problem(turn.content) if turn.valid and turn.action != "answer" else None
+        if problem is not None:
+            turn = Turn(False, problem, turn.mem, None, None, None, turn.mem_chars)
         mem_span = token_span(*turn.mem_chars) if turn.mem_chars is not None else None
         return RoundRecord(
             prompt_ids=prompt_ids,

@@ -12,6 +12,8 @@ import types
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from mempo_trl.memory_rewards import MEMORY_REWARDS
+
 
 PARSER_KEYS = ("help", "choices")
 """The metadata keys argparse takes (TRL's parser passes a field's metadata to `add_argument`)."""
@@ -122,7 +124,9 @@ class MemoryRewardSettings(SettingsHome):
     memory_threshold_quantile: float | None = setting(
         None, "Use this quantile of the batch's answer-token log-probs as the threshold.", minimum=0.0, maximum=1.0
     )
-    memory_reward_type: str = setting("diff", "`diff` (P_mem - P_full) or `log_ratio`.", choices=("diff", "log_ratio"))
+    memory_reward_type: str = setting(
+        "diff", "`diff` (P_mem - P_full) or `log_ratio` (`mempo_trl.memory_rewards`).", choices=tuple(MEMORY_REWARDS)
+    )
     memory_reward_eps: float = setting(1e-6, "eps of the log-ratio memory reward (> 0).")
     memory_length_penalty: float = setting(0.0, "lambda of the `<mem>` length penalty (0 = off).", minimum=0.0)
     memory_pooling: str = setting(

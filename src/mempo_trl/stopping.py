@@ -8,12 +8,12 @@ each sequence once it has written one of a `mempo_trl.protocol.TurnProtocol`'s `
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from mempo_trl.protocol import ACTION_STOPS
+from mempo_trl.turns import ACTION_STOPS
 
 
 def action_stopping_criteria(tokenizer, stops: Sequence[str] = ACTION_STOPS):
     """Stopping criteria for `model.generate` that end each sequence on its own once it has written ``</search>`` or
-    ``</answer>`` (``stops``; an environment's are `mempo_trl.protocol.TOOL_STOPS`), whatever their tokenization
+    ``</answer>`` (``stops``; an environment's are `mempo_trl.turns.TOOL_STOPS`), whatever their tokenization
     (the token completing the tag may also hold what follows, e.g. ``><``).
 
     Build it once per tokenizer (it indexes the whole vocabulary) and pass it as

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mempo_trl.agent import MemPOAgent
+from mempo_trl.context import ContextMode
 from mempo_trl.evaluation import EvalResult, evaluate
-from mempo_trl.protocol import ContextMode
 
 
 TABLE_COLUMNS = (

@@ -5,55 +5,43 @@ import logging
 import math
 import textwrap
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from accelerate.utils import gather_object, is_peft_model
-from datasets import IterableDataset, IterableDatasetDict
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.trainer.utils import pad, use_adapter
 
 from mempo_trl.advantages import MemPOAdvantages, mempo_advantages, normalize_then_sum_advantages
 from mempo_trl.config import ROW_LEVEL_LOSSES, MemPOConfig
-from mempo_trl.data import validate_qa_rows
-from mempo_trl.dynamic_sampling import refillable_groups, zero_std_groups
-from mempo_trl.environments import environment_reward_funcs
+from mempo_trl.data import check_map_style, named_datasets
+from mempo_trl.dynamic_sampling import ScoredStep, dynamic_sampling
 from mempo_trl.grpo_mirror import GRPOMirror, activation_checkpointing_off
 from mempo_trl.interruptions import check_finite
-from mempo_trl.memory import answer_probability, memory_reward, quantile_threshold
+from mempo_trl.memory import MemoryScores, memory_scores, quantile_threshold
+from mempo_trl.metrics import final_metrics, round_metric_values
 from mempo_trl.model_card import mempo_model_card
 from mempo_trl.rewards import (
     OutcomeScore,
+    announce_reward_format,
     episode_metrics,
     episode_outcome,
-    mempo_all_parts_reward,
-    mempo_format_reward,
-    mempo_outcome_reward,
 )
-from mempo_trl.rollout import Episode, Rollout, RolloutEngine, RolloutTimings, TrainingRow
+from mempo_trl.rollout import Episode, Rollout, RolloutEngine, TrainingRow
 from mempo_trl.scoring import (
     SHARED_PREFIX_ATTENTION,
     answer_token_logps,
     pack_shared_prefix,
     shared_prefix_answer_logps,
 )
+from mempo_trl.tasks import Task, make_task
 
 
 logger = logging.getLogger(__name__)
-
-ROUND_METRICS = (
-    "episode/em", "episode/f1", "episode/sub_em", "episode/format_valid", "episode/answer_rate", "episode/turns",
-    "episode/searches", "episode/tool_calls", "episode/truncated_turns", "episode/context_overflow",
-    "tokens/prompt_per_round", "tokens/mem_length",
-    "memory/p_full", "memory/p_mem", "memory/reward", "memory/advantage", "memory/scored_rounds",
-)  # fmt: skip
-"""The metrics `MemPOTrainer` adds to TRL's, averaged over processes (and ``memory/{reward,advantage}/round_<t>``)."""
 
 
 @dataclass(frozen=True)
@@ -78,50 +66,6 @@ class StepAccount:
     generation: float = 0.0
     retrieval: float = 0.0
     memory_scoring: float = 0.0
-
-
-class MemoryScores(NamedTuple):
-    """P_full, P_mem and the memory reward of each of this process's rows, shape (rows,); NaN where not scored."""
-
-    p_full: torch.Tensor
-    p_mem: torch.Tensor
-    reward: torch.Tensor
-
-    @classmethod
-    def unscored(cls, num_rows: int) -> "MemoryScores":
-        """Scores of ``num_rows`` rows none of which is scored."""
-        return cls(*(torch.full((num_rows,), math.nan) for _ in cls._fields))
-
-
-def check_map_style(train_dataset, eval_dataset) -> None:
-    """Refuse streaming (`datasets.IterableDataset`) train or eval data, with the reason and what to do instead."""
-    named = {"train_dataset": train_dataset}
-    named.update({f"eval_dataset[{n}]": ds for n, ds in eval_dataset.items()} if isinstance(eval_dataset, dict)
-                 else {"eval_dataset": eval_dataset})  # fmt: skip
-    for name, dataset in named.items():
-        if isinstance(dataset, IterableDataset | IterableDatasetDict):
-            raise ValueError(
-                f"{name} is an IterableDataset (streaming): MemPOTrainer needs a map-style Dataset, because it checks "
-                "every row before training (its fields, and that its first context fits) and dynamic_sampling="
-                "'refill' draws rows at random; a stream would be read whole at init, an unbounded one forever. Take "
-                "the rows you train on first: `Dataset.from_list(list(stream.take(n)))`."
-            )
-
-
-def announce_reward_format(reward_funcs) -> None:
-    """Warn once, naming them, that the caller's reward functions (``reward_funcs`` as given: a function, a model or
-    id, or a list) get conversational completions, not TRL's standard-format strings (docs/training.md)."""
-    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-    own = (mempo_outcome_reward, mempo_all_parts_reward, mempo_format_reward)
-    custom = [f.__name__ for f in funcs if callable(f) and not isinstance(f, torch.nn.Module) and f not in own]
-    if custom:
-        logger.warning(
-            "Reward functions %s receive TRL's conversational format, as for a chat dataset: `prompts` are the "
-            "episode's first messages and each completion is [{'role': 'assistant', 'content': <last turn>}] (read "
-            "completion[0]['content']; a function written for strings would measure the list); `trajectory` holds "
-            "every turn's text (docs/training.md, 'Reward functions').",
-            ", ".join(custom),
-        )
 
 
 class MemPOTrainer(GRPOMirror, GRPOTrainer):
@@ -165,6 +109,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             (the row's `golden_answers` or the environment's attribute of that name); episodes without one get the
             outcome advantage only (with a warning). A search-task `instruction` is replaced by
             `ENVIRONMENT_INSTRUCTION`.
+        task: instead of `retriever` or `environment_factory`, any `mempo_trl.tasks.Task` (those two are
+            `SearchTask` and `EnvironmentTask`).
         **kwargs: the other arguments of `GRPOTrainer` (``processing_class``, ``callbacks``, ``optimizers``,
             ``peft_config``, ``quantization_config``, ...), passed on as they are. ``tools`` and ``rollout_func`` are
             not supported (a `ValueError` says so rather than ignoring them): tools are `retriever` (search) or the
@@ -201,8 +147,39 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         eval_dataset=None,
         *,
         environment_factory=None,
+        task: Task | None = None,
         **kwargs,
     ):
+        args, task = self._check_arguments(model, retriever, args, environment_factory, task, kwargs)
+        check_map_style(train_dataset, eval_dataset)
+        announce_reward_format(reward_funcs)
+        protocol = task.protocol(args.turn_protocol())
+        args.instruction = protocol.instruction
+        reward_funcs, train_dataset, eval_dataset = task.prepare(reward_funcs, train_dataset, eval_dataset)
+        if args.use_vllm:  # vLLM stops on the closing action tags as strings, whatever their tokenisation
+            stops = {"stop": list(protocol.stops), "include_stop_str_in_output": True}
+            args.generation_kwargs = {**stops, **(args.generation_kwargs or {})}
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, **kwargs)
+        self.protocol, self.task, self.retriever, self.model_card_info = protocol, task, retriever, {}
+        self.memory_settings = args.memory_settings()
+        self.dynamic_sampling_settings = args.dynamic_sampling_settings()
+        self.shared_prefix_scoring = self._check_model_arguments()
+        self._score_memory = protocol.context_mode == "memory" and self.memory_settings.memory_coef != 0.0
+        self._stop_turns_on(protocol.stops, protocol.stop_token_ids(self._tokenizer, self.eos_token_ids))
+        self._sync_vllm_by_reload()
+        limit = self._max_prompt_length()
+        self.rollout_engine = RolloutEngine(self._tokenizer, protocol, None, self.eos_token_ids, limit, task=task)
+        for name, rows in named_datasets(train_dataset, eval_dataset).items():  # every first context fits, up front
+            if rows is not None:
+                self.rollout_engine.check_first_contexts(rows, name)
+        self._warned_no_target = self._warned_all_dropped = False
+        self._step_account = StepAccount()
+
+    @staticmethod
+    def _check_arguments(model, retriever, args, environment_factory, task, kwargs: dict) -> tuple[MemPOConfig, Task]:
+        """Refuse what MemPO cannot train with, before any model is loaded; return this trainer's copy of ``args``
+        (a default `MemPOConfig` named after the model when None: what changes in it stays with this trainer) and
+        its task (`make_task`)."""
         if kwargs.get("tools"):
             raise ValueError(
                 "MemPOTrainer does not take `tools=`: its rollout plays the `<search>` turn protocol against "
@@ -212,120 +189,230 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             )
         if kwargs.get("rollout_func") is not None:
             raise ValueError("MemPOTrainer does not take `rollout_func=`: its rollout is the MemPO search episode.")
-        if (retriever is None) == (environment_factory is None):
-            raise ValueError("MemPOTrainer needs exactly one of `retriever` (search) and `environment_factory`.")
-        check_map_style(train_dataset, eval_dataset)
-        announce_reward_format(reward_funcs)
+        try:
+            task = make_task(retriever, environment_factory, task)
+        except ValueError as err:
+            raise ValueError(f"MemPOTrainer {err}") from None
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MemPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-MemPO")
         if not isinstance(args, MemPOConfig):
             raise TypeError(f"MemPOTrainer needs a MemPOConfig, got {type(args).__name__}.")
-        args = copy.copy(args)  # what changes below (and in TRL's __init__) stays with this trainer
-        if args.dynamic_sampling == "refill" and environment_factory is not None:
+        if args.dynamic_sampling == "refill" and not task.can_refill:
             raise ValueError(
-                "dynamic_sampling='refill' plays further prompts with the retriever; with `environment_factory` use "
-                "dynamic_sampling='drop'."
+                f"dynamic_sampling='refill' plays further prompts, which {type(task).__name__} cannot (with "
+                "`environment_factory` use dynamic_sampling='drop')."
             )
-        if args.remove_unused_columns:
-            raise ValueError(
-                "MemPOTrainer reads the `question`/`golden_answers` columns: set remove_unused_columns=False."
-            )
-        protocol = args.turn_protocol(environment=environment_factory is not None)
-        if environment_factory is not None:
-            args.instruction = protocol.instruction
-            reward_funcs = environment_reward_funcs(environment_factory, reward_funcs, train_dataset)
-        else:
-            if train_dataset is not None:
-                train_dataset = validate_qa_rows(train_dataset, "train_dataset")
-            if isinstance(eval_dataset, dict):
-                eval_dataset = {n: validate_qa_rows(ds, f"eval_dataset[{n}]") for n, ds in eval_dataset.items()}
-            elif eval_dataset is not None:
-                eval_dataset = validate_qa_rows(eval_dataset, "eval_dataset")
-        if args.use_vllm:  # vLLM stops on the closing action tags as strings, whatever their tokenisation
-            stops = {"stop": list(protocol.stops), "include_stop_str_in_output": True}
-            args.generation_kwargs = {**stops, **(args.generation_kwargs or {})}
-        super().__init__(
-            model=model,
-            reward_funcs=reward_funcs if reward_funcs is not None else [mempo_outcome_reward],
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            **kwargs,
-        )
-        self.memory_settings = args.memory_settings()
-        self.dynamic_sampling_settings = args.dynamic_sampling_settings()
-        self._score_memory = protocol.context_mode == "memory" and self.memory_settings.memory_coef != 0.0
-        if (
-            protocol.context_mode == "memory"
-            and self.memory_settings.memory_coef == 0.0
-            and self.is_world_process_zero()
-        ):
-            print(
-                "mempo-trl: memory_coef is 0: the memory advantage is off, this run trains on the outcome reward only "
-                "(set memory_coef > 0 for MemPO)."
-            )
-        attention = self.model.config._attn_implementation
-        if args.memory_scoring == "shared_prefix" and attention not in SHARED_PREFIX_ATTENTION:
+        return copy.copy(args), task
+
+    def _check_model_arguments(self) -> bool:
+        """Refuse the memory settings the loaded model cannot serve, announce a run without the memory advantage, and
+        say whether memory scoring shares prefixes (`memory_scoring`)."""
+        settings, attention = self.memory_settings, self.model.config._attn_implementation
+        if settings.memory_scoring == "shared_prefix" and attention not in SHARED_PREFIX_ATTENTION:
             raise ValueError(
                 f"memory_scoring='shared_prefix' needs 4D attention masks ({SHARED_PREFIX_ATTENTION}), but the model "
                 f"uses {attention!r}: set memory_scoring='batched' (or 'auto'), or attn_implementation='sdpa'."
             )
-        self.shared_prefix_scoring = args.memory_scoring == "shared_prefix" or (
-            args.memory_scoring == "auto" and attention in SHARED_PREFIX_ATTENTION
-        )
-        if args.memory_full_from_reference and self.ref_model is None and not is_peft_model(self.model):
+        if settings.memory_full_from_reference and self.ref_model is None and not is_peft_model(self.model):
             raise ValueError(
                 "memory_full_from_reference=True needs a reference model: set beta > 0 or train a PEFT adapter."
             )
-        self._stop_turns_on(protocol.stops, protocol.stop_token_ids(self._tokenizer, self.eos_token_ids))
-        self._sync_vllm_by_reload()
-        self.protocol = protocol
-        self.retriever = retriever
-        self.model_card_info: dict[str, str] = {}
-        self.rollout_engine = RolloutEngine(
-            self._tokenizer,
-            protocol,
-            retriever,
-            eos_token_ids=self.eos_token_ids,
-            max_prompt_length=self._max_prompt_length(),
-            environment_factory=environment_factory,
+        if self.protocol.context_mode == "memory" and settings.memory_coef == 0.0 and self.is_world_process_zero():
+            print(
+                "mempo-trl: memory_coef is 0: the memory advantage is off, this run trains on the outcome reward only "
+                "(set memory_coef > 0 for MemPO)."
+            )
+        return settings.memory_scoring == "shared_prefix" or (
+            settings.memory_scoring == "auto" and attention in SHARED_PREFIX_ATTENTION
         )
-        if environment_factory is None:  # every question fits its first context, before any step
-            named = {"train_dataset": train_dataset}
-            named.update({f"eval_dataset[{n}]": ds for n, ds in eval_dataset.items()} if isinstance(eval_dataset, dict)
-                         else {"eval_dataset": eval_dataset})  # fmt: skip
-            for name, rows in named.items():
-                if rows is not None:
-                    self.rollout_engine.check_first_contexts(rows, name)
-        self._warned_no_target = False
-        self._warned_all_dropped = False
-        self._step_account = StepAccount()
 
-    # ------------------------------------------------------------------ memory reward
+    # ------------------------------------------------------------------ the override, step by step
 
-    def _score_items(self, items, use_reference: bool, group_keys=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Answer-token log-probs of scoring items, with the same number of forwards on every process.
+    def _generate_and_score_completions(self, inputs: list[dict]) -> dict[str, torch.Tensor]:
+        """GRPOTrainer's batch preparation for multi-turn episodes with the MemPO memory advantage.
 
-        With ``group_keys`` (one per item), items of the same key that share a context prefix are scored with one
-        forward of that prefix (`shared_prefix_answer_logps`).
+        Where `GRPOTrainer` samples one completion per prompt and gives it one advantage, this method:
+
+        1. plays each row as a multi-turn episode, the context rebuilt every round, and gets one training row per
+           round (prompt = its context, completion = the turn; with the memory reward, its scoring contexts) from
+           the rollout at once (`RolloutEngine.play`);
+        2. scores each episode once (`episode_outcome`, `episode_metrics`) and each whole trajectory with the reward
+           functions, gathered over processes (`_outcome_rewards`); with `dynamic_sampling`, refills or drops the
+           groups whose rewards are all equal (`mempo_trl.dynamic_sampling.dynamic_sampling`);
+        3. pads the rows with fully masked placeholder rows to the same count on every process (`_round_batch`);
+        4. scores P_full / P_mem of the gold answer for rounds >= 2 and their memory reward (`_memory_rewards`);
+        5. gathers the rounds of all processes and calls `mempo_advantages` for per-token advantages of shape
+           (rows, completion tokens) instead of one scalar per completion (`_advantages`);
+        6. computes the old / sampling / reference log-probs and logs what `GRPOTrainer` logs
+           (`mempo_trl.grpo_mirror`), then the episode, memory, token and timing metrics (`_log_step`).
         """
-        bs = self.memory_settings.memory_scoring_batch_size
-        num_rows = len(items) if group_keys is None else len(pack_shared_prefix(items, group_keys))
-        num_chunks = self._global_max(math.ceil(num_rows / bs))
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if use_reference and self.ref_model is not None:
-            model, adapter_ctx = self.ref_model, nullcontext()
-        elif use_reference:
-            model = self.model
-            adapter_ctx = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
-        else:
-            model, adapter_ctx = self.model, nullcontext()
+        mode = "train" if self.model.training else "eval"
+        step = self._play_and_score(inputs)
+        if mode == "train" and self.dynamic_sampling_settings.dynamic_sampling != "keep":
+            step = self._dynamic_sampling(step)
+        n, rank = len(step.rollout.episodes), self.accelerator.process_index
+        dropped = [False] * n if step.dropped is None else step.dropped[rank * n : rank * n + n].tolist()
+        batch = self._round_batch(list(step.rollout.episodes), step.rollout.rows, mode, dropped)
+        scoring_start = time.perf_counter()
+        with profiling_context(self, "memory_scoring"):
+            scores = self._memory_rewards(batch.rows, dropped)
+            rewards_per_func = step.rewards_per_func
+            if step.dropped is not None:
+                rewards_per_func = rewards_per_func.masked_fill(step.dropped.unsqueeze(1), torch.nan)
+            advantages = self._advantages(batch, scores.reward, rewards_per_func, mode)
+        if mode == "train":
+            check_finite("advantage", advantages.advantages, self.state.global_step + 1, self.accelerator)
+        scoring_seconds = time.perf_counter() - scoring_start
+        output = {**batch.tensors, "advantages": advantages.advantages}
+        output.update(self._loss_log_probs(batch.tensors, self._sampling_logps(batch.rows), mode))
+        self._log_masked_tokens(mode, batch.rows, batch.tensors, output.get("importance_sampling_ratio"))
+        self._log_step(batch, step, advantages, scores, scoring_seconds)
+        return output
+
+    # 1. the rollout
+
+    def _play_episodes(self, inputs: list[dict]) -> Rollout:
+        """One multi-turn episode per input row, all processes stepping together, with its training rows."""
+        with profiling_context(self, "rollout"), self._rollout_context():
+            global_active = self._global_sum if self.accelerator.num_processes > 1 else None
+            rollout = self.rollout_engine.play(inputs, self._generate_turns, global_active, self._score_memory)
+        self._warn_no_memory_target(rollout.episodes)
+        return rollout
+
+    def _warn_no_memory_target(self, episodes: Sequence[Episode]) -> None:
+        """Warn once when episodes have no gold answer (an environment may set none): their rounds get the outcome
+        advantage only."""
+        if self._warned_no_target:
+            return
+        missing = sorted({type(ep.environment or self.task).__name__ for ep in episodes if ep.golden_answers is None})
+        if missing:
+            self._warned_no_target = True
+            logger.warning(
+                "Some episodes of %s have no gold answer (no `golden_answers` in the row or on the environment): "
+                "their rounds get no memory reward, only the outcome advantage (memory/scored_rounds counts the "
+                "rounds that do).",
+                " / ".join(missing),
+            )
+
+    # 2. the outcome rewards and dynamic sampling
+
+    def _play_and_score(self, inputs: list[dict]) -> ScoredStep:
+        """Steps 1 and 2 on ``inputs``: the rollout, each episode's outcome and metrics, the reward functions'
+        values."""
+        rollout = self._play_episodes(inputs)
+        outcomes, stats = self._score_episodes(rollout.episodes)
+        rewards_per_func, rewards = self._outcome_rewards(inputs, rollout.episodes, outcomes, stats)
+        return ScoredStep(rollout, outcomes, stats, rewards_per_func, rewards)
+
+    @staticmethod
+    def _score_episodes(episodes) -> tuple[list[OutcomeScore | None], list[dict[str, float]]]:
+        """Each episode's `episode_outcome` (EM/F1/sub-EM against its golds, the reward functions' ``outcome``
+        column) and `episode_metrics` (the ``episode/*`` numbers), scored once per step."""
+        outcomes = [episode_outcome(ep) for ep in episodes]
+        return outcomes, [episode_metrics(ep, outcome) for ep, outcome in zip(episodes, outcomes)]
+
+    def _outcome_rewards(
+        self,
+        inputs: list[dict],
+        episodes: Sequence[Episode],
+        outcomes: list[OutcomeScore | None],
+        stats: list[dict[str, float]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-function ``(N, F)`` and weighted ``(N,)`` rewards of the trajectories of ALL processes.
+
+        The reward functions see the final turn as ``completions`` plus ``trajectory`` (all turn texts),
+        ``format_valid`` and ``outcome`` (from each episode's ``stats`` and `episode_outcome`, scored once); TRL's
+        `_calculate_rewards` gathers them over processes. With an environment they also get
+        ``environments`` (one instance per episode, as in TRL) and the environment's ``golden_answers`` when the row
+        has none. As in TRL, a trajectory that every reward function returned None for is unscorable: reward NaN,
+        left out of its group's mean and std, advantage 0 (`group_outcome_advantages`).
+        """
+        prompts = [ep.base_messages for ep in episodes]
+        completions = [[{"role": "assistant", "content": ep.rounds[-1].text}] for ep in episodes]
+        reward_inputs = [
+            {
+                **row,
+                "trajectory": [r.text for r in ep.rounds],
+                "format_valid": bool(stat["format_valid"]),
+                "outcome": o,
+            }
+            for row, ep, o, stat in zip(inputs, episodes, outcomes, stats)
+        ]
+        self.environments = [ep.environment for ep in episodes] if self.task.passes_environments else None
+        for reward_input, ep in zip(reward_inputs, episodes):  # None: no gold, the outcome reward gives None
+            if reward_input.get("golden_answers") is None:
+                reward_input["golden_answers"] = ep.golden_answers
+        rewards_per_func = self._calculate_rewards(
+            reward_inputs, prompts, completions, [ep.rounds[-1].completion_ids for ep in episodes]
+        )
+        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        return rewards_per_func, rewards
+
+    def _dynamic_sampling(self, step: ScoredStep) -> ScoredStep:
+        """`mempo_trl.dynamic_sampling.dynamic_sampling` on a training batch: refill rounds draw their rows from
+        ``train_dataset`` with a generator seeded by ``seed``, the step and the round (the same draw on every
+        process); logs the ``dynamic_sampling/*`` metrics and, once, a step that drops every group."""
+        settings = self.dynamic_sampling_settings
+
+        def draw(round_number: int, slots: int) -> list[dict]:
+            generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self._step * 1_009 + round_number)
+            rows = torch.randint(len(self.train_dataset), (slots,), generator=generator).tolist()
+            return [self.train_dataset[i] for i in rows]
+
+        rank, logs = self.accelerator.process_index, self._pending_extra_logs
+        step, metrics = dynamic_sampling(step, settings, self.num_generations, rank, draw, self._play_and_score, logs)
+        for name, value in metrics.items():
+            self._metrics["train"][name].append(value)
+        if step.dropped.all() and not self._warned_all_dropped and self.accelerator.is_main_process:
+            self._warned_all_dropped = True
+            print(
+                f"mempo-trl: WARNING: step {self.state.global_step + 1}: dynamic_sampling={settings.dynamic_sampling!r} "
+                f"dropped every group (the outcome rewards of each span at most dynamic_sampling_tolerance="
+                f"{settings.dynamic_sampling_tolerance}): the step trains nothing. Lower the tolerance or use a reward "
+                "that varies (said once; dynamic_sampling/groups_dropped counts every step)."
+            )
+        return step
+
+    # 3. the padded batch
+
+    def _round_batch(
+        self, episodes: list[Episode], rows: Sequence[TrainingRow], mode: str, dropped: list[bool]
+    ) -> RoundBatch:
+        """The training ``rows`` of ``episodes`` as tensors, padded with placeholder rows (one pad token, completion
+        fully masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``; the
+        prompt and completion widths are multiples of ``pad_to_multiple_of`` when set (as in TRL). The rows of the
+        episodes that are ``dropped`` (one flag per episode) get a fully masked completion. ``real_rows`` (bool, one
+        per row) marks the rows that are neither (`_compute_loss`)."""
+        device = self.accelerator.device
+        rows = tuple(rows)
+        per_step = self.args.steps_per_generation if mode == "train" else 1
+        real = [not dropped[row.episode_index] for row in rows]
+        num_dummy = math.ceil(self._global_max(len(rows)) / per_step) * per_step - len(rows)
         pad_id = self._tokenizer.pad_token_id
-        with adapter_ctx, self.accelerator.autocast():
-            if group_keys is None:
-                return answer_token_logps(model, items, pad_id, bs, num_chunks)
-            return shared_prefix_answer_logps(model, items, group_keys, pad_id, bs, num_chunks)
+        prompts = [torch.tensor(r.prompt_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
+        completions = [torch.tensor(r.completion_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
+        masks = [torch.ones_like(c) for c in completions[: len(rows)]] + [torch.zeros(1, dtype=torch.long)] * num_dummy
+        multiple = self.pad_to_multiple_of  # TRL's `pad_to_multiple_of`, on the prompt and completion widths
+        completion_mask = pad(masks, padding_value=0, padding_side="right", pad_to_multiple_of=multiple).to(device)
+        if self.mask_truncated_completions:
+            truncated = torch.tensor([r.truncated for r in rows] + [False] * num_dummy, device=device)
+            completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
+        kept = torch.tensor(real + [True] * num_dummy, device=device)
+        completion_mask = completion_mask * kept.unsqueeze(1).int()
+        prompt_mask = pad([torch.ones_like(p) for p in prompts], 0, "left", pad_to_multiple_of=multiple)
+        tensors = {
+            "prompt_ids": pad(prompts, pad_id, "left", pad_to_multiple_of=multiple).to(device),
+            "prompt_mask": prompt_mask.to(device),
+            "completion_ids": pad(completions, pad_id, "right", pad_to_multiple_of=multiple).to(device),
+            "completion_mask": completion_mask,
+            "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
+            "real_rows": torch.tensor(real + [False] * num_dummy, device=device),
+        }
+        return RoundBatch(mode, episodes, rows, tensors)
+
+    # 4. the memory reward
 
     def _memory_rewards(self, rows: Sequence[TrainingRow], dropped: Sequence[bool] = ()) -> MemoryScores:
         """Step 4: P_full, P_mem and the memory reward of the rows that carry scoring contexts (none when the memory
@@ -365,295 +452,34 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             threshold = quantile_threshold(
                 values, torch.ones_like(values, dtype=torch.bool), settings.memory_threshold_quantile
             )
-        scores = MemoryScores.unscored(len(rows))
-        if not pairs:
-            return scores
-        p_full = answer_probability(full_logps, full_mask, threshold).cpu()
-        p_mem = answer_probability(mem_logps, mem_mask, threshold).cpu()
-        mem_lengths = torch.tensor([float(rows[i].mem_span[1] - rows[i].mem_span[0] + 1) for i in scored])
-        rewards = memory_reward(
-            p_mem, p_full, mode=settings.memory_reward_type, eps=settings.memory_reward_eps,
-            mem_lengths=mem_lengths, length_penalty=settings.memory_length_penalty, max_mem_tokens=self.args.max_completion_length,
-        )  # fmt: skip
-        index = torch.tensor(scored)
-        for column, values in zip(scores, (p_full, p_mem, rewards)):
-            column[index] = values.float()
-        return scores
+        lengths = [rows[i].mem_span[1] - rows[i].mem_span[0] + 1 for i in scored]
+        full, mem, budget = (full_logps, full_mask), (mem_logps, mem_mask), self.protocol.max_completion_length
+        return memory_scores(len(rows), scored, full, mem, lengths, settings, threshold, budget)
 
-    # ------------------------------------------------------------------ the override
+    def _score_items(self, items, use_reference: bool, group_keys=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Answer-token log-probs of scoring items, with the same number of forwards on every process.
 
-    def _generate_and_score_completions(self, inputs: list[dict]) -> dict[str, torch.Tensor]:
-        """GRPOTrainer's batch preparation for multi-turn episodes with the MemPO memory advantage.
-
-        Where `GRPOTrainer` samples one completion per prompt and gives it one advantage, this method:
-
-        1. plays each row as a multi-turn episode, the context rebuilt every round, and gets one training row per
-           round (prompt = its context, completion = the turn; with the memory reward, its scoring contexts) from
-           the rollout at once (`RolloutEngine.play`);
-        2. scores each episode once (`episode_outcome`, `episode_metrics`) and each whole trajectory with the reward
-           functions, gathered over processes (`_outcome_rewards`); with `dynamic_sampling`, refills or drops the
-           groups whose rewards are all equal (`_dynamic_sampling`);
-        3. pads the rows with fully masked placeholder rows to the same count on every process (`_round_batch`);
-        4. scores P_full / P_mem of the gold answer for rounds >= 2 and their memory reward (`_memory_rewards`);
-        5. gathers the rounds of all processes and calls `mempo_advantages` for per-token advantages of shape
-           (rows, completion tokens) instead of one scalar per completion (`_advantages`);
-        6. computes the old / sampling / reference log-probs and logs what `GRPOTrainer` logs
-           (`mempo_trl.grpo_mirror`), then the episode, memory, token and timing metrics (`_log_round_metrics`).
+        With ``group_keys`` (one per item), items of the same key that share a context prefix are scored with one
+        forward of that prefix (`shared_prefix_answer_logps`).
         """
-        mode = "train" if self.model.training else "eval"
-        rollout = self._play_episodes(inputs)
-        outcomes, stats = self._score_episodes(rollout.episodes)
-        rewards_per_func, rewards = self._outcome_rewards(inputs, rollout.episodes, outcomes, stats)
-        dropped = torch.zeros_like(rewards, dtype=torch.bool)
-        if mode == "train" and self.dynamic_sampling_settings.dynamic_sampling != "keep":
-            rollout, outcomes, stats, rewards_per_func, rewards, dropped = self._dynamic_sampling(
-                inputs, rollout, outcomes, stats, rewards_per_func, rewards
-            )
-        episodes = list(rollout.episodes)
-        local_dropped = dropped[self.accelerator.process_index * len(episodes) :][: len(episodes)].tolist()
-        batch = self._round_batch(episodes, rollout.rows, mode, local_dropped)
-        scoring_start = time.perf_counter()
-        with profiling_context(self, "memory_scoring"):
-            scored = self._memory_rewards(batch.rows, local_dropped)
-            dropped_rewards = rewards_per_func.masked_fill(dropped.unsqueeze(1), torch.nan)
-            advantages = self._advantages(batch, scored.reward, dropped_rewards, mode)
-        if mode == "train":
-            check_finite("advantage", advantages.advantages, self.state.global_step + 1, self.accelerator)
-        scoring_seconds = time.perf_counter() - scoring_start
-        output = {**batch.tensors, "advantages": advantages.advantages}
-        output.update(self._loss_log_probs(batch.tensors, self._sampling_logps(batch.rows), mode))
-        self._log_masked_tokens(mode, batch.rows, batch.tensors, output.get("importance_sampling_ratio"))
-        self._log_step(batch, stats, rewards_per_func, rewards, advantages, scored, rollout.timings, scoring_seconds)
-        return output
-
-    @staticmethod
-    def _sampling_logps(rows: Sequence[TrainingRow]) -> list[tuple[float, ...]] | None:
-        """The sampling log-probs of the rows' completions (vLLM's), or None when any row has none."""
-        logps = [row.logprobs for row in rows]
-        return logps if all(lp is not None for lp in logps) else None
-
-    def _log_step(self, batch, stats, rewards_per_func, rewards, advantages, scored, timings, scoring_seconds):
-        """What `GRPOTrainer` logs (`_log_grpo_metrics`: the trajectories as completions), then MemPO's metrics
-        (`_log_round_metrics`), and in training the step's account (tokens and seconds, `training_step`)."""
-        trajectories = [
-            "\n".join(r.text + ("\n" + r.information if r.information else "") for r in ep.rounds)
-            for ep in batch.episodes
-        ]
-        prompts = [ep.base_messages for ep in batch.episodes]
-        self._log_grpo_metrics(
-            batch.mode, batch.rows, rewards_per_func, rewards, advantages.outcome, prompts, trajectories
-        )
-        self._log_round_metrics(batch, stats, scored, advantages.memory, timings, scoring_seconds)
-        if batch.mode == "train":
-            self._step_account.tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in batch.rows)
-            self._step_account.generation += timings.generation
-            self._step_account.retrieval += timings.retrieval
-            self._step_account.memory_scoring += scoring_seconds
-
-    def _compute_loss(self, model, inputs):
-        """TRL's loss; for the loss types that count rows (`ROW_LEVEL_LOSSES`), the micro-batch's placeholder and
-        dropped rows (not ``real_rows``) leave it first, so that the mean over rows (`grpo`, `sapo`, `luspo`) or the
-        rows x `max_completion_length` divisor (`dr_grpo`) count the real rounds, each a sequence as in TRL. A
-        micro-batch without a real row keeps its rows (its loss is 0)."""
-        inputs = dict(inputs)  # the buffered batch serves every iteration (`num_iterations`): never changed here
-        real = inputs.pop("real_rows", None)
-        if real is not None and self.loss_type in ROW_LEVEL_LOSSES and real.any() and not real.all():
-            rows = real.shape[0]
-            inputs = {
-                key: value[real]
-                if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows
-                else value
-                for key, value in inputs.items()
-            }
-        return super()._compute_loss(model, inputs)
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """GRPOTrainer's training step, then `check_finite` on its loss: a NaN or infinite loss raises
-        `NonFiniteError` before the optimizer step, so the weights keep their last finite values.
-
-        At the end of an optimizer step (where TRL logs ``step_time``), this process's ``tokens_per_second`` (the
-        prompt and completion tokens of the rows it generated in the step over ``step_time``) and ``time/other``
-        (``step_time`` less its generation, retrieval and memory scoring) are logged."""
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        check_finite("loss", loss, self.state.global_step + 1, self.accelerator)
-        if self._step % self.current_gradient_accumulation_steps == 0:
-            metrics, account = self._metrics["train"], self._step_account
-            step_time = metrics["step_time"][-1]
-            metrics["tokens_per_second"].append(account.tokens / step_time if step_time > 0 else 0.0)
-            parts = account.generation + account.retrieval + account.memory_scoring
-            metrics["time/other"].append(step_time - parts)
-            self._step_account = StepAccount()
-        return loss
-
-    def _play_episodes(self, inputs: list[dict]) -> Rollout:
-        """One multi-turn episode per input row, all processes stepping together, with its training rows."""
-        with profiling_context(self, "rollout"), self._rollout_context():
-            global_active = self._global_sum if self.accelerator.num_processes > 1 else None
-            rollout = self.rollout_engine.play(inputs, self._generate_turns, global_active, self._score_memory)
-        self._warn_no_memory_target(rollout.episodes)
-        return rollout
-
-    @staticmethod
-    def _score_episodes(episodes) -> tuple[list[OutcomeScore | None], list[dict[str, float]]]:
-        """Each episode's `episode_outcome` (EM/F1/sub-EM against its golds, the reward functions' ``outcome``
-        column) and `episode_metrics` (the ``episode/*`` numbers), scored once per step."""
-        outcomes = [episode_outcome(ep) for ep in episodes]
-        return outcomes, [episode_metrics(ep, outcome) for ep, outcome in zip(episodes, outcomes)]
-
-    def _warn_no_memory_target(self, episodes: Sequence[Episode]) -> None:
-        """Warn once when environment episodes have no gold answer: their rounds get the outcome advantage only."""
-        if self._warned_no_target or self.rollout_engine.environment_factory is None:
-            return
-        missing = sorted({type(ep.environment).__name__ for ep in episodes if ep.golden_answers is None})
-        if missing:
-            self._warned_no_target = True
-            logger.warning(
-                "Some episodes of %s have no gold answer (no `golden_answers` in the row or on the environment): "
-                "their rounds get no memory reward, only the outcome advantage (memory/scored_rounds counts the "
-                "rounds that do).",
-                " / ".join(missing),
-            )
-
-    def _outcome_rewards(
-        self,
-        inputs: list[dict],
-        episodes: Sequence[Episode],
-        outcomes: list[OutcomeScore | None],
-        stats: list[dict[str, float]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-function ``(N, F)`` and weighted ``(N,)`` rewards of the trajectories of ALL processes.
-
-        The reward functions see the final turn as ``completions`` plus ``trajectory`` (all turn texts),
-        ``format_valid`` and ``outcome`` (from each episode's ``stats`` and `episode_outcome`, scored once); TRL's
-        `_calculate_rewards` gathers them over processes. With an environment they also get
-        ``environments`` (one instance per episode, as in TRL) and the environment's ``golden_answers`` when the row
-        has none. As in TRL, a trajectory that every reward function returned None for is unscorable: reward NaN,
-        left out of its group's mean and std, advantage 0 (`group_outcome_advantages`).
-        """
-        prompts = [ep.base_messages for ep in episodes]
-        completions = [[{"role": "assistant", "content": ep.rounds[-1].text}] for ep in episodes]
-        reward_inputs = [
-            {
-                **row,
-                "trajectory": [r.text for r in ep.rounds],
-                "format_valid": bool(stat["format_valid"]),
-                "outcome": o,
-            }
-            for row, ep, o, stat in zip(inputs, episodes, outcomes, stats)
-        ]
-        if self.rollout_engine.environment_factory is not None:
-            self.environments = [ep.environment for ep in episodes]
-            for reward_input, ep in zip(reward_inputs, episodes):  # None: no gold, the outcome reward gives None
-                if reward_input.get("golden_answers") is None:
-                    reward_input["golden_answers"] = ep.golden_answers
-        rewards_per_func = self._calculate_rewards(
-            reward_inputs, prompts, completions, [ep.rounds[-1].completion_ids for ep in episodes]
-        )
-        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-        return rewards_per_func, rewards
-
-    def _round_batch(
-        self, episodes: list[Episode], rows: Sequence[TrainingRow], mode: str, dropped: list[bool]
-    ) -> RoundBatch:
-        """The training ``rows`` of ``episodes`` as tensors, padded with placeholder rows (one pad token, completion
-        fully masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``; the
-        prompt and completion widths are multiples of ``pad_to_multiple_of`` when set (as in TRL). The rows of the
-        episodes that are ``dropped`` (one flag per episode) get a fully masked completion. ``real_rows`` (bool, one
-        per row) marks the rows that are neither (`_compute_loss`)."""
-        device = self.accelerator.device
-        rows = tuple(rows)
-        per_step = self.args.steps_per_generation if mode == "train" else 1
-        real = [not dropped[row.episode_index] for row in rows]
-        num_dummy = math.ceil(self._global_max(len(rows)) / per_step) * per_step - len(rows)
+        bs = self.memory_settings.memory_scoring_batch_size
+        num_rows = len(items) if group_keys is None else len(pack_shared_prefix(items, group_keys))
+        num_chunks = self._global_max(math.ceil(num_rows / bs))
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if use_reference and self.ref_model is not None:
+            model, adapter_ctx = self.ref_model, nullcontext()
+        elif use_reference:
+            model = self.model
+            adapter_ctx = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+        else:
+            model, adapter_ctx = self.model, nullcontext()
         pad_id = self._tokenizer.pad_token_id
-        prompts = [torch.tensor(r.prompt_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
-        completions = [torch.tensor(r.completion_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
-        masks = [torch.ones_like(c) for c in completions[: len(rows)]] + [torch.zeros(1, dtype=torch.long)] * num_dummy
-        multiple = self.pad_to_multiple_of  # TRL's `pad_to_multiple_of`, on the prompt and completion widths
-        completion_mask = pad(masks, padding_value=0, padding_side="right", pad_to_multiple_of=multiple).to(device)
-        if self.mask_truncated_completions:
-            truncated = torch.tensor([r.truncated for r in rows] + [False] * num_dummy, device=device)
-            completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
-        kept = torch.tensor(real + [True] * num_dummy, device=device)
-        completion_mask = completion_mask * kept.unsqueeze(1).int()
-        prompt_mask = pad([torch.ones_like(p) for p in prompts], 0, "left", pad_to_multiple_of=multiple)
-        tensors = {
-            "prompt_ids": pad(prompts, pad_id, "left", pad_to_multiple_of=multiple).to(device),
-            "prompt_mask": prompt_mask.to(device),
-            "completion_ids": pad(completions, pad_id, "right", pad_to_multiple_of=multiple).to(device),
-            "completion_mask": completion_mask,
-            "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
-            "real_rows": torch.tensor(real + [False] * num_dummy, device=device),
-        }
-        return RoundBatch(mode, episodes, rows, tensors)
+        with adapter_ctx, self.accelerator.autocast():
+            if group_keys is None:
+                return answer_token_logps(model, items, pad_id, bs, num_chunks)
+            return shared_prefix_answer_logps(model, items, group_keys, pad_id, bs, num_chunks)
 
-    def _dynamic_sampling(self, inputs, rollout: Rollout, outcomes, stats, rewards_per_func, rewards):
-        """`MemPOConfig.dynamic_sampling` on a training batch: refill its all-equal groups, then say which to drop.
-
-        ``rewards_per_func`` ``(N, F)`` and ``rewards`` ``(N,)`` cover all processes' trajectories, ``inputs`` and
-        ``rollout``'s episodes (and their ``outcomes`` and ``stats``) this process's ``n`` (global rows
-        ``rank * n ... rank * n + n - 1``). Each refill round plays the whole batch again, on one fresh prompt per
-        group slot (the same draw on every process), and a slot whose group is all-equal takes the round's group if
-        that one is not (`refillable_groups`): its episodes, training rows, scores, rewards and the ``log_extra``
-        columns of reward functions are swapped in. Returns the new ``rollout``, ``outcomes``, ``stats``,
-        ``rewards_per_func``, ``rewards`` and the ``(N,)`` bool of the trajectories to drop (their groups are still
-        all-equal), and logs the ``dynamic_sampling/*`` metrics.
-        """
-        args, size, settings = self.args, self.num_generations, self.dynamic_sampling_settings
-        zero_std = zero_std_groups(rewards, size, settings.dynamic_sampling_tolerance)
-        before = zero_std.float().mean().item()
-        refilled = torch.zeros_like(zero_std)
-        n_local, rank = len(rollout.episodes), self.accelerator.process_index
-        slots = [(rank * n_local + i) // size for i in range(n_local)]
-        rounds = 0
-        refill = settings.dynamic_sampling == "refill"
-        while refill and zero_std.any() and rounds < settings.dynamic_sampling_max_rounds:
-            rounds += 1
-            generator = torch.Generator().manual_seed(args.seed * 1_000_003 + self._step * 1_009 + rounds)
-            prompts = torch.randint(len(self.train_dataset), (zero_std.numel(),), generator=generator).tolist()
-            new_inputs = [self.train_dataset[prompts[k]] for k in slots]
-            extra_logs = {column: list(values) for column, values in self._pending_extra_logs.items()}
-            fresh = self._play_episodes(new_inputs)
-            new_outcomes, new_stats = self._score_episodes(fresh.episodes)
-            new_per_func, new_rewards = self._outcome_rewards(new_inputs, fresh.episodes, new_outcomes, new_stats)
-            take = refillable_groups(zero_std, zero_std_groups(new_rewards, size, settings.dynamic_sampling_tolerance))
-            rows = take.repeat_interleave(size)
-            rewards = torch.where(rows, new_rewards, rewards)
-            rewards_per_func = torch.where(rows.unsqueeze(1), new_per_func, rewards_per_func)
-            local_take = [bool(take[k]) for k in slots]
-            episodes = [b if t else a for a, b, t in zip(rollout.episodes, fresh.episodes, local_take)]
-            outcomes = [b if t else a for a, b, t in zip(outcomes, new_outcomes, local_take)]
-            stats = [b if t else a for a, b, t in zip(stats, new_stats, local_take)]
-            training = [row for row in rollout.rows if not local_take[row.episode_index]]
-            training += [row for row in fresh.rows if local_take[row.episode_index]]
-            training.sort(key=lambda row: (row.episode_index, row.round_index))
-            for column in set(extra_logs) | set(self._pending_extra_logs):
-                old = extra_logs.get(column, [None] * n_local)
-                new = self._pending_extra_logs[column][len(extra_logs.get(column, [])) :]
-                new = new if len(new) == n_local else [None] * n_local
-                self._pending_extra_logs[column] = [b if t else a for a, b, t in zip(old, new, local_take)]
-            timings = RolloutTimings(
-                rollout.timings.generation + fresh.timings.generation,
-                rollout.timings.retrieval + fresh.timings.retrieval,
-            )
-            rollout = Rollout(tuple(episodes), tuple(training), timings)
-            zero_std, refilled = zero_std & ~take, refilled | take
-        if zero_std.all() and not self._warned_all_dropped and self.accelerator.is_main_process:
-            self._warned_all_dropped = True
-            print(
-                f"mempo-trl: WARNING: step {self.state.global_step + 1}: dynamic_sampling={settings.dynamic_sampling!r} "
-                f"dropped every group (the outcome rewards of each span at most dynamic_sampling_tolerance="
-                f"{settings.dynamic_sampling_tolerance}): the step trains nothing. Lower the tolerance or use a reward "
-                "that varies (said once; dynamic_sampling/groups_dropped counts every step)."
-            )
-        metrics = self._metrics["train"]
-        metrics["dynamic_sampling/frac_reward_zero_std_before"].append(before)
-        metrics["dynamic_sampling/frac_reward_zero_std_after"].append(zero_std.float().mean().item())
-        metrics["dynamic_sampling/groups_dropped"].append(float(zero_std.sum().item()))
-        metrics["dynamic_sampling/groups_refilled"].append(float(refilled.sum().item()))
-        metrics["dynamic_sampling/refill_rounds"].append(float(rounds))
-        return rollout, outcomes, stats, rewards_per_func, rewards, zero_std.repeat_interleave(size)
+    # 5. the advantages
 
     def _advantages(
         self, batch: RoundBatch, memory_rewards: torch.Tensor, rewards_per_func: torch.Tensor, mode: str
@@ -694,43 +520,33 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             outcome_advantages=outcome,
         )
 
-    def _log_round_metrics(
-        self,
-        batch: RoundBatch,
-        stats: list[dict[str, float]],
-        scored: MemoryScores,
-        memory_adv,
-        timings: RolloutTimings,
-        scoring_seconds,
-    ):
-        """Log the ``episode/*`` (``stats``: each episode's `episode_metrics`), ``tokens/*``,
-        ``memory/*`` and ``time/*`` metrics (docs/training.md), each averaged over all processes (``time/*``: the
-        slowest process)."""
-        values: dict[str, list[float]] = defaultdict(list)
-        for episode_stats in stats:
-            for name, value in episode_stats.items():
-                values[f"episode/{name}"].append(value)
-        columns = {name: column.tolist() for name, column in scored._asdict().items()}
-        for i, row in enumerate(batch.rows):
-            values["episode/truncated_turns"].append(float(row.truncated))
-            values["tokens/prompt_per_round"].append(float(len(row.prompt_ids)))
-            if row.mem_span is not None:
-                values["tokens/mem_length"].append(float(row.mem_span[1] - row.mem_span[0] + 1))
-            if not math.isnan(columns["reward"][i]):
-                adv = float(memory_adv[i, row.mem_span[0]].item())
-                for name, column in columns.items():
-                    values[f"memory/{name}"].append(column[i])
-                values["memory/advantage"].append(adv)
-                values[f"memory/reward/round_{row.round_index + 1}"].append(columns["reward"][i])
-                values[f"memory/advantage/round_{row.round_index + 1}"].append(adv)
-        values["memory/scored_rounds"].append(float(sum(not math.isnan(r) for r in columns["reward"])))
-        names = [*ROUND_METRICS]
-        for t in range(2, self.protocol.max_turns + 1):
-            names += [f"memory/reward/round_{t}", f"memory/advantage/round_{t}"]
-        device, metrics = self.accelerator.device, self._metrics[batch.mode]
-        local = torch.tensor([[sum(values[n]), len(values[n]), sum(v * v for v in values[n])] for n in names])
+    # 6. the log-probs (`GRPOMirror._loss_log_probs`) and the logs
+
+    @staticmethod
+    def _sampling_logps(rows: Sequence[TrainingRow]) -> list[tuple[float, ...]] | None:
+        """The sampling log-probs of the rows' completions (vLLM's), or None when any row has none."""
+        logps = [row.logprobs for row in rows]
+        return logps if all(lp is not None for lp in logps) else None
+
+    def _log_step(self, batch: RoundBatch, step: ScoredStep, advantages, scores: MemoryScores, scoring_seconds):
+        """What `GRPOTrainer` logs (`_log_grpo_metrics`: the trajectories as completions), then MemPO's metrics
+        (`mempo_trl.metrics`, each averaged over all processes; ``time/*``: the slowest process), and in training the
+        step's account (tokens and seconds, `training_step`)."""
+        trajectories = [
+            "\n".join(r.text + ("\n" + r.information if r.information else "") for r in ep.rounds)
+            for ep in batch.episodes
+        ]
+        prompts = [ep.base_messages for ep in batch.episodes]
+        self._log_grpo_metrics(
+            batch.mode, batch.rows, step.rewards_per_func, step.rewards, advantages.outcome, prompts, trajectories
+        )
+        values = round_metric_values(
+            batch.rows, step.stats, scores, advantages.memory, self.protocol.max_turns, self.task.action_metric
+        )
+        device, metrics, timings = self.accelerator.device, self._metrics[batch.mode], step.rollout.timings
+        local = torch.tensor([[sum(v), len(v), sum(x * x for x in v)] for v in values.values()])
         totals = self.accelerator.gather(local.to(device).unsqueeze(0)).sum(dim=0)
-        for name, (total, count, total_sq) in zip(names, totals.tolist()):
+        for name, (total, count, total_sq) in zip(values, totals.tolist()):
             if count:
                 mean = total / count
                 metrics[name].append(mean)
@@ -741,23 +557,54 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         slowest = self.accelerator.gather(seconds.unsqueeze(0)).max(dim=0).values.tolist()
         for name, value in zip(("generation", "retrieval", "memory_scoring"), slowest):
             metrics[f"time/{name}"].append(value)
+        if batch.mode == "train":
+            self._step_account.tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in batch.rows)
+            self._step_account.generation += timings.generation
+            self._step_account.retrieval += timings.retrieval
+            self._step_account.memory_scoring += scoring_seconds
+
+    # ------------------------------------------------------------------ TRL's loss and step
+
+    def _compute_loss(self, model, inputs):
+        """TRL's loss; for the loss types that count rows (`ROW_LEVEL_LOSSES`), the micro-batch's placeholder and
+        dropped rows (not ``real_rows``) leave it first, so that the mean over rows (`grpo`, `sapo`, `luspo`) or the
+        rows x `max_completion_length` divisor (`dr_grpo`) count the real rounds, each a sequence as in TRL. A
+        micro-batch without a real row keeps its rows (its loss is 0)."""
+        inputs = dict(inputs)  # the buffered batch serves every iteration (`num_iterations`): never changed here
+        real = inputs.pop("real_rows", None)
+        if real is not None and self.loss_type in ROW_LEVEL_LOSSES and real.any() and not real.all():
+            rows = real.shape[0]
+            inputs = {
+                key: value[real]
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows
+                else value
+                for key, value in inputs.items()
+            }
+        return super()._compute_loss(model, inputs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """GRPOTrainer's training step, then `check_finite` on its loss: a NaN or infinite loss raises
+        `NonFiniteError` before the optimizer step, so the weights keep their last finite values.
+
+        At the end of an optimizer step (where TRL logs ``step_time``), this process's ``tokens_per_second`` (the
+        prompt and completion tokens of the rows it generated in the step over ``step_time``) and ``time/other``
+        (``step_time`` less its generation, retrieval and memory scoring) are logged."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        check_finite("loss", loss, self.state.global_step + 1, self.accelerator)
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            metrics, account = self._metrics["train"], self._step_account
+            step_time = metrics["step_time"][-1]
+            metrics["tokens_per_second"].append(account.tokens / step_time if step_time > 0 else 0.0)
+            parts = account.generation + account.retrieval + account.memory_scoring
+            metrics["time/other"].append(step_time - parts)
+            self._step_account = StepAccount()
+        return loss
 
     # ------------------------------------------------------------------ results and model card
 
     def final_metrics(self) -> dict[str, float]:
-        """The numeric metrics of the last logged training step, plus those of the last evaluation (`eval_*`).
-
-        Each comes whole from one log entry: a metric missing at that step (no memory round was scored, say) is
-        missing here, never filled in from an earlier step. `step` is the step they were logged at.
-        """
-        history = self.state.log_history
-        evals = [e for e in history if any(k.startswith("eval_") for k in e)]
-        steps = [e for e in history if "train_runtime" not in e and not any(k.startswith("eval_") for k in e)]
-        last = {
-            **(steps[-1] if steps else {}),
-            **{k: v for k, v in (evals[-1:] or [{}])[0].items() if k.startswith("eval_")},
-        }
-        return {k: v for k, v in last.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        """The numeric metrics of the last logged training step and of the last evaluation (`mempo_trl.metrics.final_metrics`)."""
+        return final_metrics(self.state.log_history)
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """Save as TRL does, plus the agent's turn protocol (`mempo_agent.json`, read by `MemPOAgent`)."""

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from mempo_trl.commands import add_command, parse
 from mempo_trl.commands.ask import AgentArguments, load_agent
+from mempo_trl.context import CONTEXT_MODES
 from mempo_trl.evaluation import EvalResult, compare_modes, evaluate, plot_context_tokens
 from mempo_trl.outputs import replace_run_outputs
-from mempo_trl.protocol import CONTEXT_MODES
 from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 
 

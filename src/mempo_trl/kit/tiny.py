@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from mempo_trl.loading import load_tokenizer
-from mempo_trl.protocol import MEMPO_TAGS
+from mempo_trl.turns import MEMPO_TAGS
 
 
 # Qwen2.5 also has its tool-call tags as single non-special tokens.
@@ -38,9 +38,9 @@ def qwen2_5_chat_template() -> str:
 
 def _training_texts(corpus_texts: list[str] | None) -> list[str]:
     """Texts the BPE merges are learned from: the corpus, the prompts and MemPO-format turns of the demo rows."""
+    from mempo_trl.context import DEFAULT_SYSTEM_PROMPT, initial_messages, render_gold_answer, render_information
     from mempo_trl.data import read_jsonl
     from mempo_trl.kit.demo_world import demo_paths
-    from mempo_trl.protocol import DEFAULT_SYSTEM_PROMPT, initial_messages, render_gold_answer, render_information
 
     paths = demo_paths()
     passages = {p["id"]: p["contents"] for p in read_jsonl(paths.corpus)}

@@ -30,13 +30,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mempo_trl.context import render_prompt
-from mempo_trl.protocol import (
+from mempo_trl.context import (
     DEFAULT_INSTRUCTION,
     ContextMode,
     initial_messages,
     render_gold_answer,
     render_information,
+    render_prompt,
     round_messages,
 )
 

@@ -1,0 +1,190 @@
+"""The task an agent acts in, behind one seam (`Task`): the search task (a retriever) and a TRL-style environment.
+
+`RolloutEngine`, `MemPOTrainer` and `MemPOAgent` play any `Task`: the task starts an episode from a dataset row, runs
+one round's actions (all of them at once: the search task answers them with one retriever call), names its action
+tags, checks its rows and sets the default reward functions before training, and says whether dynamic sampling may
+play further rows (``can_refill``). A new kind of task is one class with these members (docs/environments.md,
+"Changing MemPO").
+"""
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mempo_trl.context import render_information
+from mempo_trl.data import validate_datasets
+from mempo_trl.environments import (
+    EnvironmentFactory,
+    call_tool,
+    check_environment,
+    environment_factories,
+    environment_name,
+    environment_reward_funcs,
+    parse_tool_call,
+    reset_arguments,
+    task_text,
+    tool_schemas,
+)
+from mempo_trl.protocol import TurnProtocol
+
+
+@dataclass(frozen=True)
+class TaskStart:
+    """What a task gives an episode at its start: the ``question`` its first context asks, the per-episode
+    ``environment`` (an environment instance; None for the search task) and the JSON schemas of its ``tools``
+    (rendered in every context; None: none)."""
+
+    question: str
+    environment: Any = None
+    tools: list[dict] | None = None
+
+
+class Task(Protocol):
+    """A task MemPO agents act in (`SearchTask`, `EnvironmentTask`, or your own class with these members).
+
+    ``action`` is the `TurnProtocol.action` the task plays (``"search"`` or ``"tool_call"``, which fixes its action
+    tags and stop strings), ``action_metric`` the name of the ``episode/*`` metric that counts the actions run,
+    ``can_refill`` whether `dynamic_sampling="refill"` may play further rows, and ``passes_environments`` whether
+    reward functions get each episode's ``environment`` (as TRL's ``environments`` keyword).
+    """
+
+    action: str
+    action_metric: str
+    can_refill: bool
+    passes_environments: bool
+
+    def protocol(self, protocol: TurnProtocol) -> TurnProtocol:
+        """The protocol this task is played with, from the one the settings give."""
+
+    def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
+        """Check the rows before any model is loaded; return the reward functions (``reward_funcs`` or the task's
+        default) and the datasets."""
+
+    def questions(self, rows) -> list[str] | None:
+        """The questions of the rows' first contexts, checked against the context limit when the data is loaded;
+        None when they are only known at the start of an episode."""
+
+    def start(self, rows: Sequence[dict]) -> list[TaskStart]:
+        """One `TaskStart` per row of a batch."""
+
+    def act(self, environments: Sequence[Any], contents: Sequence[str], topk: int) -> list[str]:
+        """The result message of each action (``contents``: the text of each action block, ``environments`` those of
+        the episodes that wrote them), all of a round at once. A lost retriever raises `RetrieverOutage`."""
+
+    def action_problem(self, content: str) -> str | None:
+        """Why an action block of a valid turn cannot be run (the turn is then invalid), or None."""
+
+
+class SearchTask:
+    """The search task: ``<search> query </search>`` actions, answered by ``retriever`` (anything with
+    ``search(queries: list[str], topk: int) -> list[list[Passage]]``) with one call per round; rows hold
+    ``question`` and ``golden_answers``. A string ``retriever`` is a `load_retriever` spec."""
+
+    action = "search"
+    action_metric = "searches"
+    can_refill = True
+    passes_environments = False
+
+    def __init__(self, retriever):
+        if isinstance(retriever, str):  # a `load_retriever` spec
+            from mempo_trl.retrieval import load_retriever
+
+            retriever = load_retriever(retriever)
+        self.retriever = retriever
+
+    def protocol(self, protocol: TurnProtocol) -> TurnProtocol:
+        """``protocol`` as it is."""
+        return protocol
+
+    def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
+        """Every row checked (`validate_qa_rows`); the default reward is `mempo_outcome_reward`."""
+        from mempo_trl.rewards import mempo_outcome_reward
+
+        train_dataset, eval_dataset = validate_datasets(train_dataset, eval_dataset)
+        return (reward_funcs if reward_funcs is not None else [mempo_outcome_reward]), train_dataset, eval_dataset
+
+    def questions(self, rows) -> list[str]:
+        """The rows' ``question`` column."""
+        return list(rows["question"]) if hasattr(rows, "column_names") else [row["question"] for row in rows]
+
+    def start(self, rows: Sequence[dict]) -> list[TaskStart]:
+        """The row's question."""
+        return [TaskStart(row["question"]) for row in rows]
+
+    def act(self, environments: Sequence[Any], contents: Sequence[str], topk: int) -> list[str]:
+        """One retriever call for all the round's queries; each result rendered as an ``<information>`` block."""
+        return [render_information(passages) for passages in self.retriever.search(list(contents), topk)]
+
+    def action_problem(self, content: str) -> None:
+        """Any query can be searched."""
+        return None
+
+
+class EnvironmentTask:
+    """A TRL-style environment (`mempo_trl.environments`): ``environment_factory`` is a class (or factory), or as in
+    TRL a dict of them by name, each row naming its own in an ``environment`` field. Each episode plays one instance,
+    taken from a pool (TRL's pooling: built once, reset with the row for every episode; the pool grows when a batch
+    needs more instances), and calls one of its tools per turn."""
+
+    action = "tool_call"
+    action_metric = "tool_calls"
+    can_refill = False
+    passes_environments = True
+
+    def __init__(self, environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory]):
+        self.environment_factory = environment_factory
+        self.factories = environment_factories(environment_factory)
+        self.pool = {name: [check_environment(factory)] for name, factory in self.factories.items()}
+
+    def protocol(self, protocol: TurnProtocol) -> TurnProtocol:
+        """`TurnProtocol.for_environment`: tool-call actions and the environment instruction."""
+        return protocol.for_environment()
+
+    def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
+        """`environment_reward_funcs`: the environments and the first row of each checked, ``get_reward`` added."""
+        return (
+            environment_reward_funcs(self.environment_factory, reward_funcs, train_dataset),
+            train_dataset,
+            eval_dataset,
+        )
+
+    def questions(self, rows) -> None:
+        """Known only from ``reset``."""
+        return None
+
+    def start(self, rows: Sequence[dict]) -> list[TaskStart]:
+        """Instance k of the pool of each row's environment (`environment_name`) reset with the row: the question is
+        the row's ``question`` and what ``reset`` returned (`task_text`)."""
+        starts, handed_out = [], defaultdict(int)
+        for row in rows:
+            name = environment_name(row, self.factories)
+            pool = self.pool[name]
+            while len(pool) <= handed_out[name]:
+                pool.append(self.factories[name]())
+            environment = pool[handed_out[name]]
+            handed_out[name] += 1
+            question = task_text(row, environment.reset(**reset_arguments(row, self.factories)))
+            starts.append(TaskStart(question, environment, tool_schemas(environment)))
+        return starts
+
+    def act(self, environments: Sequence[Any], contents: Sequence[str], topk: int) -> list[str]:
+        """Each tool call run on its episode's instance (`call_tool`)."""
+        return [call_tool(env, *parse_tool_call(content)) for env, content in zip(environments, contents)]
+
+    def action_problem(self, content: str) -> str | None:
+        """A ``<tool_call>`` that is not a JSON call."""
+        if parse_tool_call(content) is None:
+            return '<tool_call> is not a JSON call {"name": ..., "arguments": {...}}'
+        return None
+
+
+def make_task(retriever=None, environment_factory=None, task: Task | None = None) -> Task:
+    """The task of exactly one of ``task``, ``retriever`` (`SearchTask`) and ``environment_factory``
+    (`EnvironmentTask`); `ValueError` otherwise."""
+    given = [value is not None for value in (task, retriever, environment_factory)]
+    if sum(given) != 1:
+        raise ValueError("needs exactly one of `retriever` (search), `environment_factory` and `task`.")
+    if task is not None:
+        return task
+    return SearchTask(retriever) if retriever is not None else EnvironmentTask(environment_factory)
