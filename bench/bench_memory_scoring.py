@@ -361,18 +361,27 @@ def compare_revisions(
     before_path = work / "scoring_before.py"
     before_path.write_text(
         subprocess.run(
-            ["git", "show", f"{before_rev}:src/mempo_trl/scoring.py"], cwd=root, check=True, capture_output=True,
+            ["git", "show", f"{before_rev}:src/mempo_trl/scoring.py"],
+            cwd=root,
+            check=True,
+            capture_output=True,
             text=True,
         ).stdout
-    )  # fmt: skip
+    )
     model_dir = build_qwen2_5_model(work / "model", seed=0, max_position_embeddings=32768, **QWEN_DIMS)
     results = {}
     for name, path in (("before", before_path), ("after", root / "src" / "mempo_trl" / "scoring.py")):
         spec = {
-            "scoring_path": str(path), "model_dir": str(model_dir), "rounds": rounds, "trajectories": trajectories,
-            "turn_tokens": turn_tokens, "mem_tokens": mem_tokens, "batch_size": batch_size, "repeats": repeats,
+            "scoring_path": str(path),
+            "model_dir": str(model_dir),
+            "rounds": rounds,
+            "trajectories": trajectories,
+            "turn_tokens": turn_tokens,
+            "mem_tokens": mem_tokens,
+            "batch_size": batch_size,
+            "repeats": repeats,
             "threads": threads,
-        }  # fmt: skip
+        }
         out = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), "--probe", json.dumps(spec)],
             check=True,
@@ -392,11 +401,16 @@ def print_revisions(results: dict, before_rev: str) -> None:
     )
     print("| | before | after | after / before |")
     print("|---|---:|---:|---:|")
-    for key, label in (("peak_extra_mib", "peak RSS above the pre-scoring RSS (MiB)"), ("seconds", "wall s (median)"),
-                       ("cpu_seconds", "CPU s (median)")):  # fmt: skip
+    for key, label in (
+        ("peak_extra_mib", "peak RSS above the pre-scoring RSS (MiB)"),
+        ("seconds", "wall s (median)"),
+        ("cpu_seconds", "CPU s (median)"),
+    ):
         print(f"| {label} | {before[key]:.1f} | {after[key]:.1f} | {after[key] / before[key]:.2f} |")
-    print(f"max abs P difference before/after: {p_diff:.2e}; new peak reached while scoring: "
-          f"{before['new_peak']} / {after['new_peak']}")  # fmt: skip
+    print(
+        f"max abs P difference before/after: {p_diff:.2e}; new peak reached while scoring: "
+        f"{before['new_peak']} / {after['new_peak']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -411,10 +425,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden-size", type=int, default=MODEL_DIMS["hidden_size"])
     parser.add_argument("--layers", type=int, default=MODEL_DIMS["num_layers"])
     parser.add_argument(
-        "--compare-rev", nargs="?", const=BEFORE_REV, default=None, metavar="REV",
+        "--compare-rev",
+        nargs="?",
+        const=BEFORE_REV,
+        default=None,
+        metavar="REV",
         help="instead: scoring memory/time of REV's scoring.py vs the current one at 8 trajectories x 8 rounds x "
         f"~2k tokens on a Qwen2.5-shaped model (REV defaults to {BEFORE_REV})",
-    )  # fmt: skip
+    )
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # internal: one side of --compare-rev
     args = parser.parse_args(argv)
 

@@ -612,11 +612,15 @@ def write_json(path: str, results: list[dict], argv: list[str], seconds: float) 
         "results": results,
         "ratios": ratios,
         "seconds": seconds,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "trl": trl.__version__},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
+        },
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
         "load_average": os.getloadavg(),
-    }  # fmt: skip
+    }
     Path(path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
 

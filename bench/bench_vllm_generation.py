@@ -27,8 +27,12 @@ from pathlib import Path
 def machine() -> dict:
     """CPU model, cores, threads and the load averages when called."""
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    return {"cpu": cpu, "cores": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "load_avg_1_5_15": list(os.getloadavg())}  # fmt: skip
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_avg_1_5_15": list(os.getloadavg()),
+    }
 
 
 def versions() -> dict:

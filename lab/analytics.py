@@ -191,8 +191,13 @@ def memory_signal(
     def summary(indices: list[int]) -> dict[str, Any]:
         n = max(1, len(indices))
         mean = {k: sum(sum(per_row[i][k]) / len(per_row[i][k]) for i in indices) / n for k in ("all", "drop", "none")}
-        return {"rows": len(indices), "p_all": mean["all"], "p_drop": mean["drop"], "p_none": mean["none"],
-                "fact_value": mean["all"] - mean["drop"]}  # fmt: skip
+        return {
+            "rows": len(indices),
+            "p_all": mean["all"],
+            "p_drop": mean["drop"],
+            "p_none": mean["none"],
+            "fact_value": mean["all"] - mean["drop"],
+        }
 
     types: dict[str, list[int]] = {}
     for index in per_row:

@@ -183,17 +183,27 @@ def train_run(env: str, mode: str, model_dir: Path, rows_path: Path, run_dir: Pa
     from mempo_trl.commands.train import parse_args
 
     argv = [
-        "--config", f"examples/configs/{env}_cpu.yaml",
-        "--model_name_or_path", str(model_dir),
-        "--dataset_name", str(rows_path),
-        "--context_mode", mode,
-        "--output_dir", str(run_dir),
-        "--max_steps", str(train["max_steps"]),
-        "--per_device_train_batch_size", str(train["per_device_train_batch_size"]),
-        "--num_generations", str(train["num_generations"]),
-        "--disable_tqdm", "true",
-        "--overwrite_output_dir", "true",
-    ]  # fmt: skip
+        "--config",
+        f"examples/configs/{env}_cpu.yaml",
+        "--model_name_or_path",
+        str(model_dir),
+        "--dataset_name",
+        str(rows_path),
+        "--context_mode",
+        mode,
+        "--output_dir",
+        str(run_dir),
+        "--max_steps",
+        str(train["max_steps"]),
+        "--per_device_train_batch_size",
+        str(train["per_device_train_batch_size"]),
+        "--num_generations",
+        str(train["num_generations"]),
+        "--disable_tqdm",
+        "true",
+        "--overwrite_output_dir",
+        "true",
+    ]
     trainer = build_trainer(*parse_args(argv))
     start = time.perf_counter()
     trainer.train()
@@ -213,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=TRAIN["max_steps"], help="training steps per run")
     parser.add_argument("--warm_eval_rows", type=int, default=WARM["eval_rows"], help="held-out rows of the warm eval")
-    parser.add_argument("--results", default=None, help=f"summary JSON (default: {RESULTS} for the default settings "
-                        "and --out, else environments_training.json in --out)")  # fmt: skip
+    parser.add_argument(
+        "--results",
+        default=None,
+        help=f"summary JSON (default: {RESULTS} for the default settings "
+        "and --out, else environments_training.json in --out)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -236,11 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "command": command.strip(),
         "versions": _versions(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+        },
         "settings": settings,
         "warm": {},
-    }  # fmt: skip
+    }
     for env in args.environments:
         warm_dir = out / f"warm_{env}"
         summary["warm"][env] = warm_start(env, warm_dir, settings["warm"][env])

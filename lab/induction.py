@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "induction.json")
     args = parser.parse_args(argv)
     if args.quick and args.out == parser.get_default("out"):
-        print("error: --quick would overwrite lab/results/induction.json; give --out a path of its own",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "error: --quick would overwrite lab/results/induction.json; give --out a path of its own", file=sys.stderr
+        )
         return 2
     try:  # the result is written after ~15 minutes: check its folder first
         check_writable(args.out.parent)
@@ -153,10 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         "arms": arms,
         "command": command,
         "seconds": time.perf_counter() - start,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "mempo_trl": mempo_trl.__version__},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "mempo_trl": mempo_trl.__version__,
+        },
         "machine": f"{platform.machine()} {platform.processor() or platform.platform()}, one thread",
-    }  # fmt: skip
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(" | ".join(f"{arm}: lookup accuracy {cell['final_accuracy']:.3f}" for arm, cell in arms.items()))

@@ -396,24 +396,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-rows", type=int, default=100, help="held-out questions per evaluation")
     parser.add_argument(
-        "--results", default=None,
+        "--results",
+        default=None,
         help="summary JSON (default: learning.json next to the runs; lab/results/learning.json for HEADLINE)",
-    )  # fmt: skip
+    )
     parser.add_argument("--figure", default=None, help="figure (default next to the summary, learning.png)")
     parser.add_argument("--quick", action="store_true", help="tiny world, a few steps, 1 seed: a smoke run")
     parser.add_argument(
         "--headroom", action="store_true", help="measure the warm start's headroom (no training): headroom.json"
     )
     parser.add_argument(
-        "--mem-drop", type=float, default=None, metavar="P",
+        "--mem-drop",
+        type=float,
+        default=None,
+        metavar="P",
         help=f"a more forgetful warm start: continue the shipped one {FORGETFUL['steps']} SFT steps with the oracle's "
         "<mem> dropping each fact with probability P; its runs go to <out>/mem_drop=P/",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
         help="probe: override BUDGET entries (any MemPOConfig field, JSON values), e.g. learning_rate=1e-4; runs go "
         "to <out>/probes/<overrides>/ with their own summary, from the same warm start",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     try:
         overrides = parse_overrides(args.overrides)
@@ -472,8 +480,11 @@ def main(argv: list[str] | None = None) -> int:
         derived_dir = out / f"warm_model_mem_drop={args.mem_drop}"
         warm_dir = derive_learner(warm_dir, derived_dir, paths, WarmSettings(**derived))
     stats = json.loads((warm_dir / "warm_start.json").read_text())["stats"]
-    print(f"warm start: {warm_dir} ({stats['steps']} SFT steps, final loss {stats['final_loss']:.3f}, "
-          f"{time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+    print(
+        f"warm start: {warm_dir} ({stats['steps']} SFT steps, final loss {stats['final_loss']:.3f}, "
+        f"{time.perf_counter() - start:.0f} s)",
+        flush=True,
+    )
     retriever = BM25Retriever.from_corpus(str(paths.corpus), cache_dir=str(out / "bm25"))
     rows = {"test": read_jsonl(paths.test)[: args.eval_rows], "rl_path": paths.rl}
 
@@ -490,8 +501,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{arm} seed {seed}: training {budget['max_steps']} steps", flush=True)
             record = run_arm(arm, seed, run_dir, warm_dir, rows, retriever, settings, args)
             curve = record["curve"]
-            print(f"{arm} seed {seed}: held-out EM {curve[0]['em']:.3f} -> {curve[-1]['em']:.3f} "
-                  f"({record['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
+            print(
+                f"{arm} seed {seed}: held-out EM {curve[0]['em']:.3f} -> {curve[-1]['em']:.3f} "
+                f"({record['seconds'] / 60:.1f} min)",
+                flush=True,
+            )
             write_outputs(run_root, settings, results, figure, command)
     write_outputs(run_root, settings, results, figure, command)
     return 0
@@ -524,14 +538,20 @@ def write_headroom(run_root: Path, warm_dir: Path, rows: list[dict], retriever, 
     run_root.mkdir(parents=True, exist_ok=True)
     (run_root / "headroom.json").write_text(json.dumps(record, indent=2))
     k = result["samples"]
-    print(f"headroom on {result['rows']} held-out rows: greedy EM {result['greedy_em']:.3f}; sampled "
-          f"(G={k}, temperature {result['temperature']}): mean EM {result['mean_at_1']:.3f}, pass@{k} "
-          f"{result['pass_at_k']:.3f}, rows whose samples disagree {result['mixed_groups']:.3f}", flush=True)  # fmt: skip
+    print(
+        f"headroom on {result['rows']} held-out rows: greedy EM {result['greedy_em']:.3f}; sampled "
+        f"(G={k}, temperature {result['temperature']}): mean EM {result['mean_at_1']:.3f}, pass@{k} "
+        f"{result['pass_at_k']:.3f}, rows whose samples disagree {result['mixed_groups']:.3f}",
+        flush=True,
+    )
     misses = ", ".join(f"{kind} {share:.2f}" for kind, share in result["failures"].items())
     print(f"greedy episodes: {misses} -> {run_root / 'headroom.json'}", flush=True)
     for source, signal in result["memory_signal"]["unfiltered"]["by_type"].items():
-        print(f"memory signal, {source}: P(gold) with every fact {signal['p_all']:.3f}, one dropped "
-              f"{signal['p_drop']:.3f}, none {signal['p_none']:.3f}", flush=True)  # fmt: skip
+        print(
+            f"memory signal, {source}: P(gold) with every fact {signal['p_all']:.3f}, one dropped "
+            f"{signal['p_drop']:.3f}, none {signal['p_none']:.3f}",
+            flush=True,
+        )
     return 0
 
 

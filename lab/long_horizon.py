@@ -115,9 +115,17 @@ REPORTED_HORIZONS = (2, 4, 8)
 """The K whose targets the summary checks (every K of the world is evaluated)."""
 
 WARM = {
-    "steps": 1500, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3, "instruction": LEARNER_INSTRUCTION,
-    "fresh_names": 2, "fresh_values": True, "prompt_loss": True, "induction_steps": 3000,
-}  # fmt: skip
+    "steps": 1500,
+    "batch_size": 16,
+    "lr": 3e-3,
+    "seed": 0,
+    "mem_drop": 0.3,
+    "instruction": LEARNER_INSTRUCTION,
+    "fresh_names": 2,
+    "fresh_values": True,
+    "prompt_loss": True,
+    "induction_steps": 3000,
+}
 """The SFT warm start (`mempo_trl.kit.warmstart.WarmSettings`) on the oracle episodes of the warm rows: each fact is
 left out of the oracle's memory with probability ``mem_drop``, so the warm model forgets values a long answer needs.
 ``fresh_names``: each warm row is used that many times, every made-up word of its episode (question, searches,
@@ -190,11 +198,15 @@ BUDGET = {
 """What every arm gets; ``max_turns`` = the largest K + 2; an 8-objective answer turn is up to ~170 tokens."""
 
 QUICK = {
-    "world": {"seed": 2, "num_entities": 60, "rows_per_horizon": {"warm": 6, "rl": 4, "validation": 2, "test": 2},
-              "horizons": [1, 4]},
+    "world": {
+        "seed": 2,
+        "num_entities": 60,
+        "rows_per_horizon": {"warm": 6, "rl": 4, "validation": 2, "test": 2},
+        "horizons": [1, 4],
+    },
     "warm": {"steps": 2, "batch_size": 4, "induction_steps": 2},
     "budget": {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 48},
-}  # fmt: skip
+}
 
 LEARNERS = ("kit", "smollm2")
 
@@ -205,8 +217,14 @@ different ones. Relative to the repository root, where the experiment runs, as i
 WARM_MANIFEST = "manifest.json"
 """``--learner``: the kit learner built from scratch (`WARM`, the default) or SmolLM2-135M-Instruct (`SMOLLM2_WARM`)."""
 
-SMOLLM2_WARM = {"steps": 300, "batch_size": 8, "lr": 3e-5, "seed": 0, "mem_drop": WARM["mem_drop"],
-                "instruction": LEARNER_INSTRUCTION}  # fmt: skip
+SMOLLM2_WARM = {
+    "steps": 300,
+    "batch_size": 8,
+    "lr": 3e-5,
+    "seed": 0,
+    "mem_drop": WARM["mem_drop"],
+    "instruction": LEARNER_INSTRUCTION,
+}
 """``--learner smollm2``: SmolLM2-135M-Instruct (`mempo_trl.kit.smollm2`, built offline from its wheel) is
 pretrained, so it needs no copy task, no made-up-name copies and no vocabulary of its own; it is fully fine-tuned
 (`WarmSettings`, TRL's `SFTTrainer`, no LoRA) on the oracle episodes of the warm rows twice: with the forgetful
@@ -222,11 +240,15 @@ SMOLLM2_PASSAGE_WORDS = 100
 defaults to 100 for it, and its published configuration is that one)."""
 
 QUICK_SMOLLM2 = {
-    "world": {"seed": 2, "num_entities": 60, "rows_per_horizon": {"warm": 2, "rl": 2, "validation": 1, "test": 1},
-              "horizons": [1, 2]},
+    "world": {
+        "seed": 2,
+        "num_entities": 60,
+        "rows_per_horizon": {"warm": 2, "rl": 2, "validation": 1, "test": 1},
+        "horizons": [1, 2],
+    },
     "warm": {"steps": 1, "batch_size": 2},
     "budget": {"max_steps": 1, "per_device_train_batch_size": 2, "num_generations": 2, "max_completion_length": 48},
-}  # fmt: skip
+}
 """``--quick --learner smollm2``: 1 SFT step per start, 1 RL step, 2 evaluated questions (K = 1 and 2)."""
 
 _WORDS = re.compile(r"\w+")
@@ -492,19 +514,40 @@ def kit_warm_start(out: Path, paths: dict[str, Path], world: dict, warm: dict, d
         max_turns = max(world["horizons"]) + 2
         if warm.get("induction_steps") and newest_complete_checkpoint(warm_dir / "sft") is None:
             induced = induction_pretrain(warm_dir, warm["induction_steps"], seed=warm["seed"], use_cpu=device == "cpu")
-            print(f"induction pretraining: {induced['steps']} steps, copy loss {induced['initial_loss']:.3f} -> "
-                  f"{induced['final_loss']:.3f} ({induced['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
+            print(
+                f"induction pretraining: {induced['steps']} steps, copy loss {induced['initial_loss']:.3f} -> "
+                f"{induced['final_loss']:.3f} ({induced['seconds'] / 60:.1f} min)",
+                flush=True,
+            )
         extra = ("fresh_names", "fresh_values", "prompt_loss", "induction_steps")
         settings = {k: v for k, v in warm.items() if k not in extra}
         rows = read_jsonl(paths["warm"])
         if warm.get("fresh_names"):
             words = generate_world(world).words
-            rows, retriever = fresh_name_rows(rows, retriever, words, warm["fresh_names"], warm["seed"], topk=3,
-                                              fresh_values=warm.get("fresh_values", False))  # fmt: skip
-        stats = sft_warm_start(warm_dir, rows, retriever, WarmSettings(**settings), max_turns, use_cpu=device == "cpu",
-                               checkpoint_every=250, prompt_loss=warm.get("prompt_loss", False))  # resumable  # fmt: skip
-        print(f"warm start: {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
-              f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
+            rows, retriever = fresh_name_rows(
+                rows,
+                retriever,
+                words,
+                warm["fresh_names"],
+                warm["seed"],
+                topk=3,
+                fresh_values=warm.get("fresh_values", False),
+            )
+        stats = sft_warm_start(
+            warm_dir,
+            rows,
+            retriever,
+            WarmSettings(**settings),
+            max_turns,
+            use_cpu=device == "cpu",
+            checkpoint_every=250,
+            prompt_loss=warm.get("prompt_loss", False),
+        )  # resumable
+        print(
+            f"warm start: {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
+            f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)",
+            flush=True,
+        )
         warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))
     return warm_dir
 
@@ -591,11 +634,21 @@ def smollm2_warm_starts(out: Path, paths: dict[str, Path], world: dict, warm: di
             shutil.copytree(base, warm_dir)
             started.write_text(json.dumps(key))
         retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
-        stats = sft_warm_start(warm_dir, read_jsonl(paths["warm"]), retriever, WarmSettings(**warm),
-                               max(world["horizons"]) + 2, use_cpu=device == "cpu", context_mode=mode,
-                               checkpoint_every=SMOLLM2_CHECKPOINT_EVERY)  # fmt: skip
-        print(f"warm start ({mode}): {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
-              f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)", flush=True)  # fmt: skip
+        stats = sft_warm_start(
+            warm_dir,
+            read_jsonl(paths["warm"]),
+            retriever,
+            WarmSettings(**warm),
+            max(world["horizons"]) + 2,
+            use_cpu=device == "cpu",
+            context_mode=mode,
+            checkpoint_every=SMOLLM2_CHECKPOINT_EVERY,
+        )
+        print(
+            f"warm start ({mode}): {stats['steps']} SFT steps on {stats['examples']} rounds, loss "
+            f"{stats['initial_loss']:.3f} -> {stats['final_loss']:.3f} ({stats['seconds'] / 60:.1f} min)",
+            flush=True,
+        )
         warm_marker.write_text(json.dumps({**json.loads(warm_marker.read_text()), "horizon": key}, indent=2))
     return warm_dirs
 
@@ -621,10 +674,17 @@ def oracle_context_tokens(rows: list[dict], retriever, tokenizer, budget: dict) 
     for row in rows:
         try:
             played = {
-                mode: sft_examples([row], retriever, tokenizer, mode, budget["retrieval_topk"],
-                                   instruction=budget["instruction"], max_turns=budget["max_turns"])
+                mode: sft_examples(
+                    [row],
+                    retriever,
+                    tokenizer,
+                    mode,
+                    budget["retrieval_topk"],
+                    instruction=budget["instruction"],
+                    max_turns=budget["max_turns"],
+                )
                 for mode in CONTEXT_MODES
-            }  # fmt: skip
+            }
         except ValueError:
             continue
         cell = cells.setdefault(row["data_source"].removeprefix("horizon_"), {"rows": 0})
@@ -822,10 +882,13 @@ def smollm2_warm_check(out: Path, paths: dict, warm_dirs: dict[str, Path], budge
         }
         for k, cell in check[start]["memory"].items():
             full = check[start]["full_history"][k]
-            print(f"{start} start, K={k}: EM memory {cell['em']:.2f} full {full['em']:.2f} | all parts "
-                  f"{cell['all_parts_em']:.2f} / {full['all_parts_em']:.2f} | searches {cell['searches']:.1f} / "
-                  f"{full['searches']:.1f} | tokens {cell['tokens_per_question']:.0f} / {full['tokens_per_question']:.0f} "
-                  f"| recall {cell['memory_recall']}", flush=True)  # fmt: skip
+            print(
+                f"{start} start, K={k}: EM memory {cell['em']:.2f} full {full['em']:.2f} | all parts "
+                f"{cell['all_parts_em']:.2f} / {full['all_parts_em']:.2f} | searches {cell['searches']:.1f} / "
+                f"{full['searches']:.1f} | tokens {cell['tokens_per_question']:.0f} / {full['tokens_per_question']:.0f} "
+                f"| recall {cell['memory_recall']}",
+                flush=True,
+            )
     return check
 
 
@@ -852,16 +915,22 @@ def warm_check(out: Path, paths: dict, warm_dir: Path, budget: dict, split: str)
     check["name_token_coverage"] = name_token_coverage(tokenizer, pools[split], warm_texts)
     check["name_copy_nll"] = copy = name_copy_nll(model, tokenizer, rows, retriever, budget["instruction"])
     check["value_copy_nll"] = value = value_copy_nll(model, tokenizer, rows, retriever, budget["instruction"])
-    print(f"{split} names: {check['name_token_coverage']:.2f} of their tokens occur in the warm data; copying one "
-          f"from the question costs {copy['first']:.2f} nats (first token), {copy['later']:.2f} (later); copying a "
-          f"value from a passage into the memory {value['value']:.2f} per token, from its previous memory "
-          f"{value['from_memory'] if value['from_memory'] is None else round(value['from_memory'], 2)}", flush=True)  # fmt: skip
+    print(
+        f"{split} names: {check['name_token_coverage']:.2f} of their tokens occur in the warm data; copying one "
+        f"from the question costs {copy['first']:.2f} nats (first token), {copy['later']:.2f} (later); copying a "
+        f"value from a passage into the memory {value['value']:.2f} per token, from its previous memory "
+        f"{value['from_memory'] if value['from_memory'] is None else round(value['from_memory'], 2)}",
+        flush=True,
+    )
     for k in sorted(check["memory"], key=int):
         mem, full = check["memory"][k], check["full_history"][k]
         signal = check["memory_signal"]["by_type"].get(f"horizon_{k}", {})
-        print(f"K={k}: EM memory {mem['em']:.2f} full {full['em']:.2f} | tokens {mem['tokens_per_question']:.0f} vs "
-              f"{full['tokens_per_question']:.0f} | recall {mem['memory_recall']} | fact value "
-              f"{signal.get('fact_value', float('nan')):.3f}", flush=True)  # fmt: skip
+        print(
+            f"K={k}: EM memory {mem['em']:.2f} full {full['em']:.2f} | tokens {mem['tokens_per_question']:.0f} vs "
+            f"{full['tokens_per_question']:.0f} | recall {mem['memory_recall']} | fact value "
+            f"{signal.get('fact_value', float('nan')):.3f}",
+            flush=True,
+        )
     return check
 
 
@@ -886,15 +955,21 @@ def read_tuned(path: Path, settings: dict, required: bool = False) -> dict:
         return {}
     record = json.loads(path.read_text())
     if unkeyed(record["settings"]) != unkeyed(settings):
-        differ = sorted(k for k in {*record["settings"], *settings} - {"warm_sha256", "split"}
-                        if record["settings"].get(k) != settings.get(k))  # fmt: skip
+        differ = sorted(
+            k
+            for k in {*record["settings"], *settings} - {"warm_sha256", "split"}
+            if record["settings"].get(k) != settings.get(k)
+        )
         if required:
             raise ValueError(f"{path} was tuned for other settings ({', '.join(differ)} differ): rerun --tune")
         print(f"{path} was tuned for other settings ({', '.join(differ)} differ): not used", flush=True)
         return {}
     if record["settings"].get("warm_sha256") != settings.get("warm_sha256"):
-        print(f"note: {path} was tuned on warm start {record['settings'].get('warm_sha256', '?')[:12]}, these runs "
-              f"train from {settings.get('warm_sha256', '?')[:12]}", flush=True)  # fmt: skip
+        print(
+            f"note: {path} was tuned on warm start {record['settings'].get('warm_sha256', '?')[:12]}, these runs "
+            f"train from {settings.get('warm_sha256', '?')[:12]}",
+            flush=True,
+        )
     return {arm: chosen["choice"] for arm, chosen in record["arms"].items()}
 
 
@@ -976,16 +1051,29 @@ def run_one(job: dict) -> dict:
         warm_eval.write_text(json.dumps({"settings": settings, "eval": before}, indent=1))
     model.train()
     config = MemPOConfig(
-        output_dir=str(run_dir), **budget, seed=seed, use_cpu=not cuda, bf16=cuda, activation_checkpointing=False,
-        report_to="none", save_strategy="steps", save_steps=CHECKPOINT_EVERY, save_total_limit=1, logging_steps=1,
+        output_dir=str(run_dir),
+        **budget,
+        seed=seed,
+        use_cpu=not cuda,
+        bf16=cuda,
+        activation_checkpointing=False,
+        report_to="none",
+        save_strategy="steps",
+        save_steps=CHECKPOINT_EVERY,
+        save_total_limit=1,
+        logging_steps=1,
         disable_tqdm=True,
-    )  # fmt: skip
+    )
     reward = getattr(mempo_trl.rewards, OUTCOME_REWARDS[settings.get("outcome_reward", "each_part")])
     rl_retriever = BM25Retriever.from_corpus(job["paths"]["corpus_rl"], cache_dir=job["bm25"])
     trainer = MemPOTrainer(
-        model, rl_retriever, args=config, reward_funcs=[reward], train_dataset=load_qa(job["paths"]["rl"]),
+        model,
+        rl_retriever,
+        args=config,
+        reward_funcs=[reward],
+        train_dataset=load_qa(job["paths"]["rl"]),
         processing_class=tokenizer,
-    )  # fmt: skip
+    )
     # A stopped run resumes from its newest checkpoint, unless that was made with other settings.
     started = run_dir / "settings.json"
     if started.is_file() and json.loads(started.read_text()) != key:
@@ -1003,11 +1091,21 @@ def run_one(job: dict) -> dict:
     after = after_by_mode[context_mode]
     log = [e for e in trainer.state.log_history if "episode/em" in e]
     record = {
-        "arm": arm, "seed": seed, "tune_point": job["tune_point"], "settings": key, "warm_start": job["warm_dir"], "seconds": seconds, "resumed_from": resume and resume.name,
-        "before": before, "after": after, "after_by_mode": after_by_mode,
-        "train_em": [e["episode/em"] for e in log], "train_reward": [e.get("reward") for e in log],
-        "versions": _versions(), "machine": _machine(),
-    }  # fmt: skip
+        "arm": arm,
+        "seed": seed,
+        "tune_point": job["tune_point"],
+        "settings": key,
+        "warm_start": job["warm_dir"],
+        "seconds": seconds,
+        "resumed_from": resume and resume.name,
+        "before": before,
+        "after": after,
+        "after_by_mode": after_by_mode,
+        "train_em": [e["episode/em"] for e in log],
+        "train_reward": [e.get("reward") for e in log],
+        "versions": _versions(),
+        "machine": _machine(),
+    }
     (run_dir / "run.json").write_text(json.dumps(record, indent=1))
     if job["record_copy"]:
         Path(job["record_copy"]).parent.mkdir(parents=True, exist_ok=True)
@@ -1045,16 +1143,21 @@ def summarize(records: list[dict], command: str) -> dict:
                 "warm_em": runs[0]["before"][k]["em"],
                 "warm_f1": runs[0]["before"][k]["f1"],
                 "warm_tokens_per_question": runs[0]["before"][k]["tokens_per_question"],
-                "final_em_mean": em, "final_em_std": em_std, "final_f1_mean": f1, "final_f1_std": f1_std,
+                "final_em_mean": em,
+                "final_em_std": em_std,
+                "final_f1_mean": f1,
+                "final_f1_std": f1_std,
                 "final_em_per_seed": [f["em"] for f in finals],
-                "final_all_parts_em_mean": all_parts, "final_all_parts_em_std": all_parts_std,
+                "final_all_parts_em_mean": all_parts,
+                "final_all_parts_em_std": all_parts_std,
                 "final_all_parts_em_per_seed": [f.get("all_parts_em") for f in finals],
                 "by_context_mode": {
                     mode: {
                         "em_per_seed": [r["after_by_mode"][mode][k]["em"] for r in runs],
                         "all_parts_em_per_seed": [r["after_by_mode"][mode][k]["all_parts_em"] for r in runs],
                     }
-                    for mode in CONTEXT_MODES if all("after_by_mode" in r for r in runs)
+                    for mode in CONTEXT_MODES
+                    if all("after_by_mode" in r for r in runs)
                 },
                 "tokens_per_question": _mean_std([f["tokens_per_question"] for f in finals])[0],
                 "peak_context_tokens": _mean_std([f["peak_context_tokens"] for f in finals])[0],
@@ -1063,7 +1166,7 @@ def summarize(records: list[dict], command: str) -> dict:
                 "warm_memory_recall": runs[0]["before"][k]["memory_recall"],
                 "failures": {kind: statistics.fmean(f["failures"][kind] for f in finals) for kind in kinds},
                 "train_minutes_per_run": statistics.fmean(r["seconds"] for r in runs) / 60,
-            }  # fmt: skip
+            }
             if "context_overflow" in finals[0]:  # runs with a context budget (`evaluate_horizons`)
                 horizons[k][arm]["context_overflow"] = _mean_std([f["context_overflow"] for f in finals])[0]
     return {
@@ -1090,9 +1193,12 @@ def print_oracle_tokens(out: Path, paths: dict, tokenizer_dir: Path, budget: dic
     retriever = BM25Retriever.from_corpus(str(paths["corpus"]), cache_dir=str(out / "bm25"))
     cells = oracle_context_tokens(read_jsonl(paths[split]), retriever, load_tokenizer(tokenizer_dir), budget)
     for k, cell in cells.items():
-        print(f"scripted oracle, K={k}: tokens per question memory {cell['tokens_memory']:.0f} / full history "
-              f"{cell['tokens_full_history']:.0f} = {cell['ratio']:.3f} (peak context {cell['peak_memory']} / "
-              f"{cell['peak_full_history']})", flush=True)  # fmt: skip
+        print(
+            f"scripted oracle, K={k}: tokens per question memory {cell['tokens_memory']:.0f} / full history "
+            f"{cell['tokens_full_history']:.0f} = {cell['ratio']:.3f} (peak context {cell['peak_memory']} / "
+            f"{cell['peak_full_history']})",
+            flush=True,
+        )
     return cells
 
 
@@ -1101,8 +1207,12 @@ def _machine() -> dict:
     on an Intel Xeon of this workplace differ: float kernels), so the model name is recorded too."""
     cpuinfo = Path("/proc/cpuinfo")
     names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M) if cpuinfo.is_file() else []
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu": names[0] if names else None, "cpus": os.cpu_count()}  # fmt: skip
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu": names[0] if names else None,
+        "cpus": os.cpu_count(),
+    }
 
 
 def targets(horizons: dict) -> dict:
@@ -1121,10 +1231,13 @@ def targets(horizons: dict) -> dict:
         noise = max(mem["final_em_std"], out["final_em_std"])
         gaps.append(gap_full)
         checked[k] = {
-            "token_ratio_vs_full_history": ratio, "em_minus_full_history": gap_full,
-            "em_minus_outcome_only": gap_outcome, "larger_seed_std": noise,
-            "tokens_met": ratio <= 0.5 and gap_full >= 0.0, "beats_outcome_only": gap_outcome > noise,
-        }  # fmt: skip
+            "token_ratio_vs_full_history": ratio,
+            "em_minus_full_history": gap_full,
+            "em_minus_outcome_only": gap_outcome,
+            "larger_seed_std": noise,
+            "tokens_met": ratio <= 0.5 and gap_full >= 0.0,
+            "beats_outcome_only": gap_outcome > noise,
+        }
     grows = all(b > a for a, b in zip(gaps, gaps[1:])) if len(gaps) > 1 else None
     return {"by_horizon": checked, "gap_grows_with_k": grows}
 
@@ -1146,8 +1259,9 @@ def plot(summary: dict, path: Path) -> None:
         em = [c["final_em_mean"] for c in cells]
         std = [c["final_em_std"] for c in cells]
         line = ax_em.plot(x, em, marker="o", label=f"{arm} ({len(cells[0]['seeds'])} seed(s))")[0]
-        ax_em.fill_between(x, [m - s for m, s in zip(em, std)], [m + s for m, s in zip(em, std)],
-                           color=line.get_color(), alpha=0.2)  # fmt: skip
+        ax_em.fill_between(
+            x, [m - s for m, s in zip(em, std)], [m + s for m, s in zip(em, std)], color=line.get_color(), alpha=0.2
+        )
         ax_tok.plot(x, [c["tokens_per_question"] for c in cells], marker="o", label=arm, color=line.get_color())
     ax_em.set_xlabel("objectives per question (K)")
     ax_em.set_ylabel("test EM after RL (greedy; band: +/- 1 std over seeds)")
@@ -1203,26 +1317,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="tiny world, 1 step, 1 seed: a smoke run")
     parser.add_argument("--warm_only", action="store_true", help="build and check the warm start, no RL")
-    parser.add_argument("--tune", action="store_true",
-                        help="on the validation split, train every arm at each TUNE_GRID point and write each arm's "
-                             "best point, which later runs of these settings use")  # fmt: skip
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
-                        help="override BUDGET entries (MemPOConfig fields, JSON values); an arm's own "
-                             "settings (ARMS) win")  # fmt: skip
-    parser.add_argument("--outcome_reward", default="each_part", choices=list(OUTCOME_REWARDS),
-                        help="what an answer earns in training: each right part its share (default) or 1 only when "
-                             "all parts are right; runs and summary get the suffix _all_parts")  # fmt: skip
-    parser.add_argument("--learner", default="kit", choices=LEARNERS,
-                        help="kit: the learner built from scratch (default); smollm2: SmolLM2-135M-Instruct, fully "
-                             "fine-tuned; its world, warm starts and runs go to <out>/smollm2, its summary is "
-                             "long_horizon_smollm2.json")  # fmt: skip
-    parser.add_argument("--records", default=None, metavar="DIR",
-                        help="keep a copy of each finished run's run.json in DIR/<warm start sha256[:12]>/<split>/, "
-                             "and take a run from there instead of training it when its settings match (default: "
-                             "lab/results/long_horizon_runs for the default settings, none otherwise)")  # fmt: skip
-    parser.add_argument("--passage_words", type=int, default=None, metavar="N",
-                        help="pad every passage to ~N words (wiki-length); world, warm start and runs go to "
-                             "<out>/passage_words_N")  # fmt: skip
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="on the validation split, train every arm at each TUNE_GRID point and write each arm's "
+        "best point, which later runs of these settings use",
+    )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help="override BUDGET entries (MemPOConfig fields, JSON values); an arm's own settings (ARMS) win",
+    )
+    parser.add_argument(
+        "--outcome_reward",
+        default="each_part",
+        choices=list(OUTCOME_REWARDS),
+        help="what an answer earns in training: each right part its share (default) or 1 only when "
+        "all parts are right; runs and summary get the suffix _all_parts",
+    )
+    parser.add_argument(
+        "--learner",
+        default="kit",
+        choices=LEARNERS,
+        help="kit: the learner built from scratch (default); smollm2: SmolLM2-135M-Instruct, fully "
+        "fine-tuned; its world, warm starts and runs go to <out>/smollm2, its summary is "
+        "long_horizon_smollm2.json",
+    )
+    parser.add_argument(
+        "--records",
+        default=None,
+        metavar="DIR",
+        help="keep a copy of each finished run's run.json in DIR/<warm start sha256[:12]>/<split>/, "
+        "and take a run from there instead of training it when its settings match (default: "
+        "lab/results/long_horizon_runs for the default settings, none otherwise)",
+    )
+    parser.add_argument(
+        "--passage_words",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pad every passage to ~N words (wiki-length); world, warm start and runs go to <out>/passage_words_N",
+    )
     args = parser.parse_args(argv)
     if args.tune:
         args.split = "validation"
@@ -1290,8 +1428,11 @@ def main(argv: list[str] | None = None) -> int:
             warm_dirs["memory"], "python lab/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
         )
     settings = {**settings, "warm_sha256": warm_fingerprint(warm_dirs)}
-    print(f"world and warm start ready in {out} ({time.perf_counter() - start:.0f} s; warm start sha256 "
-          f"{settings['warm_sha256'][:12]})", flush=True)  # fmt: skip
+    print(
+        f"world and warm start ready in {out} ({time.perf_counter() - start:.0f} s; warm start sha256 "
+        f"{settings['warm_sha256'][:12]})",
+        flush=True,
+    )
     oracle = print_oracle_tokens(out, paths, warm_dirs["memory"], budget, args.split)
     if args.warm_only:
         if args.learner == "kit":
@@ -1336,11 +1477,21 @@ def main(argv: list[str] | None = None) -> int:
                 if _ran(done, key):
                     print(f"{name}: done already ({done})", flush=True)
                     continue
-                jobs.append({
-                    "arm": arm, "seed": seed, "tune_point": point, "key": key, "settings": settings,
-                    "run_dir": str(run_dir), "warm_dir": str(warm_dir), "paths": {k: str(v) for k, v in paths.items()},
-                    "bm25": str(out / "bm25"), "device": args.device, "record_copy": record_copy and str(record_copy),
-                })  # fmt: skip
+                jobs.append(
+                    {
+                        "arm": arm,
+                        "seed": seed,
+                        "tune_point": point,
+                        "key": key,
+                        "settings": settings,
+                        "run_dir": str(run_dir),
+                        "warm_dir": str(warm_dir),
+                        "paths": {k: str(v) for k, v in paths.items()},
+                        "bm25": str(out / "bm25"),
+                        "device": args.device,
+                        "record_copy": record_copy and str(record_copy),
+                    }
+                )
     if args.jobs > 1 and len(jobs) > 1:
         with job_pool(min(args.jobs, len(jobs))) as pool:
             for _ in pool.imap_unordered(run_one, jobs):
@@ -1352,14 +1503,21 @@ def main(argv: list[str] | None = None) -> int:
     command = "python lab/long_horizon.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.tune:
         records = [
-            r for r in records
-            if r["arm"] in args.arms and r["seed"] in args.seeds
+            r
+            for r in records
+            if r["arm"] in args.arms
+            and r["seed"] in args.seeds
             and r["settings"] == run_settings(settings, r["arm"], TUNE_GRID[r["tune_point"]])
-        ]  # fmt: skip
+        ]
         choice = {
-            "arms": tune_choice(records, TUNE_GRID), "grid": TUNE_GRID, "seeds": args.seeds, "settings": settings,
-            "command": command, "versions": _versions(), "machine": _machine(),
-        }  # fmt: skip
+            "arms": tune_choice(records, TUNE_GRID),
+            "grid": TUNE_GRID,
+            "seeds": args.seeds,
+            "settings": settings,
+            "command": command,
+            "versions": _versions(),
+            "machine": _machine(),
+        }
         tuned_path.write_text(json.dumps(choice, indent=1) + "\n")
         for arm, chosen in choice["arms"].items():
             print(f"{arm}: {chosen['choice']} (validation EM per point {chosen['scores']})", flush=True)

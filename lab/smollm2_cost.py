@@ -44,14 +44,23 @@ def main() -> None:
         examples[mode] = []
         for n, row in enumerate(rows[: args.rows]):
             try:
-                examples[mode] += sft_examples([row], retriever, tokenizer, mode, mem_drop=SMOLLM2_WARM["mem_drop"],
-                                               seed=n, instruction=LEARNER_INSTRUCTION,
-                                               max_turns=max(WORLD["horizons"]) + 2)  # fmt: skip
+                examples[mode] += sft_examples(
+                    [row],
+                    retriever,
+                    tokenizer,
+                    mode,
+                    mem_drop=SMOLLM2_WARM["mem_drop"],
+                    seed=n,
+                    instruction=LEARNER_INSTRUCTION,
+                    max_turns=max(WORLD["horizons"]) + 2,
+                )
             except ValueError:  # a row the oracle cannot play: skipped, as by the warm start
                 continue
         lengths = [len(p) + len(c) for p, c in examples[mode]]
-        print(f"{mode}: {len(lengths)} rounds, tokens per round mean {statistics.mean(lengths):.0f}, "
-              f"max {max(lengths)}", flush=True)  # fmt: skip
+        print(
+            f"{mode}: {len(lengths)} rounds, tokens per round mean {statistics.mean(lengths):.0f}, max {max(lengths)}",
+            flush=True,
+        )
     model = AutoModelForCausalLM.from_pretrained(str(out / "smollm2_base"), dtype=torch.float32).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=SMOLLM2_WARM["lr"])
     batch_size, pool = SMOLLM2_WARM["batch_size"], examples["memory"]
@@ -65,8 +74,10 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         seconds = time.perf_counter() - start
-        print(f"full fine-tuning step {step}: {seconds:.1f} s, {tokens} tokens, {tokens / seconds:.0f} tokens/s",
-              flush=True)  # fmt: skip
+        print(
+            f"full fine-tuning step {step}: {seconds:.1f} s, {tokens} tokens, {tokens / seconds:.0f} tokens/s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

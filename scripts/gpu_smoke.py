@@ -241,14 +241,35 @@ def stage_zero3(work: Path, cpu: bool) -> dict:
 
     config = "cpu_zero3.yaml" if cpu else "zero3.yaml"
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-        "--num_processes", "1", str(ROOT / "examples" / "train_mempo.py"),
-        "--config", str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
-        "--model_name_or_path", str(work / "model"), "--output_dir", str(work / "zero3"),
-        "--dataset_name", str(demo_paths().train.parent), "--corpus", str(demo_paths().corpus),
-        "--use_cpu", str(cpu).lower(), "--bf16", str(not cpu).lower(), "--max_steps", "2",
-        "--per_device_train_batch_size", "4", "--heldout_questions", "0",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / config),
+        "--num_processes",
+        "1",
+        str(ROOT / "examples" / "train_mempo.py"),
+        "--config",
+        str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
+        "--model_name_or_path",
+        str(work / "model"),
+        "--output_dir",
+        str(work / "zero3"),
+        "--dataset_name",
+        str(demo_paths().train.parent),
+        "--corpus",
+        str(demo_paths().corpus),
+        "--use_cpu",
+        str(cpu).lower(),
+        "--bf16",
+        str(not cpu).lower(),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--heldout_questions",
+        "0",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     tail = (result.stdout + result.stderr)[-1500:]
     ok = result.returncode == 0 and "DEEPSPEED" in result.stdout + result.stderr
@@ -350,9 +371,19 @@ def realsize_one(work: Path, config: str, cpu: bool) -> dict:
     timer = StepTimer(clock, trainer_ref)
     steps, trajectories = (2, 2) if cpu else (3, 16)  # the CPU dry run: 1 warm step, 1 question
     trainer = _scripted_trainer(
-        model, tokenizer, wiki_length_retriever(0, work), work, cpu, steps, 96, rounds=rounds,
-        per_device_train_batch_size=trajectories, activation_checkpointing=True, peft_config=lora, callbacks=[timer],
-    )  # fmt: skip
+        model,
+        tokenizer,
+        wiki_length_retriever(0, work),
+        work,
+        cpu,
+        steps,
+        96,
+        rounds=rounds,
+        per_device_train_batch_size=trajectories,
+        activation_checkpointing=True,
+        peft_config=lora,
+        callbacks=[timer],
+    )
     trainer_ref.append(trainer)
     for name, key in (
         ("_prepare_inputs", "prepare"),
@@ -426,9 +457,19 @@ def _time_generate(trainer, prompts: list[list[int]], new_tokens: int, clock) ->
 def stage_quickstart(work: Path, cpu: bool) -> dict:
     kit = [sys.executable, "-m", "mempo_trl", "kit", "learner", "--output_dir", "kit/learner"]
     cmd = [
-        sys.executable, "-m", "mempo_trl", "train", "--config", str(ROOT / "examples" / "configs" / "quickstart_cpu.yaml"),
-        "--output_dir", str(work / "quickstart"), "--use_cpu", str(cpu).lower(), "--disable_tqdm", "true",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "mempo_trl",
+        "train",
+        "--config",
+        str(ROOT / "examples" / "configs" / "quickstart_cpu.yaml"),
+        "--output_dir",
+        str(work / "quickstart"),
+        "--use_cpu",
+        str(cpu).lower(),
+        "--disable_tqdm",
+        "true",
+    ]
     start = time.perf_counter()
     subprocess.run(kit, capture_output=True, text=True, cwd=work, check=True)  # the README's two commands, in `work`
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=work)

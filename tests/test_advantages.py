@@ -86,9 +86,15 @@ def test_rows_of_one_question():
     # Two trajectories of one question (G = 2): traj 0 has 2 rounds and is right, traj 1 has 1 round and is wrong.
     # Only traj 0's round 2 is scored (reward 0.3): a pool of one value uses mean 0, std 1.
     out = mempo_advantages(
-        torch.tensor([1.0, 0.0]), [0, 0, 1], [0, 1, 0], [None, 0.3, None], [None, (0, 1), None],
-        torch.ones(3, 4), slice(0, 3), num_generations=2,
-    )  # fmt: skip
+        torch.tensor([1.0, 0.0]),
+        [0, 0, 1],
+        [0, 1, 0],
+        [None, 0.3, None],
+        [None, (0, 1), None],
+        torch.ones(3, 4),
+        slice(0, 3),
+        num_generations=2,
+    )
     a = 0.5 / (math.sqrt(0.5) + 1e-4)
     assert out.outcome.tolist() == pytest.approx([a, -a])
     assert out.advantages.tolist() == [

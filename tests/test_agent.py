@@ -40,9 +40,14 @@ def trained_dir(tiny_model_dir, tmp_path):
     """A copy of the tiny model with custom settings saved by the trainer itself (`save_model`)."""
     model, tokenizer = load_tiny(tiny_model_dir)
     args = MemPOConfig(
-        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, report_to="none",
-        per_device_train_batch_size=2, num_generations=2, **CUSTOM,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=2,
+        num_generations=2,
+        **CUSTOM,
+    )
     dataset = Dataset.from_list([{"question": "q?", "golden_answers": ["Ulm"]}])
     trainer = MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
     out = tmp_path / "agent"

@@ -105,9 +105,11 @@ def test_qwen2_5_shapes_have_the_released_sizes():
         for shape in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")
     }
     assert sizes == {
-        "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
+        "qwen2.5-0.5b": 494_032_768,
+        "qwen2.5-1.5b": 1_543_714_304,
+        "qwen2.5-3b": 3_085_938_688,
         "qwen2.5-7b": 7_615_616_512,
-    }  # fmt: skip
+    }
 
 
 def test_train_step_bench_realistic_batch_options(tiny_model_dir, one_thread):
@@ -115,9 +117,17 @@ def test_train_step_bench_realistic_batch_options(tiny_model_dir, one_thread):
     passages, gradient accumulation and activation checkpointing."""
     bench = _load("bench_train_step")
     results = bench.run(
-        rounds_list=(2,), trajectories=4, num_generations=2, steps=1, warmup_steps=1, kinds=("stock", "shared_prefix"),
-        model_dir=tiny_model_dir, passage_words=100, grad_accum=2, activation_checkpointing=True,
-    )  # fmt: skip
+        rounds_list=(2,),
+        trajectories=4,
+        num_generations=2,
+        steps=1,
+        warmup_steps=1,
+        kinds=("stock", "shared_prefix"),
+        model_dir=tiny_model_dir,
+        passage_words=100,
+        grad_accum=2,
+        activation_checkpointing=True,
+    )
     for r in results:
         assert len(r["warmup_steps"]) == 1 and len(r["steps"]) == 1 and r["step"] == r["steps"][0]
     stock, shared = results

@@ -285,8 +285,11 @@ def test_eval_objectives_sweep_end_to_end(learner_world, tmp_path, cache, capsys
     report = json.loads((out / "objectives.json").read_text())
     assert report["settings"]["objectives"] == [1, 2]
     assert [(r["objectives"], r["context_mode"]) for r in report["table"]] == [
-        (1, "memory"), (1, "full_history"), (2, "memory"), (2, "full_history")
-    ]  # fmt: skip
+        (1, "memory"),
+        (1, "full_history"),
+        (2, "memory"),
+        (2, "full_history"),
+    ]
     assert set(report["comparison"]) == {"1", "2"}
     lines = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     pool = list(load_qa(source))

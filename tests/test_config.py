@@ -82,15 +82,21 @@ def test_shared_prefix_scoring_follows_the_attention_implementation(tiny_model_d
     model.config._attn_implementation = "flash_attention_2"
     dataset = Dataset.from_list([{"question": "q?", "golden_answers": ["x"]}])
     auto = MemPOTrainer(
-        model, NoRetriever(), args=MemPOConfig(output_dir=str(tmp_path), **BASE), train_dataset=dataset,
+        model,
+        NoRetriever(),
+        args=MemPOConfig(output_dir=str(tmp_path), **BASE),
+        train_dataset=dataset,
         processing_class=tokenizer,
-    )  # fmt: skip
+    )
     assert not auto.shared_prefix_scoring
     with pytest.raises(ValueError, match="4D attention masks"):
         MemPOTrainer(
-            model, NoRetriever(), args=MemPOConfig(output_dir=str(tmp_path), memory_scoring="shared_prefix", **BASE),
-            train_dataset=dataset, processing_class=tokenizer,
-        )  # fmt: skip
+            model,
+            NoRetriever(),
+            args=MemPOConfig(output_dir=str(tmp_path), memory_scoring="shared_prefix", **BASE),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
 
 
 def test_single_token_action_tags_stop_generation(tiny_model_dir, tmp_path):
@@ -113,8 +119,9 @@ def test_turn_and_memory_settings_have_one_home(tmp_path):
     for f in declared:
         assert config_fields[f.name].default == f.default, f.name
         assert config_fields[f.name].metadata["help"] == f.metadata["help"], f.name
-        assert config_fields[f.name].metadata.get("choices") == (list(f.metadata["choices"]) if "choices" in
-                                                                  f.metadata else None), f.name  # fmt: skip
+        assert config_fields[f.name].metadata.get("choices") == (
+            list(f.metadata["choices"]) if "choices" in f.metadata else None
+        ), f.name
     assert args.dynamic_sampling_settings() == DynamicSamplingSettings()
     assert args.memory_settings() == MemoryRewardSettings()
     custom = MemPOConfig(output_dir=str(tmp_path), memory_pooling="question_round", max_turns=3, **BASE)
@@ -129,9 +136,12 @@ def test_the_trainer_leaves_the_callers_config_alone(tiny_model_dir, tmp_path):
     args = MemPOConfig(output_dir=str(tmp_path), hub_token="hf_secret", **BASE)
     before = vars(args).copy()
     trainer = MemPOTrainer(
-        model, environment_factory=KeyVaultEnv, args=args, train_dataset=Dataset.from_list(key_vault_rows(4)),
+        model,
+        environment_factory=KeyVaultEnv,
+        args=args,
+        train_dataset=Dataset.from_list(key_vault_rows(4)),
         processing_class=tokenizer,
-    )  # fmt: skip
+    )
     assert trainer.args.instruction == ENVIRONMENT_INSTRUCTION
     assert args.instruction == DEFAULT_INSTRUCTION and trainer.args is not args
     assert trainer.args.hub_token == "hf_secret"  # the copy keeps what pickling leaves out

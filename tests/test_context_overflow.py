@@ -163,8 +163,10 @@ def budget_and_full_round3(tokenizer) -> tuple[int, int]:
         )
 
     one, two, gen = block(BUDGET_TURNS[0], "alpha"), block(BUDGET_TURNS[1], "beta"), "<|im_start|>assistant\n"
-    length = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in
-              (base + one + gen, base + two + gen, base + one + two + gen)]  # fmt: skip
+    length = [
+        len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        for text in (base + one + gen, base + two + gen, base + one + two + gen)
+    ]
     return max(length[:2]), length[2]
 
 
@@ -213,14 +215,16 @@ def test_budget_binds_agent_episodes_and_evaluation_reports_it(tiny_model_dir):
     assert full.records[0]["context_overflow"] is True and full.records[0]["num_turns"] == 2
     assert full.metrics["overall"]["context_overflow"] == 1.0 and full.metrics["overall"]["em"] == 0.0
     # The backend's own limit, when larger, does not lift the budget (the smaller one binds).
-    engine = RolloutEngine(tokenizer, protocol.override(context_mode="full_history")[0], EchoRetriever(),
-                           max_prompt_length=4096)  # fmt: skip
+    engine = RolloutEngine(
+        tokenizer, protocol.override(context_mode="full_history")[0], EchoRetriever(), max_prompt_length=4096
+    )
     episodes, _ = engine.run(rows, generate)
     assert episodes[0].context_overflow and len(episodes[0].rounds) == 2
     # truncate_information, the protocol's other rule: 3 tokens over, round 1's result is cut and the episode answers.
     for overflow, answer in (("end_episode", None), ("truncate_information", "Paris")):
-        cut = TurnProtocol(max_turns=3, max_context_tokens=full_round3 - 3, context_mode="full_history",
-                           context_overflow=overflow)  # fmt: skip
+        cut = TurnProtocol(
+            max_turns=3, max_context_tokens=full_round3 - 3, context_mode="full_history", context_overflow=overflow
+        )
         (episode,), _ = RolloutEngine(tokenizer, cut, EchoRetriever()).run(rows, generate)
         assert (episode.context_overflow, episode.answer) == (answer is None, answer)
     assert episode.rounds[0].information.endswith(" ...</information>")
@@ -246,8 +250,11 @@ def test_budget_is_validated_carried_saved_and_optional(tmp_path):
     assert (protocol.max_context_tokens, protocol.context_overflow) == (700, "truncate_information")
     protocol.save(tmp_path)
     assert TurnProtocol.from_pretrained(tmp_path) == protocol
-    old = {k: v for k, v in json.loads((tmp_path / PROTOCOL_FILE).read_text()).items()
-           if k not in ("max_context_tokens", "context_overflow")}  # fmt: skip
+    old = {
+        k: v
+        for k, v in json.loads((tmp_path / PROTOCOL_FILE).read_text()).items()
+        if k not in ("max_context_tokens", "context_overflow")
+    }
     (tmp_path / PROTOCOL_FILE).write_text(json.dumps(old))  # a file saved before the budget existed
     loaded = TurnProtocol.from_pretrained(tmp_path)
     assert (loaded.max_context_tokens, loaded.context_overflow) == (None, "end_episode")

@@ -54,7 +54,12 @@ def test_a_request_ends_on_the_token_completing_the_action_tag(tokenizer_name, t
         assert _feed(_decoding_request(eos=ids[3]), ids) == 4
         assert _feed(_decoding_request(max_new_tokens=5), ids) == 5
         # </mem> and </think> close tags too, but not actions.
-        assert _feed(_decoding_request(), tokenizer("<mem>a</mem><think>b</think> x", add_special_tokens=False)["input_ids"]) is None  # fmt: skip
+        assert (
+            _feed(
+                _decoding_request(), tokenizer("<mem>a</mem><think>b</think> x", add_special_tokens=False)["input_ids"]
+            )
+            is None
+        )
     assert _feed(_decoding_request(), ids) is None  # restored: transformers alone does not stop on strings
 
 

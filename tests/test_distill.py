@@ -55,14 +55,29 @@ def test_the_keep_rule_by_hand():
     assert keep_reason(_entry(None)) == "no_gold"
     rows = sft_rows([_entry(1.0, rounds=3), _entry(0.5), _entry(2 / 3)], min_share=0.6)
     assert [(r["id"], r["round"], r["completion"][0]["content"]) for r in rows] == [
-        ("q1.0", 1, "t0"), ("q1.0", 2, "t1"), ("q1.0", 3, "t2"), (f"q{2 / 3}", 1, "t0"), (f"q{2 / 3}", 2, "t1"),
-    ]  # fmt: skip
+        ("q1.0", 1, "t0"),
+        ("q1.0", 2, "t1"),
+        ("q1.0", 3, "t2"),
+        (f"q{2 / 3}", 1, "t0"),
+        (f"q{2 / 3}", 2, "t1"),
+    ]
 
 
 def test_distill_with_an_hf_teacher_then_sft_then_ask_and_eval_read_the_student(learner, tmp_path, capsys):
     world, out = learner / "world", tmp_path / "distilled"
-    args = ["distill", "--model_name_or_path", str(learner / "model"), "--dataset_name", str(world / "warm.jsonl"),
-            "--corpus", str(world / "corpus.jsonl"), "--output_dir", str(out), "--save_every", "8"]  # fmt: skip
+    args = [
+        "distill",
+        "--model_name_or_path",
+        str(learner / "model"),
+        "--dataset_name",
+        str(world / "warm.jsonl"),
+        "--corpus",
+        str(world / "corpus.jsonl"),
+        "--output_dir",
+        str(out),
+        "--save_every",
+        "8",
+    ]
     assert main([*args, "--max_samples", "16"]) == 0
     assert main([*args, "--max_samples", "24"]) == 0  # continues: plays rows 17-24 only
     report = json.loads((out / "distill_report.json").read_text())
@@ -94,17 +109,57 @@ def test_distill_with_an_hf_teacher_then_sft_then_ask_and_eval_read_the_student(
         previous = row
 
     student = tmp_path / "student"
-    assert main(["sft", "--model_name_or_path", str(learner / "model"), "--dataset_name", str(out), "--output_dir",
-                 str(student), "--use_cpu", "true", "--bf16", "false", "--report_to", "none", "--max_steps", "2",
-                 "--per_device_train_batch_size", "4", "--save_strategy", "no"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "sft",
+                "--model_name_or_path",
+                str(learner / "model"),
+                "--dataset_name",
+                str(out),
+                "--output_dir",
+                str(student),
+                "--use_cpu",
+                "true",
+                "--bf16",
+                "false",
+                "--report_to",
+                "none",
+                "--max_steps",
+                "2",
+                "--per_device_train_batch_size",
+                "4",
+                "--save_strategy",
+                "no",
+            ]
+        )
+        == 0
+    )
     assert TurnProtocol.from_pretrained(student) == protocol
     question = read_jsonl(world / "test.jsonl")[0]["question"]
     capsys.readouterr()
     assert main(["ask", question, "--model_name_or_path", str(student), "--corpus", str(world / "corpus.jsonl")]) == 0
     assert "answer:" in capsys.readouterr().out
-    assert main(["eval", "--model_name_or_path", str(student), "--dataset_name", str(world / "test.jsonl"),
-                 "--corpus", str(world / "corpus.jsonl"), "--output_dir", str(tmp_path / "eval"),
-                 "--max_eval_samples", "4", "--disable_tqdm", "true"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--model_name_or_path",
+                str(student),
+                "--dataset_name",
+                str(world / "test.jsonl"),
+                "--corpus",
+                str(world / "corpus.jsonl"),
+                "--output_dir",
+                str(tmp_path / "eval"),
+                "--max_eval_samples",
+                "4",
+                "--disable_tqdm",
+                "true",
+            ]
+        )
+        == 0
+    )
     settings = json.loads((tmp_path / "eval" / "results.json").read_text())["settings"]
     assert settings["protocol_saved"] and TurnProtocol(**settings["protocol"]) == protocol
 
@@ -121,9 +176,28 @@ def qa(demo_paths, tmp_path):
 
 
 def _distill_api(fake, data, out, tiny_model_dir, demo_paths, *extra):
-    return main(["distill", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data),
-                 "--corpus", str(demo_paths.corpus), "--output_dir", str(out), "--openai_base_url", fake.url,
-                 "--openai_model", "teacher", "--openai_max_retries", "1", "--save_every", "4", *extra])  # fmt: skip
+    return main(
+        [
+            "distill",
+            "--model_name_or_path",
+            str(tiny_model_dir),
+            "--dataset_name",
+            str(data),
+            "--corpus",
+            str(demo_paths.corpus),
+            "--output_dir",
+            str(out),
+            "--openai_base_url",
+            fake.url,
+            "--openai_model",
+            "teacher",
+            "--openai_max_retries",
+            "1",
+            "--save_every",
+            "4",
+            *extra,
+        ]
+    )
 
 
 def test_a_stopped_api_distill_resumes_without_repeating_a_request(qa, tiny_model_dir, demo_paths, tmp_path, capsys):
@@ -176,8 +250,21 @@ def test_distill_and_sft_refuse_bad_input_in_one_line(qa, tiny_model_dir, demo_p
     assert _distill_api(fake, data, out, tiny_model_dir, demo_paths, "--temperature", "0.7") == 2
     assert "holds episodes distilled with other settings (teacher differ" in one_error_line(capsys)
 
-    sft = ["sft", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "s"), "--use_cpu",
-           "true", "--bf16", "false", "--report_to", "none", "--max_steps", "1"]  # fmt: skip
+    sft = [
+        "sft",
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--output_dir",
+        str(tmp_path / "s"),
+        "--use_cpu",
+        "true",
+        "--bf16",
+        "false",
+        "--report_to",
+        "none",
+        "--max_steps",
+        "1",
+    ]
     assert main([*sft, "--dataset_name", str(out), "--max_length", "64"]) == 2
     assert f"{out / 'train.jsonl'}, row 1 (id {rows[0]['id']!r}):" in one_error_line(capsys)
     (out / PROTOCOL_FILE).unlink()
@@ -202,8 +289,17 @@ def test_sft_trains_on_the_contexts_training_renders_and_the_turn_only(qwen_mode
     information = "<information>Doc 1(Title: Orbix) Orbix was founded by Ada Ulm.</information>"
     prompt = protocol.round_messages(protocol.initial_messages("Who founded Orbix?"), [(turn_1, information)])
     turn_2 = "<mem> Orbix: Ada Ulm. </mem>\n<think> I know the answer. </think>\n<answer> Ada Ulm </answer>"
-    (row,) = sft_rows([{"id": "q", "format_valid": True, "context_overflow": False, "em": 1.0,
-                        "rounds": [{"messages": prompt, "completion": turn_2}]}])  # fmt: skip
+    (row,) = sft_rows(
+        [
+            {
+                "id": "q",
+                "format_valid": True,
+                "context_overflow": False,
+                "em": 1.0,
+                "rounds": [{"messages": prompt, "completion": turn_2}],
+            }
+        ]
+    )
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_length=None)
     model = AutoModelForCausalLM.from_pretrained(qwen_model_dir)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list([row]), processing_class=tokenizer)

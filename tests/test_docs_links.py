@@ -10,8 +10,12 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-         *sorted((ROOT / "lab").glob("*.md"))]  # fmt: skip
+PAGES = [
+    ROOT / "README.md",
+    ROOT / "bench" / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "lab").glob("*.md")),
+]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -55,8 +59,12 @@ def test_ci_runs_the_commands_of_the_quick_start_and_the_cpu_launches_only():
     """`.ci/readme_commands.py` reads the quick start and the laptop-launch bullet of "Training on GPUs", and stops at
     the next heading: a bullet that ran on into the rest of the README made CI run the Evaluation section's `eval`
     (into the quick start's output directory, refused) and would have run the tests and the lab's experiments."""
-    done = subprocess.run([sys.executable, str(ROOT / ".ci" / "readme_commands.py"), str(ROOT / "README.md")],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "readme_commands.py"), str(ROOT / "README.md")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     commands = done.stdout.splitlines()
     assert commands[0] == "mempo-trl kit learner --output_dir kit/learner"
     assert commands[-1].startswith(

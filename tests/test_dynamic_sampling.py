@@ -48,9 +48,13 @@ def make_trainer(model_dir, output_dir, monkeypatch, dataset_questions, **config
     args = cpu_config(output_dir, per_device_train_batch_size=4, **config)
     dataset = Dataset.from_list([row(q) for q in dataset_questions])
     trainer = MemPOTrainer(
-        model, EchoRetriever(), reward_funcs=[mempo_outcome_reward, questions], args=args, train_dataset=dataset,
+        model,
+        EchoRetriever(),
+        reward_funcs=[mempo_outcome_reward, questions],
+        args=args,
+        train_dataset=dataset,
         processing_class=tokenizer,
-    )  # fmt: skip
+    )
     calls = {}
 
     def scripted_generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

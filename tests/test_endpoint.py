@@ -30,8 +30,10 @@ def env(tmp_path, monkeypatch):
 def rows(demo_paths):
     """Four demo test rows: a 2-hop, a 1-hop, a comparison and a multi-objective one."""
     found = read_jsonl(demo_paths.test)
-    return [next(r for r in found if r["data_source"] == s) for s in ("demo_2hop", "demo_1hop", "demo_compare",
-                                                                       "demo_multi")]  # fmt: skip
+    return [
+        next(r for r in found if r["data_source"] == s)
+        for s in ("demo_2hop", "demo_1hop", "demo_compare", "demo_multi")
+    ]
 
 
 @pytest.fixture
@@ -54,10 +56,33 @@ def test_eval_and_ask_play_an_api_model_as_memory_and_full_history_agents(
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "eval"
-    args = ["--model_name_or_path", str(tiny_model_dir), "--corpus", str(demo_paths.corpus),
-            "--openai_base_url", server.url, "--openai_model", "teacher"]  # fmt: skip
-    assert main(["eval", *args, "--dataset_name", str(data), "--output_dir", str(out), "--context_mode", "both",
-                 "--disable_tqdm", "true"]) == 0  # fmt: skip
+    args = [
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--corpus",
+        str(demo_paths.corpus),
+        "--openai_base_url",
+        server.url,
+        "--openai_model",
+        "teacher",
+    ]
+    assert (
+        main(
+            [
+                "eval",
+                *args,
+                "--dataset_name",
+                str(data),
+                "--output_dir",
+                str(out),
+                "--context_mode",
+                "both",
+                "--disable_tqdm",
+                "true",
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["openai_base_url"] == server.url
     for mode in ("memory", "full_history"):
@@ -74,8 +99,9 @@ def test_eval_and_ask_play_an_api_model_as_memory_and_full_history_agents(
     first = trajectories[0]
     round_1 = first["rounds"][0]
     assert round_1["completion"].endswith("</search>") and round_1["valid"]
-    expected = protocol.round_messages(protocol.initial_messages(rows[0]["question"]),
-                                       [(round_1["completion"], round_1["information"])])  # fmt: skip
+    expected = protocol.round_messages(
+        protocol.initial_messages(rows[0]["question"]), [(round_1["completion"], round_1["information"])]
+    )
     assert expected[-1]["role"] == "tool"
     assert expected in [body["messages"] for body in server.requests]
     assert {h["authorization"] for h in server.headers} == {f"Bearer {SECRET}"}
@@ -95,16 +121,22 @@ def test_turns_from_the_api_parse_under_the_real_tokenizers(real_tokenizer, stop
     try:
         generate = OpenAIChatGenerator(fake.url, "teacher", real_tokenizer, max_concurrency=2)
         protocol = TurnProtocol()
-        engine = RolloutEngine(real_tokenizer, protocol, BM25Retriever.from_corpus(str(demo_paths.corpus)),
-                               eos_token_ids=protocol.stop_token_ids(real_tokenizer))  # fmt: skip
+        engine = RolloutEngine(
+            real_tokenizer,
+            protocol,
+            BM25Retriever.from_corpus(str(demo_paths.corpus)),
+            eos_token_ids=protocol.stop_token_ids(real_tokenizer),
+        )
         episodes, _ = engine.run(rows, generate)
     finally:
         fake.close()
     for row, episode in zip(rows, episodes):
         assert [r.turn.action for r in episode.rounds] == ["search", "answer"]
         assert all(r.turn.valid and not r.truncated for r in episode.rounds)
-        assert episode.rounds[0].text == f"<mem> Nothing yet. </mem>\n<think> I must search. </think>\n<search> " \
-                                         f"{row['question']} </search>"  # fmt: skip
+        assert (
+            episode.rounds[0].text == f"<mem> Nothing yet. </mem>\n<think> I must search. </think>\n<search> "
+            f"{row['question']} </search>"
+        )
         assert episode.answer == row["golden_answers"][0]
         assert episode.rounds[0].prompt_ids == engine.fit_prompt(type(episode)(row, episode.base_messages))
 
@@ -132,9 +164,27 @@ def test_an_endpoint_that_keeps_failing_ends_eval_in_one_error_line(
     server.fail_from = 1
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps(rows[0]) + "\n")
-    rc = main(["eval", "--model_name_or_path", str(tiny_model_dir), "--corpus", str(demo_paths.corpus),
-               "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), "--disable_tqdm", "true",
-               "--openai_base_url", server.url, "--openai_model", "teacher", "--openai_max_retries", "2"])  # fmt: skip
+    rc = main(
+        [
+            "eval",
+            "--model_name_or_path",
+            str(tiny_model_dir),
+            "--corpus",
+            str(demo_paths.corpus),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--disable_tqdm",
+            "true",
+            "--openai_base_url",
+            server.url,
+            "--openai_model",
+            "teacher",
+            "--openai_max_retries",
+            "2",
+        ]
+    )
     assert rc == 2
     line = one_error_line(capsys)
     assert f"POST {server.url}/chat/completions failed after 3 attempt(s)" in line and "HTTP 500" in line
@@ -142,9 +192,37 @@ def test_an_endpoint_that_keeps_failing_ends_eval_in_one_error_line(
 
 
 def test_endpoint_settings_are_checked_before_any_work(tiny_model_dir, demo_paths, capsys):
-    assert main(["ask", "q?", "--model_name_or_path", str(tiny_model_dir), "--corpus", "x.jsonl",
-                 "--openai_base_url", "http://127.0.0.1:9/v1"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "ask",
+                "q?",
+                "--model_name_or_path",
+                str(tiny_model_dir),
+                "--corpus",
+                "x.jsonl",
+                "--openai_base_url",
+                "http://127.0.0.1:9/v1",
+            ]
+        )
+        == 2
+    )
     assert "--openai_base_url needs --openai_model NAME" in one_error_line(capsys)
-    assert main(["ask", "q?", "--model_name_or_path", str(tiny_model_dir), "--corpus", str(demo_paths.corpus),
-                 "--openai_base_url", "ftp://host/v1", "--openai_model", "m"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "ask",
+                "q?",
+                "--model_name_or_path",
+                str(tiny_model_dir),
+                "--corpus",
+                str(demo_paths.corpus),
+                "--openai_base_url",
+                "ftp://host/v1",
+                "--openai_model",
+                "m",
+            ]
+        )
+        == 2
+    )
     assert "must start with http:// or https://" in one_error_line(capsys)

@@ -150,8 +150,11 @@ def test_heldout_metrics_average_a_pluggable_row_metric(tokenizer):
 
     def answered(row, record):  # None for the rows whose question has no "the": not counted
         counted = " the " in f" {row['question']} "
-        return {"answered": float(record["answer"] is not None) if counted else None,
-                "kind": {"hit": record["em"], "miss": 1.0 - record["em"]}, "nan": math.nan}  # fmt: skip
+        return {
+            "answered": float(record["answer"] is not None) if counted else None,
+            "kind": {"hit": record["em"], "miss": 1.0 - record["em"]},
+            "nan": math.nan,
+        }
 
     custom = heldout_metrics(result, METRIC_ROWS, answered)
     # "the" rows: Eiffel (answered), capital (answered), largest (no answer) -> 2 / 3.
@@ -173,10 +176,14 @@ def test_heldout_callback_evaluates_before_at_intervals_and_after(tiny_model_dir
     rows = METRIC_ROWS[:2]
     reported = []
     callback = HeldOutEvalCallback(
-        tokenizer, rows, EchoRetriever(), eval_every=2, on_result=lambda curve: reported.append(curve[-1]["step"]),
+        tokenizer,
+        rows,
+        EchoRetriever(),
+        eval_every=2,
+        on_result=lambda curve: reported.append(curve[-1]["step"]),
         row_metric=lambda row, record: {"turns": float(record["num_turns"])},
         protocol=TurnProtocol(max_turns=2, max_completion_length=8),
-    )  # fmt: skip
+    )
     state = SimpleNamespace(global_step=0, is_world_process_zero=True)
     callback.on_train_begin(None, state, None, model=model)
     for step in (1, 2, 3, 4):
@@ -437,8 +444,12 @@ def test_progress_counts_the_turns_written_within_a_round():
     seen = []
     progress.bar.set_postfix_str = seen.append
     progress([[1]] * 5)
-    assert seen == ["round 1/3, 0/5 turns written", "round 1/3, 2/5 turns written", "round 1/3, 4/5 turns written",
-                    "round 1/3, 5/5 turns written"]  # fmt: skip
+    assert seen == [
+        "round 1/3, 0/5 turns written",
+        "round 1/3, 2/5 turns written",
+        "round 1/3, 4/5 turns written",
+        "round 1/3, 5/5 turns written",
+    ]
     progress([[1]] * 2)
     assert progress.bar.n == 3 and seen[-1] == "round 2/3, 2/2 turns written"
     progress.close()

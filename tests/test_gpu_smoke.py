@@ -28,8 +28,11 @@ def test_gpu_smoke_dry_run_passes_every_stage(tmp_path):
     env = _env(" ".join(stages))
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_smoke.sh"), "--cpu", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=900,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert result.returncode == 0, (report, result.stderr[-2000:])
     assert report["result"] == "PASS"
@@ -46,8 +49,11 @@ def test_gpu_smoke_rejects_an_unknown_stage(tmp_path):
     env = _env("model nonsense")
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_smoke.sh"), "--cpu", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode != 0
     assert "unknown stage nonsense" in result.stderr
 
@@ -58,8 +64,11 @@ def test_realsize_stage_dry_run_reports_memory_and_the_step_split(tmp_path):
     env = _env("realsize")
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_smoke.sh"), "--cpu", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=1800,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert result.returncode == 0 and report["result"] == "PASS", (report, result.stderr[-2000:])
     (stage,) = report["stages"]

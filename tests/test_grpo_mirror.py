@@ -36,10 +36,21 @@ class Retriever:
 
 def _config(cls, tmp_path, name):
     return cls(
-        output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_generations=2, max_completion_length=32,
-        beta=0.1, use_vllm=True, vllm_mode="colocate", vllm_importance_sampling_mode="token_truncate",
-        use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=32,
+        beta=0.1,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_importance_sampling_mode="token_truncate",
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
 
 
 def _prepare(trainer, rows):
@@ -65,15 +76,22 @@ def batches(tiny_model_dir, tmp_path, monkeypatch):
     model, tokenizer = load_tiny(tiny_model_dir)
     mempo_rows = [{"question": q, "golden_answers": ["Ulm"]} for q in QUESTIONS]
     mempo = MemPOTrainer(
-        model, Retriever(), reward_funcs=[alternating], args=_config(MemPOConfig, tmp_path, "mempo"),
-        train_dataset=Dataset.from_list(mempo_rows), processing_class=tokenizer,
-    )  # fmt: skip
+        model,
+        Retriever(),
+        reward_funcs=[alternating],
+        args=_config(MemPOConfig, tmp_path, "mempo"),
+        train_dataset=Dataset.from_list(mempo_rows),
+        processing_class=tokenizer,
+    )
     model, tokenizer = load_tiny(tiny_model_dir)
     grpo_rows = [{"prompt": initial_messages(q)} for q in QUESTIONS]
     grpo = GRPOTrainer(
-        model, reward_funcs=[alternating], args=_config(GRPOConfig, tmp_path, "grpo"),
-        train_dataset=Dataset.from_list(grpo_rows), processing_class=tokenizer,
-    )  # fmt: skip
+        model,
+        reward_funcs=[alternating],
+        args=_config(GRPOConfig, tmp_path, "grpo"),
+        train_dataset=Dataset.from_list(grpo_rows),
+        processing_class=tokenizer,
+    )
     torch.manual_seed(0)
     mempo_out = _prepare(mempo, mempo_rows)
     torch.manual_seed(0)
@@ -101,8 +119,12 @@ def test_the_mirror_logs_what_grpo_logs(batches):
     ours, theirs = mempo._metrics["train"], grpo._metrics["train"]
     assert set(theirs) <= set(ours), sorted(set(theirs) - set(ours))
     # A MemPO turn that ends on its action tag is terminated; GRPO only knows eos, so these two count it apart.
-    differ = {"completions/clipped_ratio", "completions/mean_terminated_length", "completions/min_terminated_length",
-              "completions/max_terminated_length"}  # fmt: skip
+    differ = {
+        "completions/clipped_ratio",
+        "completions/mean_terminated_length",
+        "completions/min_terminated_length",
+        "completions/max_terminated_length",
+    }
     assert (
         "alternating/calls" in theirs
         and "frac_reward_zero_std" in theirs

@@ -36,8 +36,10 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                          for a in node.names}  # fmt: skip
+                found |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names
+                }
         graph[name] = {m for m in found if m in modules and m not in (name, "mempo_trl")}
     return graph
 
@@ -76,8 +78,9 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     for module, targets in sorted(graph.items()):
         for target in sorted(targets):
             here, there = layer(module), layer(target)
-            if LAYERS[there] > LAYERS[here] or (LAYERS[there] == LAYERS[here] and here != there
-                                                 and (here, there) != ("kit", "commands")):  # fmt: skip
+            if LAYERS[there] > LAYERS[here] or (
+                LAYERS[there] == LAYERS[here] and here != there and (here, there) != ("kit", "commands")
+            ):
                 found.append(f"{module} -> {target}")
     return found
 
@@ -171,12 +174,20 @@ def test_python_m_kit_runs_a_kit_command_without_the_top_level_cli(tmp_path):
         "try:\n    runpy.run_module('mempo_trl.kit', run_name='__main__')\n"
         "except SystemExit as end:\n    print('rc', end.code, 'mempo_trl.cli' in sys.modules)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "demo")], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)},
+    )
     assert result.stdout.strip().endswith("rc 0 False"), result.stderr
     assert (tmp_path / "demo" / "corpus.jsonl").is_file()
-    usage = subprocess.run([sys.executable, "-m", "mempo_trl.kit"], capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})  # fmt: skip
+    usage = subprocess.run(
+        [sys.executable, "-m", "mempo_trl.kit"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)},
+    )
     assert usage.returncode == 2 and "build-demo" in usage.stdout
 
 

@@ -153,18 +153,36 @@ def test_step_summary_line():
 def _launch(accelerate_config: str, model_dir: Path, out: Path, *extra: str) -> str:
     """`accelerate launch` examples/train_mempo.py on the demo world for 2 MemPO steps; return its output."""
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(ROOT / "accelerate_configs" / accelerate_config),
-        "--main_process_port", str(free_port()),
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / accelerate_config),
+        "--main_process_port",
+        str(free_port()),
         str(SCRIPT),
-        "--config", str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
-        "--model_name_or_path", str(model_dir),
-        "--dataset_name", str(DEMO.train.parent), "--corpus", str(DEMO.corpus),
-        "--output_dir", str(out),
-        "--per_device_train_batch_size", "2", "--num_generations", "2",  # 2 x 2 processes = 2 groups of G=2
-        "--max_turns", "2", "--max_completion_length", "24", "--max_steps", "2",
+        "--config",
+        str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"),
+        "--model_name_or_path",
+        str(model_dir),
+        "--dataset_name",
+        str(DEMO.train.parent),
+        "--corpus",
+        str(DEMO.corpus),
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "2",
+        "--num_generations",
+        "2",  # 2 x 2 processes = 2 groups of G=2
+        "--max_turns",
+        "2",
+        "--max_completion_length",
+        "24",
+        "--max_steps",
+        "2",
         *extra,
-    ]  # fmt: skip
+    ]
     venv_bin = str(Path(sys.executable).parent)
     env = {
         **os.environ,

@@ -71,10 +71,22 @@ def test_a_launch_with_a_bad_input_is_one_error_line_before_any_process_starts(t
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"output_dir: {tmp_path / 'out'}\nuse_cpu: false\nbf16: false\nreport_to: none\n")
     result = subprocess.run(
-        [sys.executable, "-m", "mempo_trl", "train", "--config", str(recipe), "--accelerate_config", "cpu_zero3",
-         "--num_processes", "2"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mempo_trl",
+            "train",
+            "--config",
+            str(recipe),
+            "--accelerate_config",
+            "cpu_zero3",
+            "--num_processes",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
         "error: --accelerate_config cpu_zero3 runs processes on the CPU: add `--use_cpu true` (or `use_cpu: true` in "
@@ -139,8 +151,12 @@ def test_help_is_short_lists_mempo_fields_first_and_imports_neither_torch_nor_tr
     assert text.index("--max_turns") < text.index("--dataset_name") < text.index("--corpus")
     assert text.index("--memory_coef") < text.index("  --accelerate_config")
     assert "(default: 8)" in text and text.count("--max_turns") == 1
-    homes = ((TurnProtocol, "max_turns"), (MemoryRewardSettings, "memory_pooling"),
-             (DynamicSamplingSettings, "dynamic_sampling"), (trl.ScriptArguments, "dataset_config"))  # fmt: skip
+    homes = (
+        (TurnProtocol, "max_turns"),
+        (MemoryRewardSettings, "memory_pooling"),
+        (DynamicSamplingSettings, "dynamic_sampling"),
+        (trl.ScriptArguments, "dataset_config"),
+    )
     for source, name in homes:  # where declared
         assert next(f for f in fields(source) if f.name == name).metadata["help"] in text, name
     assert "mempo-trl train --help_all" in text

@@ -105,8 +105,15 @@ def test_commands_do_not_import_the_dispatcher():
 
 
 LAB = Path(__file__).resolve().parents[1] / "lab"
-MOVED = ("mempo_trl.kit.induction", "induction_pretrain", "HorizonWorld", "horizon_world", "HORIZON_SPLITS",
-         "build_learner", "derive_learner")  # fmt: skip
+MOVED = (
+    "mempo_trl.kit.induction",
+    "induction_pretrain",
+    "HorizonWorld",
+    "horizon_world",
+    "HORIZON_SPLITS",
+    "build_learner",
+    "derive_learner",
+)
 """Lab-only code that left the package: what was `mempo_trl.kit.induction`, the horizon world and the learner's
 build (`lab/induction_pretraining.py`, `lab/horizon_world.py`, `lab/learning.py`)."""
 

@@ -23,14 +23,28 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
     out = tmp_path / "mempo-tiny-card"
     script_args, training_args, model_args, retriever_args = parse_args(
         [
-            "--config", str(TINY_RECIPE),
-            "--model_name_or_path", str(base),
-            "--dataset_name", str(demo_paths.train), "--corpus", str(demo_paths.corpus),
-            "--output_dir", str(out),
-            "--per_device_train_batch_size", "2", "--num_generations", "2",
-            "--max_turns", "2", "--max_completion_length", "24", "--max_steps", "1",
+            "--config",
+            str(TINY_RECIPE),
+            "--model_name_or_path",
+            str(base),
+            "--dataset_name",
+            str(demo_paths.train),
+            "--corpus",
+            str(demo_paths.corpus),
+            "--output_dir",
+            str(out),
+            "--per_device_train_batch_size",
+            "2",
+            "--num_generations",
+            "2",
+            "--max_turns",
+            "2",
+            "--max_completion_length",
+            "24",
+            "--max_steps",
+            "1",
         ]
-    )  # fmt: skip
+    )
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
     train(trainer, training_args, script_args.dataset_name)  # the recipe's: train, save, evaluate, card
     assert json.loads((out / "mempo_agent.json").read_text())["max_turns"] == 2  # pushed with the weights

@@ -26,9 +26,13 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's code, 
 def start(argv: list[str], cwd: Path) -> tuple[subprocess.Popen, list[str]]:
     """`python -m mempo_trl *argv` in the background, and the list its output lines are collected into."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "mempo_trl", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=cwd, env={**os.environ, "PYTHONPATH": SRC, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+        [sys.executable, "-m", "mempo_trl", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": SRC, "PYTHONUNBUFFERED": "1"},
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True).start()
     return process, lines
@@ -66,8 +70,11 @@ def test_overwrite_deletes_only_the_previous_runs_outputs(tmp_path, tiny_model_d
     recipe = cpu_recipe(tmp_path, tiny_model_dir, output_dir=str(out), save_strategy="no")
     result = subprocess.run(
         [sys.executable, "-m", "mempo_trl", "train", "--config", str(recipe), "--overwrite_output_dir", "true"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": SRC},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert (
         f"--overwrite_output_dir: removed the previous run's README.md, checkpoint-7, mempo_metrics.json, "
@@ -82,8 +89,11 @@ def test_overwrite_deletes_only_the_previous_runs_outputs(tmp_path, tiny_model_d
     # The next refusal lists only the run's outputs as results, and says the other files stay.
     line = subprocess.run(
         [sys.executable, "-m", "mempo_trl", "train", "--config", str(recipe)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": SRC},
-    ).stderr.strip()  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": SRC},
+    ).stderr.strip()
     assert line.startswith(f"error: output directory {out} already holds results (README.md, _mempo_outputs.json,")
     assert "thesis" not in line and "photos" not in line and "(other files there are kept)" in line
 
@@ -128,8 +138,9 @@ def test_eval_and_train_share_the_rules_other_files_alone_need_overwrite(tmp_pat
         ("CFG", "contains", "recipe", "CFG/recipe.yaml"),
     ],
 )
-def test_an_output_dir_overlapping_an_input_is_refused_before_any_work(tmp_path, capsys, tiny_model_dir, output,
-                                                                       relation, what, given):  # fmt: skip
+def test_an_output_dir_overlapping_an_input_is_refused_before_any_work(
+    tmp_path, capsys, tiny_model_dir, output, relation, what, given
+):
     import shutil
 
     shutil.copytree(tiny_model_dir, tmp_path / "model")
@@ -142,8 +153,13 @@ def test_an_output_dir_overlapping_an_input_is_refused_before_any_work(tmp_path,
     (tmp_path / "cfg").mkdir()
     names = {"MODEL": "model", "DATA": "data", "WORLD": "world", "CFG": "cfg"}
     expand = lambda s: str(tmp_path / names[s.split("/")[0]]) + s[len(s.split("/")[0]) :]  # noqa: E731
-    recipe = cpu_recipe(tmp_path / "cfg", tmp_path / "model", dataset_name=str(tmp_path / "data"),
-                        corpus=str(tmp_path / "world" / "corpus.jsonl"), output_dir=expand(output))  # fmt: skip
+    recipe = cpu_recipe(
+        tmp_path / "cfg",
+        tmp_path / "model",
+        dataset_name=str(tmp_path / "data"),
+        corpus=str(tmp_path / "world" / "corpus.jsonl"),
+        output_dir=expand(output),
+    )
     before = tree(tmp_path)
     assert main(["train", "--config", str(recipe), "--overwrite_output_dir", "true"]) == 2
     assert one_error_line(capsys) == (
@@ -197,8 +213,10 @@ def test_merge_lora_into_its_adapter_dir_is_refused_before_writing(tmp_path, cap
         f"error: output directory {destination} {relation} the model {adapter}: results and inputs would mix. "
         "Choose another output directory."
     )
-    assert tree(adapter) == {"adapter_config.json": b'{"base_model_name_or_path": "base"}',
-                             "adapter_model.safetensors": b"adapter weights"}  # fmt: skip
+    assert tree(adapter) == {
+        "adapter_config.json": b'{"base_model_name_or_path": "base"}',
+        "adapter_model.safetensors": b"adapter weights",
+    }
 
 
 # ------------------------------------------------------------------------------------------ F4: one run at a time

@@ -19,12 +19,22 @@ def test_train_two_steps_then_eval_on_a_qwen2_5_shaped_model(qwen_model_dir, tmp
     monkeypatch.setenv("MEMPO_CACHE", str(tmp_path / "cache"))
     base, trained, evaluated = qwen_model_dir, tmp_path / "trained", tmp_path / "eval"
     recipe = {
-        "model_name_or_path": str(base), "output_dir": str(trained), "use_cpu": True, "bf16": False,
-        "report_to": "none", "save_strategy": "no", "max_steps": 2, "logging_steps": 1,
-        "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 8, "max_turns": 2,
+        "model_name_or_path": str(base),
+        "output_dir": str(trained),
+        "use_cpu": True,
+        "bf16": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "max_steps": 2,
+        "logging_steps": 1,
+        "per_device_train_batch_size": 4,
+        "num_generations": 2,
+        "max_completion_length": 8,
+        "max_turns": 2,
         "reward_funcs": ["mempo_outcome_reward", "mempo_format_reward"],
-        "dataset_name": str(demo_paths().train.parent), "corpus": str(demo_paths().corpus),
-    }  # fmt: skip
+        "dataset_name": str(demo_paths().train.parent),
+        "corpus": str(demo_paths().corpus),
+    }
     (tmp_path / "recipe.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in recipe.items()))
     assert main(["train", "--config", str(tmp_path / "recipe.yaml")]) == 0
     metrics = json.loads((trained / "mempo_metrics.json").read_text())

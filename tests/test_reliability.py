@@ -348,8 +348,13 @@ def launch_training(argv: list[str], cwd: Path) -> tuple[subprocess.Popen, list[
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [*torchrun, str(free_port()), "-m", "mempo_trl", *argv],
-        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-    )  # fmt: skip
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
     lines: list[str] = []
 
     def collect() -> None:
@@ -378,10 +383,19 @@ def test_two_process_training_saves_on_a_retriever_outage_and_resumes(tmp_path, 
     url = f"http://127.0.0.1:{port}"
     out = tmp_path / "out"
     argv = train_settings(
-        tmp_path, warm_model_dir, retriever_url=url, retriever_retry_budget=2.0, max_steps=3, max_turns=2,
-        per_device_train_batch_size=2, num_generations=4, max_completion_length=48, logging_steps=1,
-        save_strategy="no", temperature=1.0,
-    )  # fmt: skip
+        tmp_path,
+        warm_model_dir,
+        retriever_url=url,
+        retriever_retry_budget=2.0,
+        max_steps=3,
+        max_turns=2,
+        per_device_train_batch_size=2,
+        num_generations=4,
+        max_completion_length=48,
+        logging_steps=1,
+        save_strategy="no",
+        temperature=1.0,
+    )
     processes = [start_retriever(tmp_path, port)]
     try:
         training, lines = launch_training(argv, tmp_path)

@@ -249,10 +249,13 @@ def test_build_index_accepts_a_read_only_cache_that_holds_the_index(tmp_path, ca
     assert "loaded from cache" in done.stdout, done.stdout
     assert f"the index is already built in {cache} (read-only); nothing to write." in done.stdout
     other = run_on_read_only(cache, [*argv, "--bm25_k1", "1.3"])  # another index: not there, and cannot be written
-    assert (other.returncode, other.stderr) == (2, (
-        f"error: index cache {cache} cannot be written and does not hold this index. Choose another "
-        "--retriever_cache_dir or fix its permissions.\n"
-    ))  # fmt: skip
+    assert (other.returncode, other.stderr) == (
+        2,
+        (
+            f"error: index cache {cache} cannot be written and does not hold this index. Choose another "
+            "--retriever_cache_dir or fix its permissions.\n"
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------------ vLLM server
@@ -263,8 +266,18 @@ def test_an_unreachable_vllm_server_is_one_error_line_before_the_model_loads(tmp
     `vllm_server_timeout` (TRL's own wait), before any model is loaded or the output directory is claimed."""
     port = free_port()
     start = time.monotonic()
-    assert train(tmp_path, tiny_model_dir, use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
-                 vllm_server_port=port, vllm_server_timeout=2) == 2  # fmt: skip
+    assert (
+        train(
+            tmp_path,
+            tiny_model_dir,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_host="127.0.0.1",
+            vllm_server_port=port,
+            vllm_server_timeout=2,
+        )
+        == 2
+    )
     line = one_error_line(capsys)
     assert line.startswith(f"error: the vLLM server http://127.0.0.1:{port} did not answer /health within 2 s ("), line
     assert "trl vllm-serve" in line and "vllm_server_timeout" in line

@@ -111,17 +111,30 @@ RESTORE = "restore it from the saved model, or save the model again"
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (edit_config(vocab_size=10), "{m}/config.json does not match the weights in model.safetensors: "
-         "model.embed_tokens.weight has shape (1616, 64) there, (10, 64) by the config"),
-        (edit_config(hidden_size="big"), "{m}/config.json does not describe a model that can be built (Validation "
-         "error for field 'hidden_size': TypeError: Field 'hidden_size' expected int, got str (value: 'big'))"),
+        (
+            edit_config(vocab_size=10),
+            "{m}/config.json does not match the weights in model.safetensors: "
+            "model.embed_tokens.weight has shape (1616, 64) there, (10, 64) by the config",
+        ),
+        (
+            edit_config(hidden_size="big"),
+            "{m}/config.json does not describe a model that can be built (Validation "
+            "error for field 'hidden_size': TypeError: Field 'hidden_size' expected int, got str (value: 'big'))",
+        ),
         (edit_config(num_hidden_layers=5), "{m}/config.json does not describe a model that can be built ("),
-        (edit_config(dtype="float99"), "{m}/config.json: dtype 'float99' is not a torch dtype (float32, bfloat16, ...)"),
+        (
+            edit_config(dtype="float99"),
+            "{m}/config.json: dtype 'float99' is not a torch dtype (float32, bfloat16, ...)",
+        ),
         (write("config.json", "[]"), "{m}/config.json holds list, not a JSON object"),
-        (write("chat_template.jinja", "{% if %}"), "the chat template in {m}/chat_template.jinja cannot render a MemPO "
-         "round (TemplateSyntaxError: "),
-        (write("chat_template.jinja", "{{ raise_exception('no tools here') }}"), "the chat template in "
-         "{m}/chat_template.jinja cannot render a MemPO round (TemplateError: no tools here)"),
+        (
+            write("chat_template.jinja", "{% if %}"),
+            "the chat template in {m}/chat_template.jinja cannot render a MemPO round (TemplateSyntaxError: ",
+        ),
+        (
+            write("chat_template.jinja", "{{ raise_exception('no tools here') }}"),
+            "the chat template in {m}/chat_template.jinja cannot render a MemPO round (TemplateError: no tools here)",
+        ),
         (cut("model.safetensors", 0.5), "{m}/model.safetensors is truncated ("),
         (cut("model.safetensors", 0), "{m}/model.safetensors is truncated (0 bytes, shorter than its header)"),
         (lambda model: (model / "tokenizer.json").unlink(), "{m}/tokenizer.json is missing: {m} holds no tokenizer"),
@@ -129,7 +142,7 @@ RESTORE = "restore it from the saved model, or save the model again"
         (write("tokenizer.json", '{"a": 1}'), "{m}/tokenizer.json is not a tokenizer ("),
         (write("tokenizer_config.json", ""), "{m}/tokenizer_config.json is not valid JSON (Expecting value"),
     ],
-)  # fmt: skip
+)
 def test_ask_names_the_damaged_file_of_a_model(damaged, demo_paths, capsys, damage, message):
     damage(damaged)
     assert main(ask(damaged, demo_paths)) == 2
@@ -198,8 +211,11 @@ def test_push_to_hub_with_the_hub_unreachable_fails_before_loading(tmp_path, tin
     env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": offline, "HF_TOKEN": "", "MEMPO_DEBUG": ""}
     done = subprocess.run(
         [sys.executable, "-m", "mempo_trl", "train", "--config", str(recipe)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and done.stderr.count("error: ") == 1, done.stderr
     reason = "HF_HUB_OFFLINE is set" if offline == "1" else f"{endpoint} cannot be reached ("

@@ -23,9 +23,13 @@ SRC = str(REPO / "src")  # this checkout's code, whatever is installed
 def mempo(*args, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m mempo_trl *args`, finished."""
     return subprocess.run(
-        [sys.executable, "-m", "mempo_trl", *map(str, args)], capture_output=True, text=True, timeout=timeout,
-        cwd=cwd, env={**os.environ, "PYTHONPATH": SRC},
-    )  # fmt: skip
+        [sys.executable, "-m", "mempo_trl", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
 
 
 def error_line(result: subprocess.CompletedProcess) -> str:
@@ -66,10 +70,15 @@ def test_overwrite_never_deletes_a_directory_no_run_recorded(tmp_path, finished)
     (project / "runs" / "exp1").mkdir(parents=True)
     (other_tool / "checkpoint-500").mkdir(parents=True)
     files = {
-        "proj/README.md": "# my project", "proj/config.json": '{"lr": 1}', "proj/results.json": '{"acc": 0.9}',
-        "proj/vocab.json": "{}", "proj/analysis.py": "x", "proj/runs/exp1/data.csv": "1,2",
-        "hf_run/checkpoint-500/trainer_state.json": '{"global_step": 500}', "hf_run/notes.txt": "mine",
-    }  # fmt: skip
+        "proj/README.md": "# my project",
+        "proj/config.json": '{"lr": 1}',
+        "proj/results.json": '{"acc": 0.9}',
+        "proj/vocab.json": "{}",
+        "proj/analysis.py": "x",
+        "proj/runs/exp1/data.csv": "1,2",
+        "hf_run/checkpoint-500/trainer_state.json": '{"global_step": 500}',
+        "hf_run/notes.txt": "mine",
+    }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     before = tree(tmp_path)
@@ -150,8 +159,16 @@ def test_a_full_weight_checkpoint_resumed_with_use_peft_is_refused_up_front(tmp_
 
 
 def test_a_lora_checkpoint_resumed_without_use_peft_is_refused_up_front(tmp_path, capsys, tiny_model_dir):
-    recipe = cpu_recipe(tmp_path, tiny_model_dir, save_strategy="steps", save_steps=1, max_steps=2, use_peft=True,
-                        lora_r=4, lora_alpha=8)  # fmt: skip
+    recipe = cpu_recipe(
+        tmp_path,
+        tiny_model_dir,
+        save_strategy="steps",
+        save_steps=1,
+        max_steps=2,
+        use_peft=True,
+        lora_r=4,
+        lora_alpha=8,
+    )
     out = tmp_path / "out"
     assert main(["train", "--config", str(recipe), "--max_steps", "1"]) == 0
     before = tree(out)
@@ -194,8 +211,9 @@ def test_a_resume_that_fails_while_loading_writes_nothing(tmp_path, capsys, fini
         ("--dataset_name", "bad.jsonl", "error: bad.jsonl, line 1: field 'question' must be a string with visible "),
     ],
 )
-def test_overwrite_deletes_the_previous_run_only_after_the_inputs_are_checked(tmp_path, finished, flag, value,
-                                                                              message):  # fmt: skip
+def test_overwrite_deletes_the_previous_run_only_after_the_inputs_are_checked(
+    tmp_path, finished, flag, value, message
+):
     out = copy_run(finished, tmp_path / "out")
     (tmp_path / "bad.jsonl").write_text('{"id": "a", "question": "", "golden_answers": ["x"]}\n')
     before = tree(out)

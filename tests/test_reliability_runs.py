@@ -127,8 +127,9 @@ def run_copy(tmp_path, finished_run):
         ("trainer_state.json:-0", "trainer_state.json is not valid JSON (Expecting value: line 1 column 1 (char 0))"),
     ],
 )
-def test_resuming_a_broken_checkpoint_names_the_file_before_any_work(tmp_path, capsys, tiny_model_dir, run_copy,
-                                                                     damage, problem):  # fmt: skip
+def test_resuming_a_broken_checkpoint_names_the_file_before_any_work(
+    tmp_path, capsys, tiny_model_dir, run_copy, damage, problem
+):
     checkpoint = run_copy / "checkpoint-2"
     name, _, cut = damage.partition(":")  # ":-N": cut the last N bytes (":-0": all of them)
     if cut:
@@ -193,9 +194,12 @@ def test_sigterm_saves_a_complete_checkpoint_and_says_how_to_resume(tmp_path, ti
     argv = recipe(tmp_path, tiny_model_dir, max_steps=500)
     src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's code, whatever is installed
     process = subprocess.Popen(
-        [sys.executable, "-m", "mempo_trl", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "mempo_trl", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONPATH": src, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
     reader.start()

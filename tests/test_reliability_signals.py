@@ -32,9 +32,13 @@ class Run:
 
     def __init__(self, args: list[str], new_session: bool = False):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "mempo_trl", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONPATH": SRC, "PYTHONUNBUFFERED": "1"}, start_new_session=new_session,
-        )  # fmt: skip
+            [sys.executable, "-m", "mempo_trl", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONPATH": SRC, "PYTHONUNBUFFERED": "1"},
+            start_new_session=new_session,
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.process.stdout.readline, "")))
         self.reader.daemon = True

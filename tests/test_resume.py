@@ -26,15 +26,32 @@ class StopAfter(TrainerCallback):
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "--config", str(TINY_RECIPE),
-        "--model_name_or_path", str(model_dir),
-        "--dataset_name", str(DEMO.train.parent), "--corpus", str(DEMO.corpus),
-        "--output_dir", str(out),
-        "--per_device_train_batch_size", "4", "--num_generations", "4",
-        "--max_turns", "3", "--max_completion_length", "48",
-        "--max_steps", "4", "--learning_rate", "1e-3", "--seed", "7",
+        "--config",
+        str(TINY_RECIPE),
+        "--model_name_or_path",
+        str(model_dir),
+        "--dataset_name",
+        str(DEMO.train.parent),
+        "--corpus",
+        str(DEMO.corpus),
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--max_turns",
+        "3",
+        "--max_completion_length",
+        "48",
+        "--max_steps",
+        "4",
+        "--learning_rate",
+        "1e-3",
+        "--seed",
+        "7",
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:

@@ -16,8 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 def _mempo(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mempo_trl", *args],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_smollm2_tokenizer_splits_the_tags(smollm2_tokenizer):
@@ -90,9 +93,15 @@ def test_smollm2_script_resumes_rl_from_the_newest_complete_checkpoint(tmp_path)
     from safetensors.torch import save_file
 
     run = tmp_path / "run"
-    for done in ("model/model.safetensors", "learner/world/test.jsonl", "eval_before_sft/results.json",
-                 "sft/warm_start.json", "eval_after_sft/results.json", "rl/mempo_metrics.json",
-                 "rl/mempo_save_incomplete.json"):  # fmt: skip
+    for done in (
+        "model/model.safetensors",
+        "learner/world/test.jsonl",
+        "eval_before_sft/results.json",
+        "sft/warm_start.json",
+        "eval_after_sft/results.json",
+        "rl/mempo_metrics.json",
+        "rl/mempo_save_incomplete.json",
+    ):
         (run / done).parent.mkdir(parents=True, exist_ok=True)
         (run / done).write_text("{}")
     for step in (1, 2):
@@ -105,14 +114,23 @@ def test_smollm2_script_resumes_rl_from_the_newest_complete_checkpoint(tmp_path)
     (run / "rl" / "checkpoint-2" / "optimizer.pt").unlink()
     (tmp_path / "stub.py").write_text(STUB)
     log = tmp_path / "calls.jsonl"
-    env = {**os.environ, "MEMPO": f"{sys.executable} {tmp_path / 'stub.py'} {log}",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(REPO / "src")}  # fmt: skip
+    env = {
+        **os.environ,
+        "MEMPO": f"{sys.executable} {tmp_path / 'stub.py'} {log}",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO / "src"),
+    }
 
     def script() -> list[list[str]]:
         log.unlink(missing_ok=True)
-        done = subprocess.run(["bash", str(REPO / "examples" / "smollm2_cpu.sh"), str(run)], capture_output=True,
-                              text=True, timeout=120, env=env, cwd=tmp_path)  # fmt: skip
+        done = subprocess.run(
+            ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), str(run)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,
+        )
         assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]  # the stub's merge-lora
         return [json.loads(line) for line in log.read_text().splitlines()]
 
@@ -150,19 +168,30 @@ def test_smollm2_recipe_runs_end_to_end_small(tmp_path):
     """examples/smollm2_cpu.sh at its smallest: 2 SFT steps, one MemPO step of 4 episodes, five questions in each
     evaluation."""
     run = tmp_path / "run"
-    env = {**os.environ, "MEMPO": f"{sys.executable} -m mempo_trl", "OMP_NUM_THREADS": "1",
-           "TRAIN_ARGS": "--num_generations 2 --per_device_train_batch_size 2 --max_completion_length 48"}  # fmt: skip
+    env = {
+        **os.environ,
+        "MEMPO": f"{sys.executable} -m mempo_trl",
+        "OMP_NUM_THREADS": "1",
+        "TRAIN_ARGS": "--num_generations 2 --per_device_train_batch_size 2 --max_completion_length 48",
+    }
     done = subprocess.run(
         ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), str(run), "2", "1", "5"],
-        capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads((run / "sft" / "warm_start.json").read_text())["stats"]["steps"] == 2
     assert (run / "rl" / "adapter_config.json").is_file() and "train_runtime" in json.loads(
         (run / "rl" / "mempo_metrics.json").read_text()
     )
-    for name, modes in (("before_sft", ["memory"]), ("after_sft", ["memory", "full_history"]),
-                        ("after_rl", ["memory", "full_history"])):  # fmt: skip
+    for name, modes in (
+        ("before_sft", ["memory"]),
+        ("after_sft", ["memory", "full_history"]),
+        ("after_rl", ["memory", "full_history"]),
+    ):
         results = json.loads((run / f"eval_{name}" / "results.json").read_text())
         assert sorted(results["modes"]) == sorted(modes)
         for mode in modes:
@@ -171,8 +200,12 @@ def test_smollm2_recipe_runs_end_to_end_small(tmp_path):
     # Run again: every stage is skipped, nothing is redone.
     again = subprocess.run(
         ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), str(run), "2", "1", "5"],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert again.returncode == 0 and again.stdout.count("] done (") == 8, again.stdout
 
 
@@ -210,9 +243,13 @@ def _recipe(tmp_path, *args: str) -> subprocess.CompletedProcess:
     (tmp_path / "fake_mempo.py").write_text(FAKE_MEMPO)
     env = {**os.environ, "MEMPO": f"{sys.executable} {tmp_path / 'fake_mempo.py'}", "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), *args], capture_output=True, text=True, timeout=120,
-        env=env, cwd=tmp_path,
-    )  # fmt: skip
+        ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
 
 
 def test_smollm2_recipe_reuses_a_converted_model_and_summarises_like_the_committed_run(tmp_path):

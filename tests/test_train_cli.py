@@ -153,8 +153,18 @@ def test_quickstart_trains_the_shipped_learner_on_its_own_world(capsys, tmp_path
     monkeypatch.chdir(tmp_path)  # the recipe's paths are relative, as in a clone
     assert main(["kit", "learner", "--output_dir", "kit/learner"]) == 0
     out, world = tmp_path / "quickstart", tmp_path / "kit" / "learner" / "world"
-    argv = ["--config", str(QUICKSTART), "--output_dir", str(out), "--max_steps", "1",
-            "--per_device_train_batch_size", "4", "--heldout_questions", "3"]  # fmt: skip
+    argv = [
+        "--config",
+        str(QUICKSTART),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "1",
+        "--per_device_train_batch_size",
+        "4",
+        "--heldout_questions",
+        "3",
+    ]
     script_args, training_args, model_args, retriever_args = parse_args(argv)
     assert model_args.model_name_or_path == "kit/learner/model" and training_args.instruction == "Question: {question}"
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
@@ -193,9 +203,15 @@ def test_a_lora_run_with_activation_checkpointing_prints_no_deprecation_warning(
     import subprocess
     import sys
 
-    config = recipe(use_peft=True, lora_r=2, lora_target_modules=["q_proj", "v_proj"], activation_checkpointing=True,
-                    max_turns=2)  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "mempo_trl", "train", "--config", config], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "default"})  # fmt: skip
+    config = recipe(
+        use_peft=True, lora_r=2, lora_target_modules=["q_proj", "v_proj"], activation_checkpointing=True, max_turns=2
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mempo_trl", "train", "--config", config],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "FutureWarning" not in done.stderr and "deprecated" not in done.stderr, done.stderr[-3000:]

@@ -20,14 +20,20 @@ def _train(model_dir, demo_paths, retriever, tmp_path, peft_config=None, reward_
     model, tokenizer = load_tiny(model_dir)
     model.train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    settings = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=40, learning_rate=5e-3,
-                    max_steps=2)  # fmt: skip
+    settings = dict(
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=40, learning_rate=5e-3, max_steps=2
+    )
     args = cpu_config(tmp_path, **{**settings, **overrides})
     dataset = load_qa(str(demo_paths.train)).select(range(16))
     trainer = MemPOTrainer(
-        model, retriever, args=args, train_dataset=dataset, processing_class=tokenizer,
-        peft_config=peft_config, reward_funcs=reward_funcs,
-    )  # fmt: skip
+        model,
+        retriever,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        reward_funcs=reward_funcs,
+    )
     trainer.train()
     after = dict(trainer.model.named_parameters())
     return trainer, before, after
@@ -74,10 +80,18 @@ def test_lora_trains_only_the_adapter(warm_model_dir, demo_paths, demo_retriever
 @pytest.mark.slow
 def test_reference_model_kl_and_memory_variants(warm_model_dir, demo_paths, demo_retriever, tmp_path):
     trainer, before, after = _train(
-        warm_model_dir, demo_paths, demo_retriever, tmp_path,
-        beta=0.04, memory_full_from_reference=True, memory_pooling="question_round", memory_scoring="shared_prefix",
-        memory_threshold=None, memory_threshold_quantile=0.3, memory_reward_type="log_ratio",
-    )  # fmt: skip
+        warm_model_dir,
+        demo_paths,
+        demo_retriever,
+        tmp_path,
+        beta=0.04,
+        memory_full_from_reference=True,
+        memory_pooling="question_round",
+        memory_scoring="shared_prefix",
+        memory_threshold=None,
+        memory_threshold_quantile=0.3,
+        memory_reward_type="log_ratio",
+    )
     assert trainer.ref_model is not None and _logged(trainer, "kl")
     assert _changed(before, after, before)
 
@@ -85,9 +99,15 @@ def test_reference_model_kl_and_memory_variants(warm_model_dir, demo_paths, demo
 @pytest.mark.slow
 def test_multiple_iterations_reuse_rollouts_with_old_logps(warm_model_dir, demo_paths, demo_retriever, tmp_path):
     trainer, before, after = _train(
-        warm_model_dir, demo_paths, demo_retriever, tmp_path, num_iterations=2, steps_per_generation=2, max_steps=4,
+        warm_model_dir,
+        demo_paths,
+        demo_retriever,
+        tmp_path,
+        num_iterations=2,
+        steps_per_generation=2,
+        max_steps=4,
         per_device_train_batch_size=4,
-    )  # fmt: skip
+    )
     assert _changed(before, after, before)
     # 4 optimizer steps from ONE generation batch (2 slices x 2 iterations), with old log-probs for the ratio.
     assert len(_logged(trainer, "episode/turns")) == 1
@@ -98,9 +118,13 @@ def test_multiple_iterations_reuse_rollouts_with_old_logps(warm_model_dir, demo_
 def test_full_history_baseline_trains_without_memory_scoring(warm_model_dir, demo_paths, demo_retriever, tmp_path):
     # No memory advantage here: the optional format reward gives the groups reward variance.
     trainer, before, after = _train(
-        warm_model_dir, demo_paths, demo_retriever, tmp_path, context_mode="full_history",
+        warm_model_dir,
+        demo_paths,
+        demo_retriever,
+        tmp_path,
+        context_mode="full_history",
         reward_funcs=[mempo_outcome_reward, mempo_format_reward],
-    )  # fmt: skip
+    )
     assert _logged(trainer, "rewards/mempo_format_reward/mean")
     assert _changed(before, after, before)
     assert not _logged(trainer, "memory/reward")
@@ -110,15 +134,26 @@ def test_full_history_baseline_trains_without_memory_scoring(warm_model_dir, dem
 @pytest.mark.slow
 def test_evaluate_logs_episode_and_memory_metrics(warm_model_dir, demo_paths, demo_retriever, tmp_path):
     model, tokenizer = load_tiny(warm_model_dir)
-    args = cpu_config(tmp_path, num_generations=4, per_device_eval_batch_size=4, num_generations_eval=2,
-                      max_completion_length=40)  # fmt: skip
+    args = cpu_config(
+        tmp_path, num_generations=4, per_device_eval_batch_size=4, num_generations_eval=2, max_completion_length=40
+    )
     trainer = MemPOTrainer(
-        model, demo_retriever, args=args, train_dataset=load_qa(str(demo_paths.train)).select(range(4)),
-        eval_dataset=load_qa(str(demo_paths.test)).select(range(4)), processing_class=tokenizer,
-    )  # fmt: skip
+        model,
+        demo_retriever,
+        args=args,
+        train_dataset=load_qa(str(demo_paths.train)).select(range(4)),
+        eval_dataset=load_qa(str(demo_paths.test)).select(range(4)),
+        processing_class=tokenizer,
+    )
     metrics = trainer.evaluate()
-    for key in ("eval_loss", "eval_episode/em", "eval_episode/format_valid", "eval_episode/turns",
-                "eval_tokens/prompt_per_round", "eval_time/generation"):  # fmt: skip
+    for key in (
+        "eval_loss",
+        "eval_episode/em",
+        "eval_episode/format_valid",
+        "eval_episode/turns",
+        "eval_tokens/prompt_per_round",
+        "eval_time/generation",
+    ):
         assert key in metrics, key
     assert 0.0 <= metrics["eval_episode/format_valid"] <= 1.0
 
@@ -147,9 +182,16 @@ def test_training_climbs_a_reward_the_policy_can_reach(warm_model_dir, demo_path
     lengths = {}
     for reward in (_longer, _shorter):
         trainer, _, _ = _train(
-            warm_model_dir, demo_paths, demo_retriever, tmp_path / reward.__name__, reward_funcs=[reward],
-            max_steps=10, learning_rate=3e-3, max_turns=3, memory_coef=0.0,
-        )  # fmt: skip
+            warm_model_dir,
+            demo_paths,
+            demo_retriever,
+            tmp_path / reward.__name__,
+            reward_funcs=[reward],
+            max_steps=10,
+            learning_rate=3e-3,
+            max_turns=3,
+            memory_coef=0.0,
+        )
         rewards = _logged(trainer, "reward")
         print(reward.__name__, "reward per step:", [round(r, 2) for r in rewards])
         lengths[reward.__name__] = abs(sum(rewards[-4:]) / 4)

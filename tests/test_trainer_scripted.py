@@ -197,10 +197,14 @@ def test_an_invalid_episode_still_scores_the_memories_it_wrote(scripted_trainer,
     trainer, _, _, _ = scripted_trainer
     question = "Where is Gamma?"
     monkeypatch.setitem(GOLDS, question, ["Oslo"])
-    monkeypatch.setitem(SCRIPT, question, [
-        [turn("g1 one", "search", "gamma"), turn("g1 two", "search", "gamma 2"), "<mem>g1 three</mem> stray"],
-        [turn("g2 one", "search", "gamma"), turn("g2 two", "answer", "Oslo")],
-    ])  # fmt: skip
+    monkeypatch.setitem(
+        SCRIPT,
+        question,
+        [
+            [turn("g1 one", "search", "gamma"), turn("g1 two", "search", "gamma 2"), "<mem>g1 three</mem> stray"],
+            [turn("g2 one", "search", "gamma"), turn("g2 two", "answer", "Oslo")],
+        ],
+    )
     for mem, p in {"g1 two": (0.3, 0.4), "g1 three": (0.3, 0.2), "g2 two": (0.5, 0.5)}.items():
         monkeypatch.setitem(P_VALUES, mem, p)
     for mem, nxt in {"g1 one": "g1 two", "g1 two": "g1 three", "g2 one": "g2 two"}.items():
@@ -277,10 +281,14 @@ def test_episode_metrics_come_from_one_outcome_score_per_episode(scripted_traine
     trainer, _, _, _ = scripted_trainer
     question = "Where is Delta?"
     monkeypatch.setitem(GOLDS, question, ["Paris"])
-    monkeypatch.setitem(SCRIPT, question, [
-        [turn("d1 one", "search", "delta"), turn("d1 two", "answer", "Paris France")],
-        [turn("d2 one", "answer", "the paris")],
-    ])  # fmt: skip
+    monkeypatch.setitem(
+        SCRIPT,
+        question,
+        [
+            [turn("d1 one", "search", "delta"), turn("d1 two", "answer", "Paris France")],
+            [turn("d2 one", "answer", "the paris")],
+        ],
+    )
     monkeypatch.setitem(P_VALUES, "d1 two", (0.5, 0.25))
     monkeypatch.setitem(PREVIOUS_MEM, "d1 one", "d1 two")
     calls = []

@@ -122,7 +122,10 @@ def expected_advantages(out, tokenizer, args):
     for i, (_, label, r) in enumerate(rows):
         ids = out["completion_ids"][i].tolist()
         if r > 1:
-            spans[(label, r)] = (ids.index(tokenizer.convert_tokens_to_ids("<mem>")), ids.index(tokenizer.convert_tokens_to_ids("</mem>")))  # fmt: skip
+            spans[(label, r)] = (
+                ids.index(tokenizer.convert_tokens_to_ids("<mem>")),
+                ids.index(tokenizer.convert_tokens_to_ids("</mem>")),
+            )
     # P_full / P_mem with the confidence filter (keep tokens with log p > threshold; P = 0 when none is kept).
     full_table = P_REF if args.memory_full_from_reference else P_FULL
     p = {key: (full_table[f"{key[0]} r{key[1]}"], P_MEM[f"{key[0]} r{key[1]}"]) for key in spans}
@@ -131,7 +134,10 @@ def expected_advantages(out, tokenizer, args):
         assert args.memory_threshold_quantile == 0.0  # the 0-quantile is the smallest log-prob of the batch
         threshold = min(float(torch.tensor(math.log(v))) for pair in p.values() for v in pair)
     if threshold is not None:
-        p = {key: tuple(v if float(torch.tensor(math.log(v))) > threshold else 0.0 for v in pair) for key, pair in p.items()}  # fmt: skip
+        p = {
+            key: tuple(v if float(torch.tensor(math.log(v))) > threshold else 0.0 for v in pair)
+            for key, pair in p.items()
+        }
     reward = {}
     for key, (pf, pm) in p.items():
         if args.memory_reward_type == "diff":
@@ -201,9 +207,14 @@ def test_advantages_follow_every_memory_setting(variant, tiny_model_dir, tmp_pat
 def test_memory_scoring_uses_untempered_log_probs(scoring, tiny_model_dir, tmp_path, monkeypatch):
     # Sampling temperature 0.7 must not reach the scorer: P is computed from the model's untempered logits.
     trainer, _ = make_trainer(
-        tiny_model_dir, tmp_path, monkeypatch, scripted_scores=False,
-        temperature=0.7, memory_threshold=None, memory_scoring=scoring,
-    )  # fmt: skip
+        tiny_model_dir,
+        tmp_path,
+        monkeypatch,
+        scripted_scores=False,
+        temperature=0.7,
+        memory_threshold=None,
+        memory_scoring=scoring,
+    )
     seen = {}
     memory_rewards = trainer._memory_rewards
 

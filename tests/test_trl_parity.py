@@ -333,81 +333,175 @@ FEATURES = {
     2: ("training across architectures", "works", (), "test_smollm2.py"),
     3: ("TRL prompt-only dataset formats", "refused", (), "test_trl_parity.py::test_refusals"),
     4: ("trust_remote_code", "n.a.", ("trust_remote_code",), None),
-    5: ("model instance, model_init_kwargs, disable_dropout", "works", ("model_init_kwargs", "disable_dropout"),
-        "test_trl_parity.py::test_construction_effects"),
-    6: ("loss types dapo, bnpo, cispo, vespo", "works",
+    5: (
+        "model instance, model_init_kwargs, disable_dropout",
+        "works",
+        ("model_init_kwargs", "disable_dropout"),
+        "test_trl_parity.py::test_construction_effects",
+    ),
+    6: (
+        "loss types dapo, bnpo, cispo, vespo",
+        "works",
         ("loss_type", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
-        "test_trl_parity.py::test_shared_run"),
-    7: ("loss types grpo, dr_grpo, sapo, luspo", "adapted", ("sapo_temperature_neg", "sapo_temperature_pos"),
-        "test_trl_parity.py::test_row_level_losses_count_real_rounds_only"),
+        "test_trl_parity.py::test_shared_run",
+    ),
+    7: (
+        "loss types grpo, dr_grpo, sapo, luspo",
+        "adapted",
+        ("sapo_temperature_neg", "sapo_temperature_pos"),
+        "test_trl_parity.py::test_row_level_losses_count_real_rounds_only",
+    ),
     8: ("evaluation", "works", ("num_generations_eval",), "test_trl_parity.py::test_shared_run"),
-    9: ("iterable (streaming) datasets", "refused", (),
-        "test_trl_parity.py::test_streaming_datasets_are_refused_at_init_before_reading_them"),
+    9: (
+        "iterable (streaming) datasets",
+        "refused",
+        (),
+        "test_trl_parity.py::test_streaming_datasets_are_refused_at_init_before_reading_them",
+    ),
     10: ("dataloader workers", "works", (), "test_trainer_e2e.py"),
     11: ("num_iterations", "works", ("num_iterations", "epsilon"), "test_trl_parity.py::test_shared_run"),
-    12: ("generation batch and steps per generation", "adapted",
-         ("num_generations", "generation_batch_size", "steps_per_generation", "shuffle_dataset",
-          "max_completion_length"), "test_trainer_wiring.py"),
+    12: (
+        "generation batch and steps per generation",
+        "adapted",
+        (
+            "num_generations",
+            "generation_batch_size",
+            "steps_per_generation",
+            "shuffle_dataset",
+            "max_completion_length",
+        ),
+        "test_trainer_wiring.py",
+    ),
     13: ("PEFT", "works", (), "test_trl_parity.py::test_construction_effects"),
     14: ("PEFT with beta > 0; MoE", "works", ("router_aux_loss_coef",), "test_trainer_e2e.py"),
     15: ("gradient checkpointing", "works", (), "test_trainer_e2e.py"),
     16: ("liger kernel with PEFT", "untestable", (), None),
     17: ("reward model", "works", (), "test_trainer_e2e.py"),
-    18: ("reward function formats", "adapted", (),
-         "test_trl_parity.py::test_reward_functions_get_conversational_completions_and_are_told"),
+    18: (
+        "reward function formats",
+        "adapted",
+        (),
+        "test_trl_parity.py::test_reward_functions_get_conversational_completions_and_are_told",
+    ),
     19: ("several, async and None-returning reward functions", "works", (), "test_trainer_trl_features.py"),
-    20: ("reward_weights", "works", ("reward_weights",),
-         "test_trl_parity.py::test_normalize_then_sum_matches_a_hand_computed_advantage"),
-    21: ("multi_objective_aggregation", "works", ("multi_objective_aggregation",),
-         "test_trl_parity.py::test_normalize_then_sum_matches_a_hand_computed_advantage"),
+    20: (
+        "reward_weights",
+        "works",
+        ("reward_weights",),
+        "test_trl_parity.py::test_normalize_then_sum_matches_a_hand_computed_advantage",
+    ),
+    21: (
+        "multi_objective_aggregation",
+        "works",
+        ("multi_objective_aggregation",),
+        "test_trl_parity.py::test_normalize_then_sum_matches_a_hand_computed_advantage",
+    ),
     22: ("extra columns, trainer_state, log_metric, log_extra", "works", (), "test_trainer_trl_features.py"),
     23: ("all rewards None", "works", (), "test_trainer_trl_features.py"),
     24: ("reward_processing_classes", "works", (), "test_trl_parity.py::test_refusals"),
     25: ("no reward source, no train dataset", "refused", (), "test_trl_parity.py::test_refusals"),
     26: ("beta > 0: reference model and KL", "works", ("beta",), "test_trl_parity.py::test_shared_run"),
-    27: ("sync_ref_model", "works", ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
-         "test_trl_parity.py::test_shared_run"),
+    27: (
+        "sync_ref_model",
+        "works",
+        ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
+        "test_trl_parity.py::test_shared_run",
+    ),
     28: ("use_bias_correction_kl", "works", ("use_bias_correction_kl",), "test_trl_parity.py::test_shared_run"),
-    29: ("pad_to_multiple_of", "works", ("pad_to_multiple_of",),
-         "test_trl_parity.py::test_pad_to_multiple_of_pads_the_training_tensors_as_trl"),
+    29: (
+        "pad_to_multiple_of",
+        "works",
+        ("pad_to_multiple_of",),
+        "test_trl_parity.py::test_pad_to_multiple_of_pads_the_training_tensors_as_trl",
+    ),
     30: ("off_policy_mask_threshold", "works", ("off_policy_mask_threshold",), "test_trl_parity.py::test_shared_run"),
     31: ("cast_lm_head_to_fp32", "works", ("cast_lm_head_to_fp32",), "test_trl_parity.py::test_construction_effects"),
-    32: ("entropy bonus, static and adaptive", "works",
-         ("entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
-          "entropy_target"), "test_trl_parity.py::test_shared_run"),
+    32: (
+        "entropy bonus, static and adaptive",
+        "works",
+        (
+            "entropy_coef",
+            "use_adaptive_entropy",
+            "entropy_coef_min",
+            "entropy_coef_max",
+            "entropy_coef_delta",
+            "entropy_target",
+        ),
+        "test_trl_parity.py::test_shared_run",
+    ),
     33: ("top_entropy_quantile", "works", ("top_entropy_quantile",), "test_trl_parity.py::test_shared_run"),
-    34: ("sampling parameters, generation_kwargs", "works",
-         ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs",
-          "cache_implementation"), "test_trl_parity.py::test_construction_effects"),
+    34: (
+        "sampling parameters, generation_kwargs",
+        "works",
+        ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs", "cache_implementation"),
+        "test_trl_parity.py::test_construction_effects",
+    ),
     35: ("scale_rewards", "works", ("scale_rewards",), "test_advantages.py"),
     36: ("mask_truncated_completions", "adapted", ("mask_truncated_completions",), "test_trainer_wiring.py"),
-    37: ("importance_sampling_level", "works", ("importance_sampling_level",),
-         "test_trl_parity.py::test_gspo_set_up_trains"),
+    37: (
+        "importance_sampling_level",
+        "works",
+        ("importance_sampling_level",),
+        "test_trl_parity.py::test_gspo_set_up_trains",
+    ),
     38: ("delta, epsilon_high", "works", ("delta", "epsilon_high"), "test_trl_parity.py::test_shared_run"),
-    39: ("chat_template_kwargs", "adapted", ("chat_template_kwargs",),
-         "test_trl_parity.py::test_chat_template_kwargs_render_every_context_and_reach_the_agent"),
+    39: (
+        "chat_template_kwargs",
+        "adapted",
+        ("chat_template_kwargs",),
+        "test_trl_parity.py::test_chat_template_kwargs_render_every_context_and_reach_the_agent",
+    ),
     40: ("tools=", "refused", ("max_tool_calling_iterations",), "test_trl_parity.py::test_refusals"),
     41: ("rollout_func", "refused", (), "test_trl_parity.py::test_refusals"),
     42: ("environment_factory", "works", (), "test_environments.py"),
-    43: ("several environments (dict environment_factory)", "works", (),
-         "test_trl_parity.py::test_a_dict_environment_factory_routes_each_row_to_its_environment"),
+    43: (
+        "several environments (dict environment_factory)",
+        "works",
+        (),
+        "test_trl_parity.py::test_a_dict_environment_factory_routes_each_row_to_its_environment",
+    ),
     44: ("environment-owned data (no train_dataset)", "refused", (), "test_trl_parity.py::test_refusals"),
-    45: ("vLLM", "untestable",
-         ("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
-          "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-          "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
-          "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-          "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
-          "ds3_gather_for_generation"), "test_vllm_engine.py::test_colocate_training_syncs_the_new_weights_into_vllm"),
+    45: (
+        "vLLM",
+        "untestable",
+        (
+            "use_vllm",
+            "vllm_mode",
+            "vllm_model_impl",
+            "vllm_enable_sleep_mode",
+            "vllm_structured_outputs_regex",
+            "vllm_server_base_url",
+            "vllm_server_host",
+            "vllm_server_port",
+            "vllm_server_timeout",
+            "vllm_group_port",
+            "vllm_gpu_memory_utilization",
+            "vllm_max_model_length",
+            "vllm_tensor_parallel_size",
+            "vllm_importance_sampling_correction",
+            "vllm_importance_sampling_mode",
+            "vllm_importance_sampling_clip_max",
+            "vllm_importance_sampling_clip_min",
+            "vllm_importance_sampling_cap",
+            "ds3_gather_for_generation",
+        ),
+        "test_vllm_engine.py::test_colocate_training_syncs_the_new_weights_into_vllm",
+    ),
     46: ("liger GRPO loss", "untestable", (), None),
-    47: ("transformers continuous batching", "works",
-         ("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
-         "test_continuous_batching.py"),
-    48: ("completions table, callbacks, checkpoints", "works",
-         ("log_completions", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo"),
-         "test_trl_parity.py::test_shared_run"),
+    47: (
+        "transformers continuous batching",
+        "works",
+        ("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
+        "test_continuous_batching.py",
+    ),
+    48: (
+        "completions table, callbacks, checkpoints",
+        "works",
+        ("log_completions", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo"),
+        "test_trl_parity.py::test_shared_run",
+    ),
     49: ("vision-language models", "n.a.", ("log_multimodal",), None),
-}  # fmt: skip
+}
 STATUSES = ("works", "adapted", "refused", "untestable", "n.a.")
 
 
@@ -480,12 +574,18 @@ def refusal_cases(tiny_model_dir, tmp_path):
         ("a TRL prompt-only dataset", build(dataset=prompt_only), "question"),
         ("tools=", build(tools=[tool]), "does not take `tools=`"),
         ("rollout_func", build(rollout_func=lambda *a, **k: None), "rollout is the MemPO search episode"),
-        ("no train_dataset with an environment", build(None, None, environment_factory=KeyVaultEnv),
-         "needs a train_dataset"),
+        (
+            "no train_dataset with an environment",
+            build(None, None, environment_factory=KeyVaultEnv),
+            "needs a train_dataset",
+        ),
         ("remove_unused_columns", build(remove_unused_columns=True), "remove_unused_columns=False"),
-        ("reward_processing_classes of another length (TRL's check)",
-         build(reward_processing_classes=[tokenizer, tokenizer]), "must match the number of"),
-    ]  # fmt: skip
+        (
+            "reward_processing_classes of another length (TRL's check)",
+            build(reward_processing_classes=[tokenizer, tokenizer]),
+            "must match the number of",
+        ),
+    ]
 
 
 def test_refusals(tiny_model_dir, tmp_path):
@@ -504,9 +604,12 @@ def test_construction_effects(tiny_model_dir, tmp_path):
     qa = Dataset.from_list([{"question": "q?", "golden_answers": ["Paris"]}])
     sampling = dict(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.1)
     args = cpu_config(
-        tmp_path, **sampling, generation_kwargs={"num_beams": 1}, model_init_kwargs={"dtype": "bfloat16"},
+        tmp_path,
+        **sampling,
+        generation_kwargs={"num_beams": 1},
+        model_init_kwargs={"dtype": "bfloat16"},
         cast_lm_head_to_fp32=True,
-    )  # fmt: skip
+    )
     trainer = MemPOTrainer(
         str(tiny_model_dir), EchoRetriever(), args=args, train_dataset=qa, processing_class=tokenizer
     )
@@ -520,9 +623,13 @@ def test_construction_effects(tiny_model_dir, tmp_path):
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     model, _ = load_tiny(tiny_model_dir)
     trainer = MemPOTrainer(
-        model, EchoRetriever(), args=cpu_config(tmp_path), train_dataset=qa, processing_class=tokenizer,
+        model,
+        EchoRetriever(),
+        args=cpu_config(tmp_path),
+        train_dataset=qa,
+        processing_class=tokenizer,
         peft_config=lora,
-    )  # fmt: skip
+    )
     trainable = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
 
@@ -535,12 +642,26 @@ def shared_run(tiny_model_dir, tmp_path_factory):
     monkeypatch = pytest.MonkeyPatch()
     output_dir = tmp_path_factory.mktemp("shared_run")
     options = dict(
-        max_steps=2, beta=0.05, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
-        num_iterations=2, entropy_coef=0.01, top_entropy_quantile=0.5, delta=2.0, epsilon_high=0.3,
-        off_policy_mask_threshold=0.5, use_bias_correction_kl=True, log_completions=True, loss_type="bnpo",
-        eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4, num_generations_eval=2,
+        max_steps=2,
+        beta=0.05,
+        sync_ref_model=True,
+        ref_model_sync_steps=1,
+        ref_model_mixup_alpha=0.5,
+        num_iterations=2,
+        entropy_coef=0.01,
+        top_entropy_quantile=0.5,
+        delta=2.0,
+        epsilon_high=0.3,
+        off_policy_mask_threshold=0.5,
+        use_bias_correction_kl=True,
+        log_completions=True,
+        loss_type="bnpo",
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=4,
+        num_generations_eval=2,
         learning_rate=1e-2,
-    )  # fmt: skip
+    )
     trainer = scripted_trainer(tiny_model_dir, output_dir, monkeypatch, **options)
     before = {name: p.detach().clone() for name, p in trainer.ref_model.named_parameters()}
     trainer.train()

@@ -29,9 +29,13 @@ def _torchrun(mode: str, model_dir: Path, out: Path, nproc: int = 2) -> list[dic
     port = str(free_port())  # for the rendezvous
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
     result = subprocess.run(
-        [*cmd, str(WORKER), mode, str(model_dir), str(out)], cwd=out, env=worker_env(), capture_output=True, text=True,
+        [*cmd, str(WORKER), mode, str(model_dir), str(out)],
+        cwd=out,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
         timeout=600,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 

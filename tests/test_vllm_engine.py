@@ -29,17 +29,26 @@ TURN_TOKENS = "26"
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}  # fmt: skip
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
 
 
 def _cli(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run `mempo-trl args`: it must exit 0 by itself within ``timeout`` seconds (an engine left running kept
     `eval --use_vllm` waiting at exit forever), and none of its processes may outlive it."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "mempo_trl", *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "mempo_trl", *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     tree = ProcessTree(process.pid)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
@@ -63,10 +72,22 @@ def learner(tmp_path_factory) -> Path:
 def _eval_args(learner: Path, out: Path, questions: int = QUESTIONS) -> list[str]:
     world = learner / "world"
     return [
-        "eval", "--model_name_or_path", str(learner / "model"), "--dataset_name", str(world / "test.jsonl"),
-        "--corpus", str(world / "corpus.jsonl"), "--output_dir", str(out), "--max_eval_samples", str(questions),
-        "--max_completion_length", TURN_TOKENS, "--dtype", "float32",
-    ]  # fmt: skip
+        "eval",
+        "--model_name_or_path",
+        str(learner / "model"),
+        "--dataset_name",
+        str(world / "test.jsonl"),
+        "--corpus",
+        str(world / "corpus.jsonl"),
+        "--output_dir",
+        str(out),
+        "--max_eval_samples",
+        str(questions),
+        "--max_completion_length",
+        TURN_TOKENS,
+        "--dtype",
+        "float32",
+    ]
 
 
 def _eval(learner: Path, out: Path, *extra: str) -> list[dict]:
@@ -102,9 +123,19 @@ def test_sigkill_to_an_eval_on_vllm_leaves_no_process(learner, tmp_path):
     """SIGKILL (`timeout -s KILL`, a scheduler) to `eval --use_vllm` while it plays: vLLM's engine processes (and the
     watchdog that ends them) end with it."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "mempo_trl", *_eval_args(learner, tmp_path / "out", questions=200), "--use_vllm",
-         "true"], cwd=learner, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mempo_trl",
+            *_eval_args(learner, tmp_path / "out", questions=200),
+            "--use_vllm",
+            "true",
+        ],
+        cwd=learner,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     tree = ProcessTree(process.pid)
     output = bytearray()
 
@@ -138,15 +169,46 @@ def test_colocate_training_syncs_the_new_weights_into_vllm(learner, tmp_path):
     world, out = learner / "world", tmp_path / "run"
     config = Path(__file__).parents[1] / "examples" / "configs" / "quickstart_cpu.yaml"
     _cli(
-        "train", "--config", str(config), "--model_name_or_path", str(learner / "model"), "--dataset_name", str(world),
-        "--corpus", str(world / "corpus.jsonl"), "--output_dir", str(out), "--heldout_questions", "0",
-        "--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_max_model_length", "1024", "--max_steps", "2",
-        "--per_device_train_batch_size", "8", "--learning_rate", "5e-3", "--save_strategy", "steps",
-        "--save_steps", "2", "--vllm_importance_sampling_mode", "token_truncate",
-        "--vllm_importance_sampling_clip_max", "1.05", "--vllm_importance_sampling_clip_min", "0.95", cwd=learner,
-    )  # fmt: skip
-    steps = [e for e in json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
-             if "loss" in e]  # fmt: skip
+        "train",
+        "--config",
+        str(config),
+        "--model_name_or_path",
+        str(learner / "model"),
+        "--dataset_name",
+        str(world),
+        "--corpus",
+        str(world / "corpus.jsonl"),
+        "--output_dir",
+        str(out),
+        "--heldout_questions",
+        "0",
+        "--use_vllm",
+        "true",
+        "--vllm_mode",
+        "colocate",
+        "--vllm_max_model_length",
+        "1024",
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "8",
+        "--learning_rate",
+        "5e-3",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+        "--vllm_importance_sampling_mode",
+        "token_truncate",
+        "--vllm_importance_sampling_clip_max",
+        "1.05",
+        "--vllm_importance_sampling_clip_min",
+        "0.95",
+        cwd=learner,
+    )
+    steps = [
+        e for e in json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"] if "loss" in e
+    ]
     assert len(steps) == 2
     # Measured: mean |log p difference| 0.002 / 0.009 and ratio mean 0.994 / 0.951 at steps 1 / 2 (vLLM runs the
     # float32 checkpoint in bfloat16: TRL passes no dtype, vLLM's "auto"); with the sync skipped, step 2 has 0.31
@@ -165,9 +227,25 @@ def test_eval_against_vllms_openai_server_plays_as_transformers(learner, tmp_pat
     from helpers import free_port
 
     port, log = free_port(), tmp_path / "server.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(learner / "model"),
-               "--served-model-name", "learner", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--seed", "0", "--generation-config", "vllm"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(learner / "model"),
+        "--served-model-name",
+        "learner",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--seed",
+        "0",
+        "--generation-config",
+        "vllm",
+    ]
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -187,8 +265,9 @@ def test_eval_against_vllms_openai_server_plays_as_transformers(learner, tmp_pat
             except httpx.TransportError:
                 pass
             time.sleep(2)
-        api = _eval(learner, tmp_path / "api", "--openai_base_url", f"http://127.0.0.1:{port}/v1", "--openai_model",
-                    "learner")  # fmt: skip
+        api = _eval(
+            learner, tmp_path / "api", "--openai_base_url", f"http://127.0.0.1:{port}/v1", "--openai_model", "learner"
+        )
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -149,8 +149,10 @@ def test_prompt_loss_trains_on_the_whole_context(warm_model_dir, tmp_path, demo_
         data = warmstart.sft_dataset(warmstart.sft_examples(rows, retriever, tokenizer), prompt_loss)
         counts = [sum(x != -100 for x in labels[1:]) for labels in data["labels"]]  # next-token targets
         with torch.no_grad():
-            nll = [model(torch.tensor([ids]), labels=torch.tensor([labels])).loss.item() * n
-                   for ids, labels, n in zip(data["input_ids"], data["labels"], counts)]  # fmt: skip
+            nll = [
+                model(torch.tensor([ids]), labels=torch.tensor([labels])).loss.item() * n
+                for ids, labels, n in zip(data["input_ids"], data["labels"], counts)
+            ]
         losses[prompt_loss] = sft_warm_start(path, rows, retriever, settings, prompt_loss=prompt_loss)["initial_loss"]
         assert losses[prompt_loss] == pytest.approx(sum(nll) / sum(counts), rel=1e-3)
     assert losses[True] > 2 * losses[False]
@@ -312,8 +314,9 @@ def test_a_stopped_sft_warm_start_resumes_from_its_newest_checkpoint(tiny_model_
         settings = WarmSettings(steps=2, batch_size=2, lr=1e-3, seed=0, mem_drop=0.0)
         sft_warm_start(model_dir, rows, retriever, settings, checkpoint_every=2)
         assert (model_dir / "sft" / "checkpoint-2" / "optimizer.pt").is_file()
-        stats = sft_warm_start(model_dir, rows, retriever, WarmSettings(**{**settings.__dict__, "steps": 3}),
-                               checkpoint_every=2)  # fmt: skip
+        stats = sft_warm_start(
+            model_dir, rows, retriever, WarmSettings(**{**settings.__dict__, "steps": 3}), checkpoint_every=2
+        )
     finally:
         SFTTrainer.train = train
     assert resumed_from == [None, str(model_dir / "sft" / "checkpoint-2")]

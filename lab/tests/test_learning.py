@@ -20,9 +20,14 @@ from mempo_trl.kit.learner import memory_recall, needed_facts, write_learner_wor
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "lab"
-TWO_HOP = {"question": "What is the population of the birthplace of Tisdin Purbro?", "golden_answers": ["634,400"],
-           "data_source": "demo_2hop", "supporting_ids": ["52", "93"], "sub_answers": [],
-           "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"]}  # fmt: skip
+TWO_HOP = {
+    "question": "What is the population of the birthplace of Tisdin Purbro?",
+    "golden_answers": ["634,400"],
+    "data_source": "demo_2hop",
+    "supporting_ids": ["52", "93"],
+    "sub_answers": [],
+    "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"],
+}
 """A demo-world 2-hop row; `hop_facts` finds ``Tisdin Purbro: Sedo.`` and ``Sedo: 634,400.`` for it."""
 
 
@@ -76,8 +81,14 @@ def test_failure_kinds_are_checked_in_order():
     info = "<information>Doc 1(Title: Ulm) Ulm, a city of 1,492 people, lies on the Danube.</information>"
     other = "<information>Doc 1(Title: Bonn) Bonn lies on the Rhine.</information>"
     answer_turn = {"mem": "", "information": None}
-    base = {"question": "How many people live in Ulm?", "golden_answers": ["1,492"], "em": 0.0, "format_valid": True,
-            "answer": "Danube", "rounds": [{"mem": "", "information": info}, answer_turn]}  # fmt: skip
+    base = {
+        "question": "How many people live in Ulm?",
+        "golden_answers": ["1,492"],
+        "em": 0.0,
+        "format_valid": True,
+        "answer": "Danube",
+        "rounds": [{"mem": "", "information": info}, answer_turn],
+    }
     forgot = [{"mem": "", "information": info}, {"mem": "", "information": other}, answer_turn]
     kept = [{"mem": "", "information": info}, {"mem": "Ulm: 1,492.", "information": other}, answer_turn]
     cases = [
@@ -127,11 +138,15 @@ def test_the_quick_starts_row_metric_scores_the_last_memory_against_the_needed_f
     assert math.isnan(metric({**row, "hop_queries": []}, record)["memory_recall"])
     # Summed up over rows, a row without hops does not count.
     result = SimpleNamespace(
-        metrics={"overall": dict.fromkeys(("em", "f1", "format_valid", "turns_per_question",
-                                           "total_tokens_per_question", "peak_context_tokens"), 0.0),
-                 "by_data_source": {"demo_2hop": {"em": 0.0, "f1": 0.5}}},
+        metrics={
+            "overall": dict.fromkeys(
+                ("em", "f1", "format_valid", "turns_per_question", "total_tokens_per_question", "peak_context_tokens"),
+                0.0,
+            ),
+            "by_data_source": {"demo_2hop": {"em": 0.0, "f1": 0.5}},
+        },
         records=[{**record, "data_source": "demo_2hop"}] * 2,
-    )  # fmt: skip
+    )
     summed = heldout_metrics(result, [row, {**row, "hop_queries": []}], metric)
     assert summed["memory_recall"] == summed["by_type"]["demo_2hop"]["memory_recall"] == 0.5
 
@@ -143,8 +158,15 @@ def test_quick_mode_runs_end_to_end_and_resumes(tmp_path, capsys):
     summary = json.loads((tmp_path / "learning.json").read_text())
     assert sorted(summary["arms"]) == sorted(learning.ARMS)
     for arm in summary["arms"].values():
-        for key in ("warm_em", "final_em_mean", "final_em_std", "seeds", "final_em_by_type", "tokens_per_question",
-                    "memory_recall"):  # fmt: skip
+        for key in (
+            "warm_em",
+            "final_em_mean",
+            "final_em_std",
+            "seeds",
+            "final_em_by_type",
+            "tokens_per_question",
+            "memory_recall",
+        ):
             assert key in arm
         assert arm["seeds"] == [0] and arm["tokens_per_question"] > 0
         # Why each held-out row missed (`failure_kind`) is kept with every evaluation and summarised per arm.
@@ -276,8 +298,9 @@ def test_the_shipped_learner_is_the_experiments_forgetful_warm_start(tmp_path):
     derived = {**asdict(learner.LEARNER_WARM), **learning.FORGETFUL, "mem_drop": learning.HEADLINE["mem_drop"]}
     assert learning.shipped_warm_start(derived, paths) == shipped_learner()
     assert learning.shipped_warm_start({**derived, "mem_drop": 0.9}, paths) is None
-    small = write_learner_world(tmp_path / "small", {"seed": 1, "num_entities": 60, "num_questions": 90},
-                                {"test": 20, "rl": 30})  # fmt: skip
+    small = write_learner_world(
+        tmp_path / "small", {"seed": 1, "num_entities": 60, "num_questions": 90}, {"test": 20, "rl": 30}
+    )
     assert learning.shipped_warm_start(derived, small) is None
     settings = json.loads((shipped_learner() / "mempo_agent.json").read_text())
     assert settings["instruction"] == learner.LEARNER_INSTRUCTION

@@ -28,8 +28,12 @@ LAB = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def world():
-    return generate_horizon_world(seed=3, num_entities=80, rows_per_horizon={"warm": 20, "rl": 10, "validation": 5,
-                                  "test": 8}, horizons=(1, 2, 4, 6))  # fmt: skip
+    return generate_horizon_world(
+        seed=3,
+        num_entities=80,
+        rows_per_horizon={"warm": 20, "rl": 10, "validation": 5, "test": 8},
+        horizons=(1, 2, 4, 6),
+    )
 
 
 def test_rows_ask_k_facts_about_k_entities(world):
@@ -60,8 +64,9 @@ def test_splits_share_no_question_and_no_asked_entity(world):
 
 
 def test_each_objective_earns_its_share_of_em_and_f1():
-    row = generate_horizon_world(seed=3, num_entities=60, rows_per_horizon={"warm": 1, "rl": 1, "validation": 1,
-                                 "test": 1}, horizons=(4,)).splits["test"][0]  # fmt: skip
+    row = generate_horizon_world(
+        seed=3, num_entities=60, rows_per_horizon={"warm": 1, "rl": 1, "validation": 1, "test": 1}, horizons=(4,)
+    ).splits["test"][0]
     values = [answers[0] for answers in row["sub_answers"]]
     half = "; ".join(values[:2] + ["0", "0"])
     scores = outcome_score(half, row["golden_answers"], row["sub_answers"])
@@ -81,9 +86,17 @@ def test_targets_are_computed_from_the_arms():
         return {"final_em_mean": em, "final_em_std": std, "tokens_per_question": tokens}
 
     horizons = {
-        "4": {"mempo": cell(0.5, 0.02, 400), "outcome_only": cell(0.4, 0.03, 410), "full_history": cell(0.45, 0.01, 900)},
-        "8": {"mempo": cell(0.3, 0.02, 700), "outcome_only": cell(0.29, 0.05, 700), "full_history": cell(0.1, 0.01, 2000)},
-    }  # fmt: skip
+        "4": {
+            "mempo": cell(0.5, 0.02, 400),
+            "outcome_only": cell(0.4, 0.03, 410),
+            "full_history": cell(0.45, 0.01, 900),
+        },
+        "8": {
+            "mempo": cell(0.3, 0.02, 700),
+            "outcome_only": cell(0.29, 0.05, 700),
+            "full_history": cell(0.1, 0.01, 2000),
+        },
+    }
     result = module.targets(horizons)
     four, eight = result["by_horizon"]["4"], result["by_horizon"]["8"]
     assert four["token_ratio_vs_full_history"] == pytest.approx(400 / 900) and four["tokens_met"]
@@ -195,8 +208,10 @@ def test_tune_gives_every_arm_the_same_validation_grid_and_later_runs_use_its_ch
     runs = sorted(p.parent.name for p in (out / "runs" / "validation_tune").glob("*/run.json"))
     assert runs == sorted(f"{arm}_g{i}_s0" for arm in arms for i in range(2))  # the same grid and seed for each arm
     for arm in arms:
-        records = [json.loads((out / "runs" / "validation_tune" / f"{arm}_g{i}_s0" / "run.json").read_text())
-                   for i in range(2)]  # fmt: skip
+        records = [
+            json.loads((out / "runs" / "validation_tune" / f"{arm}_g{i}_s0" / "run.json").read_text())
+            for i in range(2)
+        ]
         scores = [statistics.fmean(cell["em"] for cell in r["after"].values()) for r in records]
         assert tuned["arms"][arm]["scores"] == pytest.approx(scores)
         assert tuned["arms"][arm]["choice"] == grid[scores.index(max(scores))]
@@ -228,24 +243,50 @@ def test_default_settings_are_unchanged_and_the_options_only_add_keys():
     """The default settings key the cached warm start (a ~55-minute build) and the finished runs (``run.json``): with
     neither option they are today's, key for key and in order (``run.json`` writes them as they are)."""
     today = {
-        "world": {"seed": 2, "num_entities": 240, "rows_per_horizon": {"warm": 300, "rl": 120, "validation": 30,
-                  "test": 50}, "horizons": [1, 2, 4, 6, 8]},
-        "warm": {"steps": 1500, "batch_size": 16, "lr": 3e-3, "seed": 0, "mem_drop": 0.3,
-                 "instruction": LEARNER_INSTRUCTION, "fresh_names": 2, "fresh_values": True, "prompt_loss": True,
-                 "induction_steps": 3000},
-        "budget": {"max_steps": 60, "per_device_train_batch_size": 16, "num_generations": 4, "learning_rate": 3e-4,
-                   "max_completion_length": 192, "max_turns": 10, "retrieval_topk": 3, "temperature": 0.7,
-                   "beta": 0.0, "loss_type": "dapo", "instruction": LEARNER_INSTRUCTION},
+        "world": {
+            "seed": 2,
+            "num_entities": 240,
+            "rows_per_horizon": {"warm": 300, "rl": 120, "validation": 30, "test": 50},
+            "horizons": [1, 2, 4, 6, 8],
+        },
+        "warm": {
+            "steps": 1500,
+            "batch_size": 16,
+            "lr": 3e-3,
+            "seed": 0,
+            "mem_drop": 0.3,
+            "instruction": LEARNER_INSTRUCTION,
+            "fresh_names": 2,
+            "fresh_values": True,
+            "prompt_loss": True,
+            "induction_steps": 3000,
+        },
+        "budget": {
+            "max_steps": 60,
+            "per_device_train_batch_size": 16,
+            "num_generations": 4,
+            "learning_rate": 3e-4,
+            "max_completion_length": 192,
+            "max_turns": 10,
+            "retrieval_topk": 3,
+            "temperature": 0.7,
+            "beta": 0.0,
+            "loss_type": "dapo",
+            "instruction": LEARNER_INSTRUCTION,
+        },
         "split": "test",
-    }  # fmt: skip
+    }
     settings = long_horizon.experiment_settings(False, "test", {})
     assert json.dumps(settings) == json.dumps(today)
     assert long_horizon.budget_suffix(settings["budget"]) == ""  # the runs, summary and warm check keep their names
     # Evaluation plays the protocol it played before the options existed.
     assert long_horizon.turn_protocol(settings["budget"], "full_history") == TurnProtocol(
-        instruction=LEARNER_INSTRUCTION, max_turns=10, retrieval_topk=3, context_mode="full_history",
+        instruction=LEARNER_INSTRUCTION,
+        max_turns=10,
+        retrieval_topk=3,
+        context_mode="full_history",
         max_completion_length=192,
-    )  # fmt: skip
+    )
     both = long_horizon.experiment_settings(False, "validation", {"max_context_tokens": 1024}, passage_words=100)
     assert both["world"] == {**today["world"], "passage_words": 100}
     assert both["budget"] == {**today["budget"], "max_context_tokens": 1024} and both["warm"] == today["warm"]
@@ -459,13 +500,18 @@ def test_copy_nll_scores_the_asked_name_in_the_first_search_and_the_value_in_the
         ids = tokenizer(" " + row["sub_answers"][0][0], add_special_tokens=False)["input_ids"]
         value_tokens |= set(ids[tokenizer.decode(ids[:1]) == " " :])
     assert long_horizon.value_copy_nll(Model(set()), tokenizer, rows, retriever, LEARNER_INSTRUCTION) == {
-        "value": pytest.approx(0.0, abs=1e-6), "from_memory": pytest.approx(0.0, abs=1e-6), "rows": 3,
-        "rows_from_memory": 2}  # fmt: skip
+        "value": pytest.approx(0.0, abs=1e-6),
+        "from_memory": pytest.approx(0.0, abs=1e-6),
+        "rows": 3,
+        "rows_from_memory": 2,
+    }
     blind = long_horizon.value_copy_nll(Model(value_tokens), tokenizer, rows, retriever, LEARNER_INSTRUCTION)
     assert blind["value"] == pytest.approx(math.log(len(tokenizer)))
     assert blind["from_memory"] == pytest.approx(math.log(len(tokenizer)))
-    assert long_horizon.value_copy_nll(Model(set()), tokenizer, rows[:1], retriever, LEARNER_INSTRUCTION)[
-        "from_memory"] is None  # fmt: skip
+    assert (
+        long_horizon.value_copy_nll(Model(set()), tokenizer, rows[:1], retriever, LEARNER_INSTRUCTION)["from_memory"]
+        is None
+    )
 
 
 def test_copy_nll_finds_the_name_and_the_value_under_the_real_qwen2_5_tokenizer(world, tmp_path):
@@ -506,8 +552,11 @@ def test_the_default_warm_check_is_also_written_to_lab_results_with_its_command(
     settings, versions and machine, to ``lab/results/long_horizon_warm_check_<split>.json``; any other ``--out``
     leaves it alone (the world, warm start and check itself are stubbed: this is the wiring)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(long_horizon, "prepare",
-                        lambda out, world, warm, device, learner: ({}, dict.fromkeys(("memory", "full_history"), out)))  # fmt: skip
+    monkeypatch.setattr(
+        long_horizon,
+        "prepare",
+        lambda out, world, warm, device, learner: ({}, dict.fromkeys(("memory", "full_history"), out)),
+    )
     monkeypatch.setattr(long_horizon, "print_oracle_tokens", lambda *args: {"2": {"ratio": 0.5}})
     monkeypatch.setattr(long_horizon, "warm_check", lambda *args: {"memory": {"1": {"em": 0.5}}})
     monkeypatch.setattr(long_horizon, "smollm2_warm_check", lambda *args: {"memory": {"1": {"em": 0.25}}})
@@ -553,9 +602,14 @@ def test_the_copy_task_runs_before_the_sft_and_not_again_when_the_sft_resumes(tm
         (Path(model_dir) / mempo_trl.kit.warmstart.WARM_START_FILE).write_text("{}")
         return {"steps": 2, "examples": 1, "initial_loss": 1.0, "final_loss": 1.0, "seconds": 0.0}
 
-    monkeypatch.setattr(induction_pretraining, "induction_pretrain",
-                        lambda model_dir, steps, **kw: calls.append(f"induction {steps}") or
-                        {"steps": steps, "initial_loss": 7.0, "final_loss": 0.1, "seconds": 0.0})  # fmt: skip
+    monkeypatch.setattr(
+        induction_pretraining,
+        "induction_pretrain",
+        lambda model_dir, steps, **kw: (
+            calls.append(f"induction {steps}")
+            or {"steps": steps, "initial_loss": 7.0, "final_loss": 0.1, "seconds": 0.0}
+        ),
+    )
     monkeypatch.setattr(mempo_trl.kit.warmstart, "sft_warm_start", sft)
     settings = long_horizon.experiment_settings(True, "validation", {})
     long_horizon.prepare(tmp_path, settings["world"], settings["warm"], "cpu")
@@ -622,8 +676,9 @@ def test_quick_mode_with_the_smollm2_learner(smollm2_tokenizer, tmp_path, capsys
     argv = ["--quick", "--learner", "smollm2", "--out", str(out), "--arms", "mempo", "full_history"]
     script = LAB.parent / "scripts" / "gpu_long_horizon.sh"
     env = {**os.environ, "PYTHON": sys.executable}
-    done = subprocess.run(["bash", str(script), "dry-run", str(out)], capture_output=True, text=True, timeout=1200,
-                          env=env)  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(script), "dry-run", str(out)], capture_output=True, text=True, timeout=1200, env=env
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "scripted oracle, K=2: tokens per question memory" in done.stdout
     collected = sorted(path.name for path in (out / "collected").iterdir())
@@ -653,8 +708,15 @@ def test_quick_mode_with_the_smollm2_learner(smollm2_tokenizer, tmp_path, capsys
             cells = check[start][mode]
             assert sorted(cells) == ["1", "2"] and all(cell["rows"] == 1 for cell in cells.values())
             for cell in cells.values():
-                assert {"em", "all_parts_em", "turns", "searches", "tokens_per_question", "peak_context_tokens",
-                        "memory_recall"} <= set(cell)  # fmt: skip
+                assert {
+                    "em",
+                    "all_parts_em",
+                    "turns",
+                    "searches",
+                    "tokens_per_question",
+                    "peak_context_tokens",
+                    "memory_recall",
+                } <= set(cell)
     assert "full_history start, K=2: EM memory" in capsys.readouterr().out
 
 
@@ -697,8 +759,10 @@ def test_the_default_runs_fail_loudly_without_their_tuned_choice(tmp_path, capsy
     never used, and for the default settings (``required``) that is an error naming what differs."""
     settings = {"world": {"seed": 2}, "budget": {"max_steps": 60}, "split": "test", "warm_sha256": "aaa"}
     path = tmp_path / "tuned.json"
-    record = {"settings": {**settings, "split": "validation", "warm_sha256": "bbb"},
-              "arms": {"mempo": {"choice": {"learning_rate": 1e-4}}}}  # fmt: skip
+    record = {
+        "settings": {**settings, "split": "validation", "warm_sha256": "bbb"},
+        "arms": {"mempo": {"choice": {"learning_rate": 1e-4}}},
+    }
     path.write_text(json.dumps(record))
     assert long_horizon.read_tuned(path, settings, required=True) == {"mempo": {"learning_rate": 1e-4}}
     assert "tuned on warm start bbb" in capsys.readouterr().out

@@ -198,21 +198,32 @@ class MemPOAgent:
             from mempo_trl.endpoint import OpenAIChatGenerator
 
             if task.action != "search":
-                raise AgentError("an OpenAI-compatible endpoint plays the search task; an environment's tool schemas "
-                                 "are not sent to it: drop --openai_base_url or --environment")  # fmt: skip
+                raise AgentError(
+                    "an OpenAI-compatible endpoint plays the search task; an environment's tool schemas "
+                    "are not sent to it: drop --openai_base_url or --environment"
+                )
             generator = OpenAIChatGenerator(
-                tokenizer=tokenizer, max_new_tokens=protocol.max_completion_length, temperature=temperature,
-                seed=seed, stops=protocol.stops, **openai,
-            )  # fmt: skip
+                tokenizer=tokenizer,
+                max_new_tokens=protocol.max_completion_length,
+                temperature=temperature,
+                seed=seed,
+                stops=protocol.stops,
+                **openai,
+            )
         elif use_vllm:
             from mempo_trl.generation import VLLMGenerator
 
             # vLLM's "auto" runs a float32 checkpoint in bfloat16 (fp16 on some GPUs): an explicit dtype holds for it too.
             llm_kwargs = {"dtype": dtype} if dtype != "auto" else {}
             generator = VLLMGenerator(
-                path, tokenizer, protocol.max_completion_length, temperature, seed=seed, stops=protocol.stops,
+                path,
+                tokenizer,
+                protocol.max_completion_length,
+                temperature,
+                seed=seed,
+                stops=protocol.stops,
                 **{**llm_kwargs, **(vllm_kwargs or {})},
-            )  # fmt: skip
+            )
         else:
             import torch
 
@@ -221,9 +232,13 @@ class MemPOAgent:
             torch.manual_seed(seed)
             model = load_model(path, device=device, dtype=dtype, revision=revision)
             generator = HFGenerator(
-                model, tokenizer, protocol.max_completion_length, temperature, batch_size=batch_size,
+                model,
+                tokenizer,
+                protocol.max_completion_length,
+                temperature,
+                batch_size=batch_size,
                 stops=protocol.stops,
-            )  # fmt: skip
+            )
         agent = cls(tokenizer, None, generator, protocol, task=task)
         agent.saved_protocol = saved
         return agent

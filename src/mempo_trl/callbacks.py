@@ -200,9 +200,16 @@ class HeldOutEvalCallback(TrainerCallback):
     `evaluate` (`mempo-trl train` saves the model first)."""
 
     def __init__(
-        self, tokenizer, rows, retriever, protocol=None, eval_every: int = 0, on_result=None, row_metric=None,
+        self,
+        tokenizer,
+        rows,
+        retriever,
+        protocol=None,
+        eval_every: int = 0,
+        on_result=None,
+        row_metric=None,
         at_end: bool = True,
-    ):  # fmt: skip
+    ):
         self.tokenizer, self.rows, self.retriever, self.protocol = tokenizer, list(rows), retriever, protocol
         self.eval_every, self.on_result, self.row_metric = eval_every, on_result, row_metric
         self.at_end = at_end

@@ -25,9 +25,13 @@ CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 RNG_PATTERN = re.compile(r"^rng_state_(\d+)\.pth$")
 TRAINER_STATE = "trainer_state.json"
 WEIGHT_FILES = (
-    "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin",
-    "pytorch_model.bin.index.json", "adapter_model.bin",
-)  # fmt: skip
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_model.safetensors",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.bin",
+)
 TORCH_STATES = ("optimizer.pt", "scheduler.pt")
 DISK_FULL_MARKERS = ("No space left on device", "StorageFull", "Disk quota exceeded", "file write failed")
 
@@ -302,9 +306,15 @@ def format_bytes(size: int) -> str:
 
 
 MODEL_SHAPE_KEYS = (
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim",
-)  # fmt: skip
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 """The `config.json` fields that fix a model's weight shapes: a checkpoint and the run's model must agree on them."""
 
 
@@ -349,9 +359,13 @@ def check_checkpoint_model(
 
 
 LORA_SHAPE_FLAGS = (
-    ("r", "lora_r"), ("lora_alpha", "lora_alpha"), ("use_rslora", "use_rslora"), ("use_dora", "use_dora"),
-    ("target_modules", "lora_target_modules"), ("modules_to_save", "lora_modules_to_save"),
-)  # fmt: skip
+    ("r", "lora_r"),
+    ("lora_alpha", "lora_alpha"),
+    ("use_rslora", "use_rslora"),
+    ("use_dora", "use_dora"),
+    ("target_modules", "lora_target_modules"),
+    ("modules_to_save", "lora_modules_to_save"),
+)
 """(`adapter_config.json` key, `ModelConfig` flag) pairs that fix a LoRA adapter's weights and scale: a resumed
 adapter and the run's LoRA settings must agree on them."""
 

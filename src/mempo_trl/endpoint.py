@@ -232,8 +232,12 @@ class OpenAIChatGenerator:
                 )
             logger.warning(
                 "POST %s attempt %d/%d failed, retrying in %gs: %s",
-                self.url, attempt, self.max_retries + 1, delay, problem,
-            )  # fmt: skip
+                self.url,
+                attempt,
+                self.max_retries + 1,
+                delay,
+                problem,
+            )
             time.sleep(delay)
 
     def _attempt(self, body: dict) -> dict:
@@ -256,10 +260,14 @@ class OpenAIChatGenerator:
                 retry_after_seconds(response.headers.get("retry-after")),
             )
         if response.status_code >= 300:
-            hint = "the API key ($MEMPO_OPENAI_API_KEY or $OPENAI_API_KEY)" if response.status_code in (401, 403) else (
-                "--openai_model and the request's settings (--openai_tool_role user for an API that wants a "
-                "tool_call_id with tool messages)"
-            )  # fmt: skip
+            hint = (
+                "the API key ($MEMPO_OPENAI_API_KEY or $OPENAI_API_KEY)"
+                if response.status_code in (401, 403)
+                else (
+                    "--openai_model and the request's settings (--openai_tool_role user for an API that wants a "
+                    "tool_call_id with tool messages)"
+                )
+            )
             raise EndpointError(f"POST {self.url} answered HTTP {response.status_code}: {text!r}. Check {hint}.")
         try:
             choice = response.json()["choices"][0]

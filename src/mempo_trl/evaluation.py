@@ -264,7 +264,14 @@ RowMetric = Callable[[dict, dict], Mapping[str, Any]]
 """A per-row metric of `heldout_metrics`: ``(row, record) -> {name: value}`` for a QA row and its `episode_record`;
 a value is a number (None or NaN: not counted) or a mapping of them (averaged key by key)."""
 
-HELDOUT_OVERALL = ("em", "f1", "format_valid", "turns_per_question", "total_tokens_per_question", "peak_context_tokens")  # fmt: skip
+HELDOUT_OVERALL = (
+    "em",
+    "f1",
+    "format_valid",
+    "turns_per_question",
+    "total_tokens_per_question",
+    "peak_context_tokens",
+)
 """The overall metrics of `summarize` that `heldout_metrics` keeps."""
 
 
@@ -379,8 +386,15 @@ def plot_context_tokens(results: Sequence[EvalResult], path: str | Path, title: 
         label = f"{result.context_mode}: EM {overall['em']:.3f} on {overall['num_questions']} questions"
         (line,) = ax.plot(rounds, means, marker="o", label=label)
         for k, mean, n in zip(rounds, means, questions_per_round(result.records)):
-            ax.annotate(f"n={n}", (k, mean), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7,
-                        color=line.get_color())  # fmt: skip
+            ax.annotate(
+                f"n={n}",
+                (k, mean),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                fontsize=7,
+                color=line.get_color(),
+            )
     ax.set_xlabel("round (n = questions that played it)")
     ax.set_ylabel("mean prompt (context) tokens")
     ax.set_title("Context tokens per round" + (f"\n{title}" if title else ""), fontsize=10)

@@ -50,10 +50,18 @@ deleted, and never written over: a directory holding one is refused."""
 HELD_ENV = "MEMPO_OUTPUT_DIR_HELD"
 """Set by the process that holds the output directory's lock, for the processes it launches (they skip the lock)."""
 REPORT_TO_PACKAGES = {
-    "tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "trackio": ("trackio",),
-    "mlflow": ("mlflow",), "comet_ml": ("comet_ml",), "clearml": ("clearml",), "neptune": ("neptune",),
-    "dvclive": ("dvclive",), "swanlab": ("swanlab",), "codecarbon": ("codecarbon",), "azure_ml": ("azureml",),
-}  # fmt: skip
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "wandb": ("wandb",),
+    "trackio": ("trackio",),
+    "mlflow": ("mlflow",),
+    "comet_ml": ("comet_ml",),
+    "clearml": ("clearml",),
+    "neptune": ("neptune",),
+    "dvclive": ("dvclive",),
+    "swanlab": ("swanlab",),
+    "codecarbon": ("codecarbon",),
+    "azure_ml": ("azureml",),
+}
 
 
 class OutputError(ValueError):
@@ -66,9 +74,11 @@ class OutputArguments:
 
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Replace the results of an earlier run in `output_dir` (they are deleted first; other files "
-                  "there are kept), or write into a directory that holds other files."},
-    )  # fmt: skip
+        metadata={
+            "help": "Replace the results of an earlier run in `output_dir` (they are deleted first; other files "
+            "there are kept), or write into a directory that holds other files."
+        },
+    )
 
 
 def check_writable(directory: str | os.PathLike, what: str = "output directory") -> Path:
@@ -144,9 +154,14 @@ def check_apart(directory: str | os.PathLike, inputs: dict) -> None:
             continue  # a Hub id, a dataset name or a URL: nothing on disk to overlap
         source = Path(given).expanduser().resolve()
         relation = (
-            "is" if target == source else "contains" if target in source.parents
-            else "lies inside" if source in target.parents else None
-        )  # fmt: skip
+            "is"
+            if target == source
+            else "contains"
+            if target in source.parents
+            else "lies inside"
+            if source in target.parents
+            else None
+        )
         if relation:
             raise OutputError(
                 f"output directory {path}{link} {relation} the {what} {given}: results and inputs would mix. "
@@ -418,8 +433,10 @@ def claim_output_dir(
                     f"output directory {path} is in use by another mempo-trl run. Wait for it to end, or choose "
                     "another output directory."
                 ) from None
-            print(f"mempo-trl: WARNING: output directory {path} cannot be locked ({e.strerror}): a second run into "
-                  "it would not be refused.")  # fmt: skip
+            print(
+                f"mempo-trl: WARNING: output directory {path} cannot be locked ({e.strerror}): a second run into "
+                "it would not be refused."
+            )
         try:
             check_existing_entries(path, overwrite, resume)
         except OutputError:

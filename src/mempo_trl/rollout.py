@@ -408,8 +408,9 @@ class RolloutEngine:
         if self.protocol.context_overflow == "truncate_information":
             searched = [r for r in episode.rounds if r.information is not None]
             for record in shown_rounds(searched, self.protocol.context_mode):
-                body = self.tokenizer(record.information[len("<information>") : -len("</information>")],
-                                      add_special_tokens=False)["input_ids"]  # fmt: skip
+                body = self.tokenizer(
+                    record.information[len("<information>") : -len("</information>")], add_special_tokens=False
+                )["input_ids"]
                 while len(ids) > limit and body:
                     body = body[: max(0, len(body) - (len(ids) - limit))]
                     record.information = f"<information>{self.tokenizer.decode(body)} ...</information>"

@@ -19,8 +19,9 @@ PARSER_KEYS = ("help", "choices")
 """The metadata keys argparse takes (TRL's parser passes a field's metadata to `add_argument`)."""
 
 
-def setting(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None,
-            maximum: float | None = None) -> Field:  # fmt: skip
+def setting(
+    default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, maximum: float | None = None
+) -> Field:
     """A dataclass field with its help, choices and bounds in its metadata (`setting_problems` checks them)."""
     metadata = {"help": help}
     metadata.update(

@@ -106,12 +106,29 @@ def plot_objectives(table: Sequence[dict], path: str | Path, title: str | None =
         rows = [r for r in table if r["context_mode"] == mode]
         ks = [r["objectives"] for r in rows]
         (line,) = accuracy.plot(ks, [r["f1"] for r in rows], marker="o", label=f"{mode}: F1 (share of parts)")
-        accuracy.plot(ks, [r["em_all_parts"] for r in rows], marker="s", linestyle="--", color=line.get_color(),
-                      label=f"{mode}: EM (all parts)")  # fmt: skip
-        tokens.plot(ks, [r["total_tokens_per_question"] for r in rows], marker="o", color=line.get_color(),
-                    label=f"{mode}: total tokens / question")  # fmt: skip
-        tokens.plot(ks, [r["peak_context_tokens"] for r in rows], marker="s", linestyle="--", color=line.get_color(),
-                    label=f"{mode}: peak context")  # fmt: skip
+        accuracy.plot(
+            ks,
+            [r["em_all_parts"] for r in rows],
+            marker="s",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{mode}: EM (all parts)",
+        )
+        tokens.plot(
+            ks,
+            [r["total_tokens_per_question"] for r in rows],
+            marker="o",
+            color=line.get_color(),
+            label=f"{mode}: total tokens / question",
+        )
+        tokens.plot(
+            ks,
+            [r["peak_context_tokens"] for r in rows],
+            marker="s",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{mode}: peak context",
+        )
     for ax, ylabel in ((accuracy, "score"), (tokens, "tokens")):
         ax.set_xlabel("objectives (questions per row)")
         ax.set_ylabel(ylabel)

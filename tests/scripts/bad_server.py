@@ -37,8 +37,14 @@ def serve_one(conn: socket.socket, mode: str) -> None:
         # Read the whole body before answering: closing a socket with unread bytes makes the kernel reset the
         # connection, and the client would then see a dropped connection instead of this mode's answer.
         head, _, body = request.partition(b"\r\n\r\n")
-        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+        length = next(
+            (
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
+        )
         while len(body) < length:
             data = conn.recv(4096)
             if not data:
@@ -69,8 +75,11 @@ def serve_one(conn: socket.socket, mode: str) -> None:
                 conn.sendall(answer("200 OK", b'{"result": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"))
             elif mode == "ratelimit":
                 first = next(REQUESTS) == 0
-                conn.sendall(answer("429 Too Many Requests", b'{"error": "slow down"}', "retry-after: 1") if first
-                             else answer("200 OK", VALID))  # fmt: skip
+                conn.sendall(
+                    answer("429 Too Many Requests", b'{"error": "slow down"}', "retry-after: 1")
+                    if first
+                    else answer("200 OK", VALID)
+                )
             elif mode == "ratelimit_long":
                 conn.sendall(answer("429 Too Many Requests", b'{"error": "slow down"}', "retry-after: 3600"))
             elif mode == "huge_declared":

@@ -194,8 +194,12 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None, re
     return tuple(parsed)
 
 
-INPUT_FIELDS = {"model_name_or_path": "model", "base_model_name_or_path": "base model", "dataset_name": "dataset",
-                "corpus": "corpus"}  # fmt: skip
+INPUT_FIELDS = {
+    "model_name_or_path": "model",
+    "base_model_name_or_path": "base model",
+    "dataset_name": "dataset",
+    "corpus": "corpus",
+}
 """The arguments naming the inputs a command reads (and what each is), which its `output_dir` must be apart from."""
 
 

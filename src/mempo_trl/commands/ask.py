@@ -19,9 +19,15 @@ from mempo_trl.settings import override_field
 
 
 PROTOCOL_OVERRIDES = (
-    "max_turns", "retrieval_topk", "context_mode", "max_completion_length", "max_context_tokens", "context_overflow",
-    "system_prompt", "instruction",
-)  # fmt: skip
+    "max_turns",
+    "retrieval_topk",
+    "context_mode",
+    "max_completion_length",
+    "max_context_tokens",
+    "context_overflow",
+    "system_prompt",
+    "instruction",
+)
 """The `TurnProtocol` fields an agent's command line may override (`action` follows the retriever/environment)."""
 
 
@@ -54,11 +60,13 @@ class AgentArguments:
     seed: int = field(default=0, metadata={"help": "Seed of sampling."})
     openai_base_url: str | None = field(
         default=None,
-        metadata={"help": "Generate with an OpenAI-compatible chat-completions API at this URL (e.g. "
-                  "http://127.0.0.1:8000/v1; API key from $MEMPO_OPENAI_API_KEY or $OPENAI_API_KEY) instead of "
-                  "loading the weights: model_name_or_path then gives only the tokenizer (token counts) and the "
-                  "saved protocol."},
-    )  # fmt: skip
+        metadata={
+            "help": "Generate with an OpenAI-compatible chat-completions API at this URL (e.g. "
+            "http://127.0.0.1:8000/v1; API key from $MEMPO_OPENAI_API_KEY or $OPENAI_API_KEY) instead of "
+            "loading the weights: model_name_or_path then gives only the tokenizer (token counts) and the "
+            "saved protocol."
+        },
+    )
     openai_model: str | None = field(default=None, metadata={"help": "The model name the API serves."})
     openai_timeout: float = field(
         default=120.0, metadata={"help": "Seconds an API attempt waits for the server (to connect, for each read)."}
@@ -69,9 +77,12 @@ class AgentArguments:
     openai_max_concurrency: int = field(default=8, metadata={"help": "API requests in flight at once."})
     openai_tool_role: str = field(
         default="tool",
-        metadata={"help": "Role of the search-result messages sent to the API: tool (as training renders them), or "
-                  "user for an API that wants a tool_call_id with every tool message.", "choices": ["tool", "user"]},
-    )  # fmt: skip
+        metadata={
+            "help": "Role of the search-result messages sent to the API: tool (as training renders them), or "
+            "user for an API that wants a tool_call_id with every tool message.",
+            "choices": ["tool", "user"],
+        },
+    )
 
     def __post_init__(self):
         """The overrides given are checked by `TurnProtocol`'s rules (`both`, eval's, aside)."""
@@ -96,10 +107,14 @@ def endpoint_settings(args: AgentArguments, **more) -> dict | None:
     if not args.openai_base_url:
         return None
     return dict(
-        base_url=args.openai_base_url, model=args.openai_model, timeout=args.openai_timeout,
-        max_retries=args.openai_max_retries, max_concurrency=args.openai_max_concurrency,
-        tool_role=args.openai_tool_role, **more,
-    )  # fmt: skip
+        base_url=args.openai_base_url,
+        model=args.openai_model,
+        timeout=args.openai_timeout,
+        max_retries=args.openai_max_retries,
+        max_concurrency=args.openai_max_concurrency,
+        tool_role=args.openai_tool_role,
+        **more,
+    )
 
 
 def load_agent(

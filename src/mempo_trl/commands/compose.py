@@ -29,9 +29,11 @@ class ComposeArguments:
 
     output_dir: str = field(metadata={"help": "Directory for k{K}/{split}.jsonl and compose.json."})
     dataset_name: list[str] = field(
-        metadata={"help": "QA .jsonl/.json/.parquet files, FlashRAG-style directories or `datasets` names; their "
-                  "rows are pooled (a row's parts may come from different sources; data_source records each)."},
-    )  # fmt: skip
+        metadata={
+            "help": "QA .jsonl/.json/.parquet files, FlashRAG-style directories or `datasets` names; their "
+            "rows are pooled (a row's parts may come from different sources; data_source records each)."
+        },
+    )
     objectives: list[int] = field(metadata={"help": "Questions per row, e.g. 2 4 8: one k{K} directory each."})
     dataset_split: list[str] = field(
         default_factory=lambda: ["train"],

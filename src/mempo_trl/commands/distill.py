@@ -43,9 +43,12 @@ class DistillArguments:
     max_samples: int | None = field(default=None, metadata={"help": "First N rows of the source."})
     keep: str = field(
         default="correct",
-        metadata={"help": "Episodes kept: correct (format-valid and exact match, at least min_share of the parts of a "
-                  "multi-objective row) or format_valid (right or wrong).", "choices": ["correct", "format_valid"]},
-    )  # fmt: skip
+        metadata={
+            "help": "Episodes kept: correct (format-valid and exact match, at least min_share of the parts of a "
+            "multi-objective row) or format_valid (right or wrong).",
+            "choices": ["correct", "format_valid"],
+        },
+    )
     min_share: float = field(
         default=1.0, metadata={"help": "Share of a multi-objective row's parts that must be answered exactly."}
     )
@@ -124,9 +127,13 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": agent_args.temperature,
         "seed": agent_args.seed,
     }
-    data = {"dataset_name": args.dataset_name, "dataset_split": args.dataset_split,
-            "dataset_config": args.dataset_config, "corpus": retriever_args.corpus,
-            "retriever_url": retriever_args.retriever_url}  # fmt: skip
+    data = {
+        "dataset_name": args.dataset_name,
+        "dataset_split": args.dataset_split,
+        "dataset_config": args.dataset_config,
+        "corpus": retriever_args.corpus,
+        "retriever_url": retriever_args.retriever_url,
+    }
     _check_same_run(out, {"teacher": teacher, "data": data})  # before the teacher loads
     retriever = build_retriever(retriever_args)
     agent = load_agent(agent_args, retriever, agent_args.context_mode, openai_cache=out / REQUESTS_FILE)
@@ -135,9 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     agent.protocol.save(out)
     start = time.time()
     counts = distill(
-        agent, rows, out, keep=args.keep, min_share=args.min_share, save_every=args.save_every,
+        agent,
+        rows,
+        out,
+        keep=args.keep,
+        min_share=args.min_share,
+        save_every=args.save_every,
         on_group=lambda done, total: print(f"distill: {done}/{total} rows played", flush=True),
-    )  # fmt: skip
+    )
     report = {
         **counts,
         "keep": args.keep,

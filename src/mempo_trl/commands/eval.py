@@ -47,9 +47,11 @@ class EvalArguments:
 
     output_dir: str = field(metadata={"help": "Directory for results.json, trajectories.jsonl and the plot."})
     dataset_name: list[str] = field(
-        metadata={"help": "QA .jsonl/.json/.parquet files, FlashRAG-style directories or `datasets` names, each "
-                  "reported on its own; with `environment`, .jsonl files of its reset rows."},
-    )  # fmt: skip
+        metadata={
+            "help": "QA .jsonl/.json/.parquet files, FlashRAG-style directories or `datasets` names, each "
+            "reported on its own; with `environment`, .jsonl files of its reset rows."
+        },
+    )
     dataset_split: str = field(default="test", metadata={"help": "Split of a directory or `datasets` source."})
     dataset_config: str | None = field(
         default=None, metadata={"help": "`datasets` config name, e.g. nq for FlashRAG_datasets."}
@@ -57,16 +59,20 @@ class EvalArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "First N questions of every source."})
     environment: str | None = field(
         default=None,
-        metadata={"help": "Play a TRL-style environment instead of searching: an import path (my_pkg.envs.MyEnv; "
-                  "the kit's: mempo_trl.kit.envs.KeyVaultEnv, ...). dataset_name then holds its reset rows (.jsonl)."},
-    )  # fmt: skip
+        metadata={
+            "help": "Play a TRL-style environment instead of searching: an import path (my_pkg.envs.MyEnv; "
+            "the kit's: mempo_trl.kit.envs.KeyVaultEnv, ...). dataset_name then holds its reset rows (.jsonl)."
+        },
+    )
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
     objectives: list[int] | None = field(
         default=None,
-        metadata={"help": "The objectives sweep: evaluate on rows of K questions for every K given (e.g. 1 2 4 8), "
-                  "composed from dataset_name with `seed` (or read from a `mempo-trl compose` directory); writes "
-                  "objectives.json and objectives.png. max_eval_samples then caps the rows per K."},
-    )  # fmt: skip
+        metadata={
+            "help": "The objectives sweep: evaluate on rows of K questions for every K given (e.g. 1 2 4 8), "
+            "composed from dataset_name with `seed` (or read from a `mempo-trl compose` directory); writes "
+            "objectives.json and objectives.png. max_eval_samples then caps the rows per K."
+        },
+    )
 
     def __post_init__(self):
         if self.max_eval_samples is not None and self.max_eval_samples < 1:

@@ -18,9 +18,11 @@ class MergeArguments:
     )
     dtype: str = field(
         default="auto",
-        metadata={"help": "Load, merge and save in this dtype (default: the base checkpoint's own).",
-                  "choices": ["auto", "bfloat16", "float16", "float32"]},
-    )  # fmt: skip
+        metadata={
+            "help": "Load, merge and save in this dtype (default: the base checkpoint's own).",
+            "choices": ["auto", "bfloat16", "float16", "float32"],
+        },
+    )
 
 
 def resolve_base_model(adapter: str | Path, recorded: str) -> str:

@@ -30,14 +30,18 @@ class ScriptArguments(trl.ScriptArguments):
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "QA data: a .jsonl/.json/.parquet file, a directory of {split}.jsonl files or a `datasets` "
-                  "name (FlashRAG or Search-R1 rows); with `environment`, a .jsonl of its reset rows."},
-    )  # fmt: skip
+        metadata={
+            "help": "QA data: a .jsonl/.json/.parquet file, a directory of {split}.jsonl files or a `datasets` "
+            "name (FlashRAG or Search-R1 rows); with `environment`, a .jsonl of its reset rows."
+        },
+    )
     dataset_test_split: str = field(
         default="test",
-        metadata={"help": "Split (or QA file) to evaluate on (`heldout_questions`, `eval_strategy`); never the "
-                  "training rows."},
-    )  # fmt: skip
+        metadata={
+            "help": "Split (or QA file) to evaluate on (`heldout_questions`, `eval_strategy`); never the "
+            "training rows."
+        },
+    )
     dataset_streaming: bool = field(
         default=False,
         metadata={"help": "Not supported: every row is validated before training starts (true is refused)."},
@@ -45,36 +49,46 @@ class ScriptArguments(trl.ScriptArguments):
 
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Replace the results of an earlier run in `output_dir` (deleted when training starts, once "
-                  "the inputs are loaded; other files there are kept), or write into a directory that holds other "
-                  "files. Without it (or `resume_from_checkpoint` of that run) such a directory is refused before "
-                  "anything is loaded."},
-    )  # fmt: skip
+        metadata={
+            "help": "Replace the results of an earlier run in `output_dir` (deleted when training starts, once "
+            "the inputs are loaded; other files there are kept), or write into a directory that holds other "
+            "files. Without it (or `resume_from_checkpoint` of that run) such a directory is refused before "
+            "anything is loaded."
+        },
+    )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["mempo_outcome_reward"],
-        metadata={"help": "Outcome reward functions: mempo_outcome_reward, mempo_all_parts_reward (multi-objective rows: "
-                  "1 only when every part is right), mempo_format_reward or a dotted import path "
-                  "(`my_lib.rewards.custom_reward`); weigh them with `reward_weights`. `mempo_format_reward` helps a "
-                  "small model that rarely answers right."},
-    )  # fmt: skip
+        metadata={
+            "help": "Outcome reward functions: mempo_outcome_reward, mempo_all_parts_reward (multi-objective rows: "
+            "1 only when every part is right), mempo_format_reward or a dotted import path "
+            "(`my_lib.rewards.custom_reward`); weigh them with `reward_weights`. `mempo_format_reward` helps a "
+            "small model that rarely answers right."
+        },
+    )
     environment: str | None = field(
         default=None,
-        metadata={"help": "Train on a TRL-style environment instead of search: an import path (my_pkg.envs.MyEnv; "
-                  "the kit's: mempo_trl.kit.envs.KeyVaultEnv, ...). dataset_name is then a .jsonl of its reset rows; "
-                  "the reward is its get_reward() and/or reward_funcs."},
-    )  # fmt: skip
+        metadata={
+            "help": "Train on a TRL-style environment instead of search: an import path (my_pkg.envs.MyEnv; "
+            "the kit's: mempo_trl.kit.envs.KeyVaultEnv, ...). dataset_name is then a .jsonl of its reset rows; "
+            "the reward is its get_reward() and/or reward_funcs."
+        },
+    )
     heldout_questions: int = field(
         default=0,
-        metadata={"help": "Evaluate greedily on this many questions of `dataset_test_split` before and after "
-                  "training, and print both (`mempo_trl.callbacks.HeldOutEvalCallback`); single-process runs only. "
-                  "0: off."},
-    )  # fmt: skip
+        metadata={
+            "help": "Evaluate greedily on this many questions of `dataset_test_split` before and after "
+            "training, and print both (`mempo_trl.callbacks.HeldOutEvalCallback`); single-process runs only. "
+            "0: off."
+        },
+    )
     heldout_row_metric: str | None = field(
         default=None,
-        metadata={"help": "Dotted import path of a factory `f(retriever)` returning the held-out per-row metric "
-                  "(`mempo_trl.evaluation.RowMetric`; the quick start's: mempo_trl.kit.learner.memory_recall_metric). "
-                  "Default: EM and F1."},
-    )  # fmt: skip
+        metadata={
+            "help": "Dotted import path of a factory `f(retriever)` returning the held-out per-row metric "
+            "(`mempo_trl.evaluation.RowMetric`; the quick start's: mempo_trl.kit.learner.memory_recall_metric). "
+            "Default: EM and F1."
+        },
+    )
 
 
 def load_reward_funcs(names: list[str]) -> list:
@@ -132,8 +146,10 @@ def load_dataset(script_args: ScriptArguments, split: str):
     from mempo_trl.data import load_qa, read_jsonl
 
     if not script_args.dataset_name:
-        raise ValueError("no data: set dataset_name (a QA .jsonl, a directory of {split}.jsonl files or a `datasets` "
-                         "name; `mempo-trl kit learner` writes one).")  # fmt: skip
+        raise ValueError(
+            "no data: set dataset_name (a QA .jsonl, a directory of {split}.jsonl files or a `datasets` "
+            "name; `mempo-trl kit learner` writes one)."
+        )
     if script_args.environment:
         return Dataset.from_list(read_jsonl(script_args.dataset_name))
     if Path(split).is_file():  # a held-out file given as `dataset_test_split`
@@ -189,8 +205,10 @@ def add_callbacks(trainer, script_args: ScriptArguments, training_args, retrieve
         # The held-out evaluation generates on the main process alone: under ZeRO-3 that forward is a collective the
         # other processes never join. Multi-process runs evaluate afterwards with `mempo-trl eval`.
         if training_args.process_index == 0:
-            print(f"heldout_questions={script_args.heldout_questions} is skipped on {training_args.world_size} "
-                  "processes: evaluate the saved model with `mempo-trl eval` instead.")  # fmt: skip
+            print(
+                f"heldout_questions={script_args.heldout_questions} is skipped on {training_args.world_size} "
+                "processes: evaluate the saved model with `mempo-trl eval` instead."
+            )
     elif script_args.heldout_questions > 0:
         from mempo_trl.callbacks import HeldOutEvalCallback
 
@@ -203,10 +221,15 @@ def add_callbacks(trainer, script_args: ScriptArguments, training_args, retrieve
         trainer.add_callback(progress)
         trainer.add_callback(
             HeldOutEvalCallback(
-                tokenizer, rows, retriever, trainer.protocol, on_result=progress.report, row_metric=row_metric,
+                tokenizer,
+                rows,
+                retriever,
+                trainer.protocol,
+                on_result=progress.report,
+                row_metric=row_metric,
                 at_end=False,
             )
-        )  # fmt: skip
+        )
 
 
 def build_trainer(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments):
@@ -242,12 +265,16 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     trainer.model_card_info = {
         "base_model": model_args.model_name_or_path,
         "dataset": script_args.dataset_name,
-        **({"environment": script_args.environment} if script_args.environment else {
-            "retriever": describe_retriever(retriever_args),
-            "retriever_arg": retriever_args.retriever_url or retriever_args.corpus,
-            "example_question": train_dataset[0]["question"],
-        }),
-    }  # fmt: skip
+        **(
+            {"environment": script_args.environment}
+            if script_args.environment
+            else {
+                "retriever": describe_retriever(retriever_args),
+                "retriever_arg": retriever_args.retriever_url or retriever_args.corpus,
+                "example_question": train_dataset[0]["question"],
+            }
+        ),
+    }
     add_callbacks(trainer, script_args, training_args, retriever, tokenizer)
     return trainer
 
@@ -338,8 +365,11 @@ def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> d
         checkpoint = save_checkpoint_and_release(trainer)
         resume = f"Saved {checkpoint}; once that is fixed, rerun with --resume_from_checkpoint {checkpoint}."
         if error_message(err) is None:  # a bug: keep its traceback, after saying where the work is
-            print(f"training stopped after step {trainer.state.global_step} by the error below. {resume}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"training stopped after step {trainer.state.global_step} by the error below. {resume}",
+                file=sys.stderr,
+                flush=True,
+            )
             raise
         raise TrainingStopped(f"training stopped: {str(err).rstrip('.')}. {resume}") from err
     if stop is not None and stop.received and trainer.state.global_step < trainer.state.max_steps:
@@ -437,12 +467,16 @@ def check_before_training(
     from mempo_trl.outputs import check_report_to, claim_output_dir, prepare_output_dir
 
     if not model_args.model_name_or_path:
-        raise ValueError("no model: set model_name_or_path (a model directory or a Hub id; `mempo-trl kit learner` "
-                         "writes a small one).")  # fmt: skip
+        raise ValueError(
+            "no model: set model_name_or_path (a model directory or a Hub id; `mempo-trl kit learner` "
+            "writes a small one)."
+        )
     check_model_path(model_args.model_name_or_path)
     if script_args.dataset_streaming:
-        raise ValueError("dataset_streaming is not supported: MemPO validates every row of `dataset_name` before "
-                         "training (set dataset_streaming: false).")  # fmt: skip
+        raise ValueError(
+            "dataset_streaming is not supported: MemPO validates every row of `dataset_name` before "
+            "training (set dataset_streaming: false)."
+        )
     if script_args.environment and script_args.heldout_questions > 0:
         raise ValueError(
             "heldout_questions evaluates the search task; evaluate an environment agent with "
@@ -460,11 +494,15 @@ def check_before_training(
         if first and int(os.environ.get("RANK", "0")) == 0:  # the trainer's main process hosts the weight-sync group
             check_vllm_group_port(urlparse(url).hostname, training_args.vllm_group_port)
         check_vllm_weight_sync_device(training_args.use_cpu)
-    inputs = {"model": model_args.model_name_or_path, "dataset": script_args.dataset_name,
-              "corpus": retriever_args.corpus}  # fmt: skip
+    inputs = {
+        "model": model_args.model_name_or_path,
+        "dataset": script_args.dataset_name,
+        "corpus": retriever_args.corpus,
+    }
     if first and int(os.environ.get("RANK", "0")) == 0:  # the run's first process holds output_dir until it ends
-        claim_output_dir(training_args.output_dir, script_args.overwrite_output_dir,
-                         training_args.resume_from_checkpoint, inputs)  # fmt: skip
+        claim_output_dir(
+            training_args.output_dir, script_args.overwrite_output_dir, training_args.resume_from_checkpoint, inputs
+        )
     else:
         prepare_output_dir(training_args.output_dir, check_existing=False, inputs=inputs)
 

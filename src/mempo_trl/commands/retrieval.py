@@ -63,18 +63,22 @@ class ServeArguments:
     max_response_bytes: int = field(default=settings.MAX_RESPONSE_BYTES, metadata={"help": "Largest answer sent."})
     request_timeout: float = field(
         default=settings.REQUEST_TIMEOUT,
-        metadata={"help": "Seconds a connection has to send a whole request (after connecting or after its last "
-                  "answer), and to read an answer, before it is closed: idle, slow and non-reading clients cannot "
-                  "hold connections (or answers) open."},
-    )  # fmt: skip
+        metadata={
+            "help": "Seconds a connection has to send a whole request (after connecting or after its last "
+            "answer), and to read an answer, before it is closed: idle, slow and non-reading clients cannot "
+            "hold connections (or answers) open."
+        },
+    )
     api_key: str | None = field(
         default=None, metadata={"help": "Require 'Authorization: Bearer KEY' (default: $MEMPO_RETRIEVER_API_KEY)."}
     )
     allowed_hosts: list[str] | None = field(
         default=None,
-        metadata={"help": "Host header names answered (any port; `*`: any). Default: localhost, 127.0.0.1 and [::1] "
-                  "when bound to loopback (a web page cannot read the server by DNS rebinding), else any."},
-    )  # fmt: skip
+        metadata={
+            "help": "Host header names answered (any port; `*`: any). Default: localhost, 127.0.0.1 and [::1] "
+            "when bound to loopback (a web page cannot read the server by DNS rebinding), else any."
+        },
+    )
     log_level: str = field(default="info", metadata={"help": "Server log level.", "choices": LOG_LEVELS})
 
 

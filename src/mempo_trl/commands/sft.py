@@ -58,8 +58,13 @@ def check_rows(dataset, source: Path, tokenizer, max_length: int | None) -> None
         raise DataError(f"{source} holds no rows: distill kept no episode (see distill_report.json).")
     for index, row in enumerate(dataset):
         prompt, completion = row.get("prompt"), row.get("completion")
-        if not (isinstance(prompt, list) and prompt and isinstance(completion, list) and len(completion) == 1
-                and completion[0].get("role") == "assistant"):  # fmt: skip
+        if not (
+            isinstance(prompt, list)
+            and prompt
+            and isinstance(completion, list)
+            and len(completion) == 1
+            and completion[0].get("role") == "assistant"
+        ):
             raise DataError(
                 f"{source}, row {index + 1}: not a conversational prompt-completion row (prompt: messages, "
                 "completion: [one assistant message]); write the rows with `mempo-trl distill`."
@@ -109,8 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         protocol.save(training_args.output_dir)
         losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-        print(json.dumps({"rows": len(dataset), "train_loss": result.training_loss, "first_logged_loss":
-                          losses[0] if losses else None, "train_runtime": result.metrics.get("train_runtime")}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "rows": len(dataset),
+                    "train_loss": result.training_loss,
+                    "first_logged_loss": losses[0] if losses else None,
+                    "train_runtime": result.metrics.get("train_runtime"),
+                }
+            )
+        )
         print(f"model saved to {training_args.output_dir} with its turn protocol (mempo_agent.json)")
     return 0
 

@@ -98,7 +98,7 @@ def launch_training(argv: list[str]) -> int:
         launch_command,
         machine_rank,
         split_launch_args,
-    )  # fmt: skip
+    )
     from mempo_trl.commands.recipe import check_before_training
     from mempo_trl.processes import child_env
 

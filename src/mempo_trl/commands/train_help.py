@@ -14,15 +14,36 @@ from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings
 
 
 COMMON_TRL_FIELDS = (
-    "model_name_or_path", "output_dir", "max_steps", "learning_rate", "num_generations",
-    "per_device_train_batch_size", "max_completion_length", "temperature", "beta", "seed", "use_cpu", "bf16",
-    "activation_checkpointing", "use_peft", "lora_r", "lora_target_modules", "use_vllm", "vllm_mode", "report_to",
-    "push_to_hub", "hub_model_id", "resume_from_checkpoint",
-)  # fmt: skip
+    "model_name_or_path",
+    "output_dir",
+    "max_steps",
+    "learning_rate",
+    "num_generations",
+    "per_device_train_batch_size",
+    "max_completion_length",
+    "temperature",
+    "beta",
+    "seed",
+    "use_cpu",
+    "bf16",
+    "activation_checkpointing",
+    "use_peft",
+    "lora_r",
+    "lora_target_modules",
+    "use_vllm",
+    "vllm_mode",
+    "report_to",
+    "push_to_hub",
+    "hub_model_id",
+    "resume_from_checkpoint",
+)
 """GRPOConfig / ModelConfig fields a MemPO recipe usually sets, listed by name only."""
 
-SETTINGS_HOMES = ((TurnProtocol, ("action", "max_completion_length", "chat_template_kwargs")),
-                  (MemoryRewardSettings, ()), (DynamicSamplingSettings, ()))  # fmt: skip
+SETTINGS_HOMES = (
+    (TurnProtocol, ("action", "max_completion_length", "chat_template_kwargs")),
+    (MemoryRewardSettings, ()),
+    (DynamicSamplingSettings, ()),
+)
 """The classes whose fields `MemPOConfig` re-exposes flat (`flat_field`), each with the fields it keeps to itself:
 the turn protocol's ``action`` follows the retriever or environment, and ``max_completion_length`` and
 ``chat_template_kwargs`` are GRPO's own."""
@@ -78,13 +99,26 @@ def short_help() -> str:
     from mempo_trl.retrieval.settings import RetrieverArguments
 
     launch = [
-        ("accelerate_config", "name", "", f"Start the processes with this accelerate config: one shipped with the "
-         f"package ({', '.join(sorted(packaged_accelerate_configs()))}) or a YAML path."),
-        ("num_processes", "int", "", "Processes to start (with no --accelerate_config: cpu_ddp for a `use_cpu` recipe, "
-         "else multi_gpu)."),
-        ("main_process_port", "int", "", "Port of the launcher's rendezvous (also --num_machines, --machine_rank, "
-         "--main_process_ip)."),
-    ]  # fmt: skip
+        (
+            "accelerate_config",
+            "name",
+            "",
+            f"Start the processes with this accelerate config: one shipped with the "
+            f"package ({', '.join(sorted(packaged_accelerate_configs()))}) or a YAML path.",
+        ),
+        (
+            "num_processes",
+            "int",
+            "",
+            "Processes to start (with no --accelerate_config: cpu_ddp for a `use_cpu` recipe, else multi_gpu).",
+        ),
+        (
+            "main_process_port",
+            "int",
+            "",
+            "Port of the launcher's rendezvous (also --num_machines, --machine_rank, --main_process_ip).",
+        ),
+    ]
     lines = [
         "usage: mempo-trl train [--config recipe.yaml] [--FIELD VALUE ...] [--accelerate_config NAME --num_processes N]",
         "",

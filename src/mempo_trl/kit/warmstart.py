@@ -279,9 +279,15 @@ def sft_warm_start(
     for n, row in enumerate(rows):
         try:
             examples += sft_examples(
-                [row], retriever, tokenizer, context_mode, mem_drop=settings.mem_drop, seed=settings.seed + n,
-                instruction=settings.instruction, max_turns=max_turns,
-            )  # fmt: skip
+                [row],
+                retriever,
+                tokenizer,
+                context_mode,
+                mem_drop=settings.mem_drop,
+                seed=settings.seed + n,
+                instruction=settings.instruction,
+                max_turns=max_turns,
+            )
         except ValueError:
             skipped += 1
     dataset = Dataset.from_dict(sft_dataset(examples, prompt_loss))

@@ -285,8 +285,11 @@ class HttpRetriever:
                 if first_failure is not None:
                     logger.warning(
                         "%s %s answered again after %.1fs of outage (%d attempts).",
-                        method, url, time.monotonic() - first_failure, attempt,
-                    )  # fmt: skip
+                        method,
+                        url,
+                        time.monotonic() - first_failure,
+                        attempt,
+                    )
                 return body
             now = time.monotonic()
             first_failure = now if first_failure is None else first_failure
@@ -304,8 +307,14 @@ class HttpRetriever:
             limit = "" if retries is None else f"/{retries + 1}"
             logger.warning(
                 "%s %s attempt %d%s failed, retrying in %gs (%.0fs of retry budget left): %s",
-                method, url, attempt, limit, delay, left, problem,
-            )  # fmt: skip
+                method,
+                url,
+                attempt,
+                limit,
+                delay,
+                left,
+                problem,
+            )
             time.sleep(delay)
 
     def _attempt(self, method: str, url: str, payload: dict | None) -> Any:

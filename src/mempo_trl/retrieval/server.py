@@ -182,10 +182,12 @@ def create_app(
         host = request.headers.get("host", "")
         if allowed is not None and "*" not in allowed and _host_name(host) not in allowed:
             return JSONResponse(
-                {"error": f"Host {host!r} is not served here (this server answers {', '.join(sorted(allowed))}). "
-                 "Connect by one of those names, or restart the server with --allowed_hosts NAME."},
+                {
+                    "error": f"Host {host!r} is not served here (this server answers {', '.join(sorted(allowed))}). "
+                    "Connect by one of those names, or restart the server with --allowed_hosts NAME."
+                },
                 status_code=421,
-            )  # fmt: skip
+            )
         if request.method == "POST":
             if api_key is not None:
                 given = request.headers.get("authorization", "")
@@ -199,10 +201,12 @@ def create_app(
                 return JSONResponse({"error": "send a Content-Length header (no chunked bodies)."}, status_code=411)
             if int(length) > max_body_bytes:
                 return JSONResponse(
-                    {"error": f"request body of {length} bytes is over this server's limit of {max_body_bytes} "
-                     "(--max_body_bytes); split the batch."},
+                    {
+                        "error": f"request body of {length} bytes is over this server's limit of {max_body_bytes} "
+                        "(--max_body_bytes); split the batch."
+                    },
                     status_code=413,
-                )  # fmt: skip
+                )
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)

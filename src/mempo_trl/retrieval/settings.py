@@ -39,14 +39,19 @@ class RetrieverArguments:
     )
     retriever_timeout: float = field(default=TIMEOUT, metadata={"help": "Seconds per HTTP request to the server."})
     retriever_max_retries: int = field(
-        default=MAX_RETRIES, metadata={"help": "HTTP retries after a failed request (`eval`, `ask`; training retries "
-                                       "until `retriever_retry_budget` runs out)."}
-    )  # fmt: skip
+        default=MAX_RETRIES,
+        metadata={
+            "help": "HTTP retries after a failed request (`eval`, `ask`; training retries "
+            "until `retriever_retry_budget` runs out)."
+        },
+    )
     retriever_retry_budget: float = field(
         default=RETRY_BUDGET,
-        metadata={"help": "Seconds an unreachable `retriever_url` is retried (each outage logged); training then "
-                  "saves a checkpoint and stops: resume from it once the server is back."},
-    )  # fmt: skip
+        metadata={
+            "help": "Seconds an unreachable `retriever_url` is retried (each outage logged); training then "
+            "saves a checkpoint and stops: resume from it once the server is back."
+        },
+    )
 
     def __post_init__(self):
         if self.retriever_url:
