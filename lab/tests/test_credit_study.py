@@ -89,3 +89,8 @@ def test_quick_run_end_to_end(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and "format-valid >= 1.0" in lines[0], err
+
+
+def test_pairwise_auc_counts_a_tie_as_half():
+    # memory 0 keeps 2 facts, memory 1 one, memory 2 none: pairs (0, 1) tied, (0, 2) and (1, 2) right
+    assert credit_study.pairwise_auc([0.3, 0.3, -1.0], [2, 1, 0]) == (2.5, 3)
