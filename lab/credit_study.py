@@ -7,27 +7,30 @@ then `mempo-trl sft --use_peft`. A gate plays it greedily on a few validation qu
 (one ``error:`` line) unless it plays format-valid episodes and searches K times (`STUDY["gate"]`).
 
 Then, on the validation questions of each K (never the test split), every memory below is scored as the trainer
-scores it (`mempo_trl.scoring.answer_token_logps` of the gold answer after the memory and after the full history) and
+scores it (`mempo_trl.scoring.shared_prefix_answer_logps` of the gold answer after the memory and after the full
+history) and
 labelled by the needed facts it holds (each part's gold value found in the memory after `normalize_answer`):
 
 - scripted memories, written at the answer round of the oracle's episode: ``all`` the needed facts, ``drop_first``,
   ``drop_half`` (only the first K/2 kept), ``corrupt`` (every value replaced by another of its kind: `fresh_value`)
   and ``nothing`` (``Nothing yet.``); P_full is the oracle's full history at that round;
-- sampled memories: G answer turns per question sampled from the warm model (temperature `STUDY["temperature"]`)
-  at the round after the last search, the searches played by the oracle (every needed fact retrieved; its memory of
-  the earlier rounds drops each fact with probability ``mem_drop``, drawn anew for each of the G, as in the warm
-  start's data), P_full that trajectory's own full history there. Playing all K + 1 turns G times per question
-  costs K + 1 times the generation, more than this CPU had (see the JSON's ``seconds``).
+- sampled memories: G ``<mem>`` blocks per question sampled from the warm model (temperature
+  `STUDY["temperature"]`) at the round after the last search, the searches played by the oracle (every needed fact
+  retrieved; its memory of the earlier rounds drops each fact with probability ``mem_drop``, drawn anew for each of
+  the G, as in the warm start's data), P_full that trajectory's own full history there. Playing all K + 1 turns G
+  times per question, and the answer after the memory, cost more than this CPU had (lab/README.md).
 
 For every reward variant (`VARIANTS`) the memory reward (`answer_probability`, `memory_reward`) and the memory
-advantage after the library's pooling (`mempo_advantages`: the scripted memories of a question are one group with
-equal outcomes, the G sampled ones another with their episodes' outcomes) give the figures of merit (`pool_figures`):
+advantage after the library's pooling (`mempo_advantages`: the scripted memories of a question are one group, the G
+sampled ones another, each with equal outcomes, which the memory advantage does not read) give the figures of merit
+(`pool_figures`):
 the AUC of the advantage ranking the memories of a question by needed facts kept, sign accuracy, and the share of
 memories short of a needed fact that get a positive advantage (and a positive reward), with 95% bootstrap intervals
 over questions. Every phase is cached in the run directory (``runs/credit_study/``), so a restart skips what is done.
 
-    python lab/credit_study.py                                 # the published run -> lab/results/credit_study.*
-    python lab/credit_study.py --quick --out outputs/credit_quick   # smoke run: tiny shapes, ~2 min
+    python lab/credit_study.py                              # the published run -> lab/results/credit_study.*
+    python lab/credit_study.py --sample_minutes 45          # the same, sampling stopped after 45 min (partial)
+    python lab/credit_study.py --quick --out outputs/credit_quick   # smoke run: tiny shapes
 """
 
 import argparse
@@ -62,7 +65,7 @@ STUDY = {
         "lora_r": 16,
         "lora_alpha": 32,
     },
-    "gate": {"questions": 4, "min_format_valid": 0.5, "min_searched_k": 0.5},
+    "gate": {"questions": 3, "min_format_valid": 0.5, "min_searched_k": 0.5},
     "protocol": {
         "instruction": LEARNER_INSTRUCTION,
         "max_turns": 6,
@@ -552,21 +555,21 @@ def scripted_group(model, tokenizer, retriever, row: dict, study: dict) -> dict:
 
 
 def sampled_groups(model, tokenizer, retriever, rows: list[dict], study: dict) -> list[dict]:
-    """The sampled group of each question: G answer turns sampled from the warm model after the oracle's searches
-    (`answer_round`, each with its own draw of the memory's drops, as in the warm start's data), each scored with its
-    own full history; outcome = the turn's answer's EM (share of parts). A turn without a well-formed memory is not
-    scored (as in training) and counted in ``unscored``."""
+    """The sampled group of each question: G memories sampled from the warm model at the answer round, after the
+    oracle's searches (`answer_round`, each with its own draw of the memory's drops, as in the warm start's data),
+    each scored with its own full history. Sampling stops at ``</mem>``: the memory advantage does not read the
+    outcomes (`mempo_advantages` pools the memory rewards alone), so the group's outcomes are all equal (0). A memory
+    that is not well-formed is not scored (as in training) and counted in ``unscored``."""
     import torch
 
     from mempo_trl.context import render_prompt
     from mempo_trl.generation import HFGenerator
     from mempo_trl.protocol import parse_turn, round_messages
-    from mempo_trl.rewards import outcome_score
     from mempo_trl.rollout import cut_after_action
 
     protocol, g, mem_drop = protocol_of(study), study["generations"], study["warm"]["mem_drop"]
     generator = HFGenerator(
-        model, tokenizer, protocol.max_completion_length, temperature=study["temperature"], batch_size=32
+        model, tokenizer, protocol.max_completion_length, study["temperature"], batch_size=32, stops=MEM_STOPS
     )
     rounds = [
         answer_round(row, retriever, study, mem_drop, random.Random(f"{study['seed']}-{row['id']}-{n}"))
@@ -577,9 +580,9 @@ def sampled_groups(model, tokenizer, retriever, rows: list[dict], study: dict) -
     completions, _ = generator([render_prompt(tokenizer, messages) for _, _, messages in rounds])
     groups = []
     for n, row in enumerate(rows):
-        blocks, fulls, outcomes, unscored = [], [], [], 0
+        blocks, fulls, unscored = [], [], 0
         for i in range(n * g, (n + 1) * g):
-            text = cut_after_action(completions[i], tokenizer, generator.eos_token_ids)[1]
+            text = cut_after_action(completions[i], tokenizer, generator.eos_token_ids, MEM_STOPS)[1]
             turn = parse_turn(text)
             if turn.mem_chars is None:
                 unscored += 1
@@ -587,11 +590,13 @@ def sampled_groups(model, tokenizer, retriever, rows: list[dict], study: dict) -
             base, history, _ = rounds[i]
             blocks.append(text[turn.mem_chars[0] : turn.mem_chars[1]])
             fulls.append(round_messages(base, history, "full_history"))
-            answer = turn.content if turn.action == "answer" else None
-            outcomes.append(outcome_score(answer, row["golden_answers"], row["sub_answers"], turn.valid).em)
         group = score_group(model, tokenizer, row, blocks, fulls, study) if blocks else {"memories": [], "held": []}
-        groups.append({**group, "outcomes": outcomes, "unscored": unscored})
+        groups.append({**group, "outcomes": [0.0] * len(blocks), "unscored": unscored})
     return groups
+
+
+MEM_STOPS = ("</mem>",)
+"""Where a sampled memory turn is cut: only its ``<mem>`` block is scored."""
 
 
 def interleaved(rows: dict[int, list[dict]]) -> list[dict]:
@@ -626,7 +631,7 @@ def scored_phase(path: Path, rows: list[dict], score, log, name: str, deadline: 
 
 
 def study_figures(rows: dict[int, list[dict]], scripted: dict, sampled: dict, study: dict) -> dict:
-    """Per K, group kind (scripted, sampled, sampled groups with all-equal outcomes) and variant: `summarize_figures`
+    """Per K, group kind (scripted, sampled) and variant: `summarize_figures`
     of `pool_figures` over the questions scored so far; plus what the memories were (facts kept per scripted kind,
     sampled memories by facts kept)."""
     results: dict = {}
@@ -635,7 +640,6 @@ def study_figures(rows: dict[int, list[dict]], scripted: dict, sampled: dict, st
             "scripted": [scripted[r["id"]] for r in k_rows if r["id"] in scripted],
             "sampled": [sampled[r["id"]] for r in k_rows if r["id"] in sampled],
         }
-        groups["sampled_equal_outcome"] = [g for g in groups["sampled"] if len(set(g["outcomes"])) == 1]
         kept = [sum(h) for g in groups["sampled"] for h in g["held"]]
         cell = results[str(k)] = {
             "questions": {kind: len(g) for kind, g in groups.items()},
@@ -646,7 +650,6 @@ def study_figures(rows: dict[int, list[dict]], scripted: dict, sampled: dict, st
                 "scored": len(kept),
                 "unscored": sum(g["unscored"] for g in groups["sampled"]),
                 "by_facts_kept": {str(n): kept.count(n) for n in range(k + 1)},
-                "mean_outcome": _mean([o for g in groups["sampled"] for o in g["outcomes"]]),
             },
             "variants": {},
         }
