@@ -81,7 +81,7 @@ def test_quick_run_end_to_end(tmp_path, monkeypatch, capsys):
     for cell in summary["figures"].values():
         assert set(cell["variants"]) == set(credit_study.VARIANTS)
         assert cell["variants"]["diff"]["scripted"]["auc"]["value"] is not None
-    assert set(summary["seconds"]) >= {"warm_start", "gate", "scripted", "sampled"}
+    assert set(summary["seconds"]) >= {"warm_start", "gate", "scored"}
     assert summary["command"].startswith("python lab/credit_study.py --quick")
     monkeypatch.setitem(credit_study.QUICK, "gate", {**credit_study.QUICK["gate"], "min_format_valid": 1.0})
     monkeypatch.chdir(LAB.parent)
