@@ -703,9 +703,12 @@ def plot(summary: dict, path: Path) -> None:
     axes[0].axhline(0.9, color="k", lw=0.8, ls="--")
     axes[1].axhline(0.1, color="k", lw=0.8, ls="--")
     axes[0].legend(fontsize=8, loc="lower left")
+    counts = ", ".join(f"K={k}: {cell['questions']['scripted']}" for k, cell in summary["figures"].items())
+    status = "" if summary["complete"] else f" of {summary['questions_per_k']} (partial)"
+    status += "" if summary["gate"]["passed"] else ", warm start failed the gate"
     figure.suptitle(
-        f"Memory credit on SmolLM2-135M-Instruct (LoRA warm start), {summary['questions_per_k']} "
-        f"validation questions per K, 95% bootstrap intervals"
+        f"Memory credit on SmolLM2-135M-Instruct (LoRA warm start), 95% bootstrap intervals\n"
+        f"validation questions {counts}{status}"
     )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
