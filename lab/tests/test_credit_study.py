@@ -1,0 +1,96 @@
+"""The credit study (`lab/credit_study.py`): its figures of merit by hand, and its command end to end."""
+
+import doctest
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import credit_study
+import pytest
+from credit_study import group_advantages, variant_settings
+
+
+LAB = Path(__file__).resolve().parents[1]
+
+
+def test_doctests():
+    assert doctest.testmod(credit_study).failed == 0
+
+
+def _group(mem_probs, full_prob, outcomes=None):
+    """A group of one-token answers: each memory's gold probability after it, the same P_full for all."""
+    n = len(mem_probs)
+    return {
+        "mem_logps": [[math.log(p)] for p in mem_probs],
+        "full_logps": [[math.log(full_prob)]] * n,
+        "outcomes": outcomes or [0.0] * n,
+    }
+
+
+@pytest.mark.parametrize(
+    "variant, rewards, advantages",
+    [
+        # P_mem - P_full = 0.8 - 0.6, 0.4 - 0.6, 0.3 - 0.6; pooled: mean -0.1, std sqrt(0.07)
+        ("diff", [0.2, -0.2, -0.3], [0.3 / math.sqrt(0.07), -0.1 / math.sqrt(0.07), -0.2 / math.sqrt(0.07)]),
+        # the filter keeps p > 0.5: P_mem 0.8, 0, 0; rewards 0.2, -0.6, -0.6; mean -1/3, std sqrt(0.64/3)
+        ("diff_filter", [0.2, -0.6, -0.6], [2 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)]),
+        # the median of the log-probs 0.8, 0.4, 0.3, 0.6, 0.6, 0.6 is log 0.6: only 0.8 is kept, P_full is 0
+        ("diff_quantile", [0.8, 0.0, 0.0], [2 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)]),
+        # log(P + 1e-6) differences, no filter
+        ("log_ratio", [math.log(0.8 / 0.6), math.log(0.4 / 0.6), math.log(0.3 / 0.6)], None),
+    ],
+)
+def test_group_advantages_by_hand(variant, rewards, advantages):
+    got_rewards, got_advantages = group_advantages(_group([0.8, 0.4, 0.3], 0.6), variant_settings(variant, 0.5))
+    assert got_rewards == pytest.approx(rewards, abs=1e-5)
+    if advantages is not None:
+        assert got_advantages == pytest.approx(advantages, abs=1e-4)
+    else:  # pooled: zero mean, unit std, the order of the rewards
+        assert sum(got_advantages) == pytest.approx(0.0, abs=1e-5)
+        assert got_advantages[0] > got_advantages[1] > got_advantages[2]
+
+
+def test_memory_advantage_ignores_the_outcomes():
+    """The memory advantage of a group is its pooled memory reward whatever the outcomes (all equal or not)."""
+    settings = variant_settings("diff", 0.5)
+    _, equal = group_advantages(_group([0.8, 0.4, 0.3], 0.6, [1.0, 1.0, 1.0]), settings)
+    _, mixed = group_advantages(_group([0.8, 0.4, 0.3], 0.6, [1.0, 0.0, 0.5]), settings)
+    assert equal == pytest.approx(mixed)
+
+
+def test_pool_figures_of_a_group():
+    # three memories of a K = 2 question: all facts, one, none; the one-fact memory gets a positive advantage
+    figures = credit_study.pool_figures([0.5, 0.7, -1.2], [0.1, 0.2, -0.3], [2, 1, 0], 2)
+    expected = {"auc_wins": 2.0, "auc_pairs": 3, "sign_correct": 2, "sign_n": 3, "incomplete": 2, "fp": 1}
+    assert figures == {**expected, "fp_reward": 1}
+
+
+@pytest.mark.slow
+def test_quick_run_end_to_end(tmp_path, monkeypatch, capsys):
+    """`--quick` through the script: every phase, the summary of both K and every variant in the run directory (not
+    in lab/results), and a gate the warm start fails stops with one error line."""
+    out = tmp_path / "credit"
+    command = [sys.executable, str(LAB / "credit_study.py"), "--quick", "--out", str(out)]
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=LAB.parent)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    summary = json.loads((out / "credit_study.json").read_text())
+    assert (out / "credit_study.png").is_file()
+    assert set(summary["figures"]) == {"2", "4"}
+    for cell in summary["figures"].values():
+        assert set(cell["variants"]) == set(credit_study.VARIANTS)
+        assert cell["variants"]["diff"]["scripted"]["auc"]["value"] is not None
+    assert set(summary["seconds"]) >= {"warm_start", "gate", "scored"}
+    assert summary["command"].startswith("python lab/credit_study.py --quick")
+    monkeypatch.setitem(credit_study.QUICK, "gate", {**credit_study.QUICK["gate"], "min_format_valid": 1.0})
+    monkeypatch.chdir(LAB.parent)
+    assert credit_study.main(["--quick", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "format-valid >= 1.0" in lines[0], err
+
+
+def test_pairwise_auc_counts_a_tie_as_half():
+    # memory 0 keeps 2 facts, memory 1 one, memory 2 none: pairs (0, 1) tied, (0, 2) and (1, 2) right
+    assert credit_study.pairwise_auc([0.3, 0.3, -1.0], [2, 1, 0]) == (2.5, 3)
