@@ -160,7 +160,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             stops = {"stop": list(protocol.stops), "include_stop_str_in_output": True}
             args.generation_kwargs = {**stops, **(args.generation_kwargs or {})}
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, **kwargs)
-        self.protocol, self.task, self.retriever, self.model_card_info = protocol, task, retriever, {}
+        self.protocol, self.task, self.model_card_info = protocol, task, {}
+        self.retriever = getattr(task, "retriever", None)  # a `SearchTask`'s
         self.memory_settings = args.memory_settings()
         self.dynamic_sampling_settings = args.dynamic_sampling_settings()
         self.shared_prefix_scoring = self._check_model_arguments()
