@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import mempo_trl.advantages as advantages
 from mempo_trl import MemoryRewardSettings
-from mempo_trl.advantages import combine_advantages, group_outcome_advantages, mempo_advantages
+from mempo_trl.advantages import batch_advantages, combine_advantages, group_outcome_advantages, mempo_advantages
 
 
 def test_doctests():
@@ -206,3 +206,62 @@ def test_an_unscorable_trajectory_gets_no_advantage_and_leaves_its_group_alone()
     torch.testing.assert_close(got, torch.tensor(expected), atol=1e-5, rtol=1e-5)
     batch = group_outcome_advantages(torch.tensor([1.0, nan, 0.0, 0.0]), 2, "batch")
     torch.testing.assert_close(batch, torch.tensor([0.0, 0.0, 0.0, 0.0]))  # group 1 has one scored value: centred 0
+
+
+def test_batch_advantages_pool_the_rounds_of_all_processes_and_return_this_ones():
+    """Process 1 of 2 (one episode each; G = 2, both answer one question): its row is trajectory 1, pooled with
+    process 0's row of trajectory 0. Outcome rewards 1 and 0, weighted by 2: advantages +1 and -1 ("none" scaling:
+    reward - group mean). Memory rewards 0.3 (process 0) and 0.1 (here): pool mean 0.2, std 0.1414 (unbiased), so
+    this row's memory advantage is (0.1 - 0.2) / 0.1414 = -0.7071 on its <mem> tokens 0..1."""
+    from types import SimpleNamespace
+
+    theirs = [(0, 1, 0.3, (0, 1))]
+    mine = [SimpleNamespace(episode_index=0, round_index=1, mem_span=(0, 1))]
+    gathered = []
+
+    def gather(local):
+        gathered.append(local)
+        return [theirs, local]
+
+    settings = MemoryRewardSettings(memory_scale_rewards="group")
+    out = batch_advantages(
+        torch.tensor([[1.0], [0.0]]),
+        torch.tensor([2.0]),
+        mine,
+        torch.tensor([0.1]),
+        torch.ones(2, 3),
+        rank=1,
+        episodes_per_process=1,
+        gather=gather,
+        num_generations=2,
+        scale_rewards="none",
+        settings=settings,
+    )
+    assert gathered == [[(1, 1, pytest.approx(0.1), (0, 1))]]
+    assert out.outcome.tolist() == [1.0, -1.0]
+    memory = -0.1 / math.sqrt(0.02)
+    assert out.advantages[0].tolist() == pytest.approx([-1.0 + memory, -1.0 + memory, -1.0], abs=1e-4)  # float32
+    assert out.advantages[1].tolist() == [0.0, 0.0, 0.0]  # a placeholder row
+
+
+def test_batch_advantages_normalize_then_sum_and_unscorable_rows():
+    """TRL's ``normalize_then_sum``: each function normalised in its group, then weighted and summed; a NaN memory
+    reward (an unscored round) gives no memory advantage."""
+    from types import SimpleNamespace
+
+    rows = [SimpleNamespace(episode_index=e, round_index=0, mem_span=None) for e in range(2)]
+    out = batch_advantages(
+        torch.tensor([[1.0, 0.0], [0.0, 0.0]]),
+        torch.tensor([1.0, 3.0]),
+        rows,
+        torch.tensor([math.nan, math.nan]),
+        torch.ones(2, 1),
+        rank=0,
+        episodes_per_process=2,
+        gather=lambda local: [local],
+        num_generations=2,
+        aggregation="normalize_then_sum",
+    )
+    # function 1 in its group: (1 - 0.5) / std(1, 0) = 0.7071 and -0.7071; function 2 all equal: 0
+    assert out.outcome.tolist() == pytest.approx([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)], abs=1e-4)
+    assert out.memory.abs().sum() == 0

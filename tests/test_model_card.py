@@ -95,12 +95,12 @@ def test_model_card_names_method_paper_trl_base_data_recipe_and_metrics(warm_mod
 
 
 def test_pushed_card_uses_the_hub_id_and_local_base_models_resolve(tmp_path):
-    from mempo_trl.model_card import base_model_license, describe_base_model, heldout_summary, usage
+    from mempo_trl.model_card import base_model_license, describe_base_model, heldout_summary, search_usage
 
-    assert 'from_pretrained("you/mempo-agent", retriever="http://h:8000")' in usage(
+    assert 'from_pretrained("you/mempo-agent", retriever="http://h:8000")' in search_usage(
         "you/mempo-agent", "http://h:8000", "q?"
     )
-    assert "--retriever_url http://h:8000" in usage("you/mempo-agent", "http://h:8000", "q?")
+    assert "--retriever_url http://h:8000" in search_usage("you/mempo-agent", "http://h:8000", "q?")
     assert describe_base_model(str(tmp_path)) == f"the local model `{tmp_path}` (not on the Hub)"
     assert base_model_license(str(tmp_path)) is None  # no card: the trained model's card names no license
     (tmp_path / "README.md").write_text("---\nlicense: mit\ntags: [x]\n---\n# a card\n")

@@ -107,3 +107,29 @@ def test_the_environment_task_plays_tool_calls(tiny):
     task = EnvironmentTask(KeyVaultEnv)
     assert (task.action, task.protocol(TurnProtocol()).stops) == ("tool_call", ("</tool_call>", "</answer>"))
     assert task.action_problem("open(B3)") is not None and task.action_problem('{"name": "f"}') is None
+
+
+def test_each_task_reads_its_rows_and_writes_its_quick_start(tmp_path):
+    """What `mempo-trl train` and the model card ask a task, with no "is there an environment?" of their own: how its
+    rows are read, whether the held-out evaluation plays it, and the card's quick start."""
+    import json
+
+    from mempo_trl.commands.recipe import ScriptArguments, task_class
+    from mempo_trl.kit.envs import KeyVaultEnv
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"question": "Where is Alpha?", "golden_answers": ["Paris"], "seed": 3}) + "\n")
+    assert task_class(ScriptArguments()) is SearchTask and SearchTask.heldout
+    assert task_class(ScriptArguments(environment="mempo_trl.kit.envs.KeyVaultEnv")) is EnvironmentTask
+    assert not EnvironmentTask.heldout
+    assert EnvironmentTask.read_rows(str(rows), "test")[0]["seed"] == 3  # reset rows: every field kept, no split
+    assert SearchTask.read_rows(str(rows), str(rows))[0]["question"] == "Where is Alpha?"  # a split that is a file
+
+    info = {"retriever_arg": "http://h:8000", "example_question": "Where is Alpha?"}
+    search = SearchTask(retriever=object()).usage("you/agent", info)
+    assert 'from_pretrained("you/agent", retriever="http://h:8000")' in search
+    assert "mempo-trl ask 'Where is Alpha?' --model_name_or_path you/agent --retriever_url http://h:8000" in search
+    environment = EnvironmentTask(KeyVaultEnv).usage("you/agent", info)
+    assert "from mempo_trl.kit.envs import KeyVaultEnv" in environment
+    assert 'from_pretrained("you/agent", environment_factory=KeyVaultEnv)' in environment
+    assert "retriever" not in environment

@@ -350,13 +350,14 @@ def step_walk(trainer, inputs) -> list[str]:
 @pytest.mark.parametrize("dynamic_sampling", ["keep", "drop"])
 def test_a_steps_data_visits_each_module_once_downwards(scripted_trainer, dynamic_sampling):
     """The walk of a step's data: the rollout (with its training rows), the outcome scores and rewards, dynamic
-    sampling, memory scoring, the memory reward, the advantages, the finite check and MemPO's metrics, each entered
+    sampling, the padded round batch, memory scoring, the memory reward, the advantages, the finite check and MemPO's metrics, each entered
     once, in that order (docs/algorithm.md, "Module map"); TRL's log-probs and loss follow in the trainer."""
     trainer, _, _, _ = scripted_trainer
     trainer.dynamic_sampling_settings = DynamicSamplingSettings(dynamic_sampling)
     trainer.model.train()
     inputs = [{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT for _ in range(2)]
     walk = step_walk(trainer, inputs)
-    order = ["rollout", "rewards", "dynamic_sampling", "scoring", "memory", "advantages", "interruptions", "metrics"]
+    order = ["rollout", "rewards", "dynamic_sampling", "padding", "scoring", "memory", "advantages"]
+    order += ["interruptions", "metrics"]
     expected = [m for m in order if m != "dynamic_sampling" or dynamic_sampling != "keep"]
     assert walk == expected, walk

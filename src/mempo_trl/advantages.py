@@ -4,7 +4,8 @@
 calls it on the rounds of all processes and nothing else re-implements it.
 """
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -189,3 +190,65 @@ def mempo_advantages(
     row_outcome = torch.cat([outcome[index], outcome.new_zeros(len(placeholders))]).to(completion_mask.device)
     advantages = combine_advantages(row_outcome, memory, completion_mask, settings.memory_coef)
     return MemPOAdvantages(advantages, outcome, memory)
+
+
+def batch_advantages(
+    rewards_per_func: torch.Tensor,
+    reward_weights: torch.Tensor,
+    rows: Sequence,
+    memory_rewards: torch.Tensor,
+    completion_mask: torch.Tensor,
+    rank: int,
+    episodes_per_process: int,
+    gather: Callable[[list], list[list]],
+    num_generations: int,
+    scale_rewards: str | bool = "group",
+    aggregation: str = "sum_then_normalize",
+    settings: MemoryRewardSettings = MemoryRewardSettings(),
+) -> MemPOAdvantages:
+    """`mempo_advantages` on the rounds of all processes, returned for the ``rows`` of process ``rank``.
+
+    Args:
+        rewards_per_func: ``(N, F)`` the reward functions' values for the trajectories of all processes (NaN: none),
+            weighted by ``reward_weights`` ``(F,)`` and aggregated as ``aggregation`` says (TRL's
+            ``multi_objective_aggregation``: ``"sum_then_normalize"`` or ``"normalize_then_sum"``); a trajectory of
+            all-NaN rewards is unscorable, advantage 0.
+        rows: this process's training rows (anything with ``episode_index``, ``round_index`` and ``mem_span``, e.g.
+            the rollout's `TrainingRow`s). A trajectory's global index is ``rank * episodes_per_process + episode``
+            (the order in which TRL's `_calculate_rewards` gathers ``rewards_per_func``), so memory pools span
+            processes exactly like GRPO's groups.
+        memory_rewards: ``(len(rows),)`` their memory rewards, NaN where the round is not scored.
+        completion_mask: ``(B, T)`` of this process's rows and placeholder rows.
+        gather: the lists of all processes, in process order, from this process's (one process: ``[local]``).
+
+    >>> out = batch_advantages(torch.tensor([[1.0], [0.0]]), torch.ones(1), [], torch.tensor([]), torch.ones(1, 2),
+    ...                        0, 2, lambda local: [local], 2, "none")
+    >>> out.outcome, out.advantages
+    (tensor([ 0.5000, -0.5000]), tensor([[0., 0.]]))
+    """
+    rewards = (rewards_per_func * reward_weights.unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    outcome = None
+    if aggregation == "normalize_then_sum":
+        outcome = normalize_then_sum_advantages(rewards_per_func, reward_weights, num_generations)
+    first = rank * episodes_per_process
+    local = [
+        (first + row.episode_index, row.round_index, None if math.isnan(reward) else reward, row.mem_span)
+        for row, reward in zip(rows, memory_rewards.tolist())
+    ]
+    per_process = gather(local)
+    start = sum(len(p) for p in per_process[:rank])
+    everything = [row for p in per_process for row in p]
+    return mempo_advantages(
+        rewards,
+        row_trajectories=[row[0] for row in everything],
+        row_rounds=[row[1] for row in everything],
+        memory_rewards=[row[2] for row in everything],
+        mem_spans=[row[3] for row in everything],
+        completion_mask=completion_mask,
+        local_rows=slice(start, start + len(local)),
+        num_generations=num_generations,
+        scale_rewards=scale_rewards,
+        settings=settings,
+        outcome_advantages=outcome,
+    )

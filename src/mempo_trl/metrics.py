@@ -2,7 +2,9 @@
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import torch
 
 
 ROUND_METRICS = (
@@ -60,6 +62,27 @@ def round_metric_values(
     for t in range(2, max_turns + 1):
         names += [f"memory/reward/round_{t}", f"memory/advantage/round_{t}"]
     return {name: values[name] for name in names}
+
+
+def mean_metrics(
+    values: dict[str, list[float]], gather_sum: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, float]:
+    """The mean over all processes of each metric of ``values`` (this process's, by name) that has a value on any,
+    and of the ``memory/reward*`` and ``memory/advantage*`` ones their std as ``<name>_std``; ``gather_sum`` sums a
+    tensor over processes.
+
+    Example:
+        >>> mean_metrics({"memory/reward": [1.0, 3.0], "episode/em": []}, lambda t: t)
+        {'memory/reward': 2.0, 'memory/reward_std': 1.0}
+    """
+    local = torch.tensor([[sum(v), len(v), sum(x * x for x in v)] for v in values.values()], dtype=torch.float32)
+    means = {}
+    for name, (total, count, total_sq) in zip(values, gather_sum(local).tolist()):
+        if count:
+            means[name] = mean = total / count
+            if name.startswith(("memory/reward", "memory/advantage")):
+                means[f"{name}_std"] = math.sqrt(max(total_sq / count - mean * mean, 0.0))
+    return means
 
 
 def final_metrics(history: Sequence[dict]) -> dict[str, float]:

@@ -5,7 +5,9 @@
 - the base model line names something that resolves (a Hub id, or what the kit's `learner` / `tiny` are), and the
   front matter's license is the base model's (`base_model_license`; none when unknown);
 - the quick start installs `mempo_trl` (from its repository) and runs the agent by its Hub id after a push, by its
-  directory otherwise, on a question of its own training data and with the retriever it was trained with;
+  directory otherwise, as the task it was trained on writes it (`Task.usage`): a search agent on a question of its own
+  training data and with the retriever it was trained with (`search_usage`), an environment agent on its environment
+  class (`environment_usage`);
 - "Training procedure" holds MemPO: base model, data, retriever, the held-out evaluation before and after training
   (when the run had one), the recipe, and the metrics of the last training step, labelled as such.
 
@@ -22,6 +24,7 @@ from typing import Any
 
 REPOSITORY = "https://github.com/mempo-trl/mempo_trl"
 INSTALL = f'pip install "mempo_trl @ git+{REPOSITORY}"'
+INSTALL_BLOCK = f"```bash\n{INSTALL}\n```\n\n"
 HELDOUT_METRICS = ("em", "f1", "format_valid", "memory_recall")
 
 
@@ -106,36 +109,32 @@ def describe_base_model(name: str) -> str:
     return f"[{name}](https://huggingface.co/{name})"
 
 
-def usage(model_id: str, retriever: str, question: str, environment_factory=None) -> str:
-    """The card's quick start: install, then the agent API and the CLI on ``question`` with ``retriever``, or, for an
-    agent trained on an environment, the agent API on that environment class."""
-    if environment_factory is not None:
-        module, name = environment_factory.__module__, environment_factory.__qualname__
-        return textwrap.dedent(
-            f"""\
-            ```bash
-            {INSTALL}
-            ```
-
-            ```python
-            from mempo_trl import MemPOAgent
-            from {module} import {name}
-
-            agent = MemPOAgent.from_pretrained("{model_id}", environment_factory={name})
-            result = agent.run({{...}})  # a row: the keyword arguments of {name}.reset
-            print(result.answer, result.num_turns, result.memories)
-            ```
-
-            The agent reads its turn protocol (prompt, instruction, max turns) from `mempo_agent.json`, saved with
-            the weights. Source and documentation: {REPOSITORY}."""
-        )
-    retriever_flag = "--retriever_url" if retriever.startswith(("http://", "https://")) else "--corpus"
-    return textwrap.dedent(
+def environment_usage(model_id: str, environment_factory) -> str:
+    """The card's quick start for an agent trained on an environment: install, then the agent API on that
+    environment class."""
+    module, name = environment_factory.__module__, environment_factory.__qualname__
+    return INSTALL_BLOCK + textwrap.dedent(
         f"""\
-        ```bash
-        {INSTALL}
+        ```python
+        from mempo_trl import MemPOAgent
+        from {module} import {name}
+
+        agent = MemPOAgent.from_pretrained("{model_id}", environment_factory={name})
+        result = agent.run({{...}})  # a row: the keyword arguments of {name}.reset
+        print(result.answer, result.num_turns, result.memories)
         ```
 
+        The agent reads its turn protocol (prompt, instruction, max turns) from `mempo_agent.json`, saved with
+        the weights. Source and documentation: {REPOSITORY}."""
+    )
+
+
+def search_usage(model_id: str, retriever: str, question: str) -> str:
+    """The card's quick start for a search agent: install, then the agent API and the CLI on ``question`` with
+    ``retriever``."""
+    retriever_flag = "--retriever_url" if retriever.startswith(("http://", "https://")) else "--corpus"
+    return INSTALL_BLOCK + textwrap.dedent(
+        f"""\
         ```python
         from mempo_trl import MemPOAgent
 
@@ -228,12 +227,9 @@ def mempo_model_card(trainer, dataset_name: str | None = None) -> Path:
         count=1,
     )
     model_id = args.hub_model_id if args.push_to_hub and args.hub_model_id else str(args.output_dir)
-    retriever = str(info.get("retriever_arg") or "corpus.jsonl")
-    question = info.get("example_question") or "your question"
-    environment_factory = getattr(trainer.task, "environment_factory", None)  # an `EnvironmentTask`'s
     text = re.sub(
         r"(## Quick start\n\n)```python\n.*?```",
-        lambda m: m.group(1) + usage(model_id, retriever, question, environment_factory),
+        lambda m: m.group(1) + trainer.task.usage(model_id, info),
         text,
         count=1,
         flags=re.S,

@@ -189,6 +189,27 @@ def episode_metrics(episode: Any, outcome: OutcomeScore | None = None) -> dict[s
     return {**scores, **episode.metrics()}
 
 
+def reward_inputs(
+    rows: Sequence[dict], episodes: Sequence[Any], outcomes: Sequence[OutcomeScore | None], stats: Sequence[dict]
+) -> list[dict]:
+    """What the reward functions get of each finished episode besides its prompt and completion: its dataset row,
+    ``trajectory`` (all turn texts), ``format_valid`` (from its `episode_metrics` ``stats``), ``outcome`` (its
+    `episode_outcome`) and, when the row has none, the episode's ``golden_answers`` (an environment's; None: no gold,
+    the outcome reward gives None)."""
+    inputs = []
+    for row, episode, outcome, stat in zip(rows, episodes, outcomes, stats):
+        reward_input = {
+            **row,
+            "trajectory": [r.text for r in episode.rounds],
+            "format_valid": bool(stat["format_valid"]),
+            "outcome": outcome,
+        }
+        if reward_input.get("golden_answers") is None:
+            reward_input["golden_answers"] = episode.golden_answers
+        inputs.append(reward_input)
+    return inputs
+
+
 def _completion_text(completion: Any) -> str:
     """Text of a completion: a string, or the content of the last message of a conversational completion."""
     if isinstance(completion, str):

@@ -3,17 +3,19 @@
 `RolloutEngine`, `MemPOTrainer` and `MemPOAgent` play any `Task`: the task starts an episode from a dataset row, runs
 one round's actions (all of them at once: the search task answers them with one retriever call), names its action
 tags, checks its rows and sets the default reward functions before training, and says whether dynamic sampling may
-play further rows (``can_refill``). A new kind of task is one class with these members (docs/environments.md,
-"Changing MemPO").
+play further rows (``can_refill``). For `mempo-trl train` it also reads its rows (`read_rows`), says whether the
+held-out evaluation plays it (``heldout``) and writes the model card's quick start (`usage`). A new kind of task is one
+class with these members (docs/environments.md, "Changing MemPO").
 """
 
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from mempo_trl.context import render_information
-from mempo_trl.data import validate_datasets
+from mempo_trl.data import load_qa, read_jsonl, validate_datasets
 from mempo_trl.environments import (
     EnvironmentFactory,
     call_tool,
@@ -46,16 +48,23 @@ class Task(Protocol):
     ``action`` is the `TurnProtocol.action` the task plays (``"search"`` or ``"tool_call"``, which fixes its action
     tags and stop strings), ``action_metric`` the name of the ``episode/*`` metric that counts the actions run,
     ``can_refill`` whether `dynamic_sampling="refill"` may play further rows, and ``passes_environments`` whether
-    reward functions get each episode's ``environment`` (as TRL's ``environments`` keyword).
+    reward functions get each episode's ``environment`` (as TRL's ``environments`` keyword), ``heldout`` whether
+    `mempo-trl train`'s held-out evaluation (``heldout_questions``, ``eval_strategy``: EM and F1 on QA rows) plays it.
     """
 
     action: str
     action_metric: str
     can_refill: bool
     passes_environments: bool
+    heldout: bool
 
-    def protocol(self, protocol: TurnProtocol) -> TurnProtocol:
+    @staticmethod
+    def protocol(protocol: TurnProtocol) -> TurnProtocol:
         """The protocol this task is played with, from the one the settings give."""
+
+    @staticmethod
+    def read_rows(path: str, split: str, config: str | None = None):
+        """The rows of ``split`` of the data at ``path`` (a `datasets.Dataset`), as `mempo-trl train` reads them."""
 
     def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
         """Check the rows before any model is loaded; return the reward functions (``reward_funcs`` or the task's
@@ -75,6 +84,9 @@ class Task(Protocol):
     def action_problem(self, content: str) -> str | None:
         """Why an action block of a valid turn cannot be run (the turn is then invalid), or None."""
 
+    def usage(self, model_id: str, info: dict) -> str:
+        """The model card's quick start for an agent trained on this task (``info``: `trainer.model_card_info`)."""
+
 
 class SearchTask:
     """The search task: ``<search> query </search>`` actions, answered by ``retriever`` (anything with
@@ -85,6 +97,7 @@ class SearchTask:
     action_metric = "searches"
     can_refill = True
     passes_environments = False
+    heldout = True
 
     def __init__(self, retriever):
         if isinstance(retriever, str):  # a `load_retriever` spec
@@ -93,9 +106,15 @@ class SearchTask:
             retriever = load_retriever(retriever)
         self.retriever = retriever
 
-    def protocol(self, protocol: TurnProtocol) -> TurnProtocol:
+    @staticmethod
+    def protocol(protocol: TurnProtocol) -> TurnProtocol:
         """``protocol`` as it is."""
         return protocol
+
+    @staticmethod
+    def read_rows(path: str, split: str, config: str | None = None):
+        """Validated QA rows (`load_qa`); a ``split`` that is a file is read as its own QA file."""
+        return load_qa(split) if Path(split).is_file() else load_qa(path, split=split, config=config)
 
     def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
         """Every row checked (`validate_qa_rows`); the default reward is `mempo_outcome_reward`."""
@@ -120,6 +139,14 @@ class SearchTask:
         """Any query can be searched."""
         return None
 
+    def usage(self, model_id: str, info: dict) -> str:
+        """`search_usage` with the run's retriever (``retriever_arg``) and a question of its data
+        (``example_question``)."""
+        from mempo_trl.model_card import search_usage
+
+        retriever = str(info.get("retriever_arg") or "corpus.jsonl")
+        return search_usage(model_id, retriever, info.get("example_question") or "your question")
+
 
 class EnvironmentTask:
     """A TRL-style environment (`mempo_trl.environments`): ``environment_factory`` is a class (or factory), or as in
@@ -131,15 +158,24 @@ class EnvironmentTask:
     action_metric = "tool_calls"
     can_refill = False
     passes_environments = True
+    heldout = False
 
     def __init__(self, environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory]):
         self.environment_factory = environment_factory
         self.factories = environment_factories(environment_factory)
         self.pool = {name: [check_environment(factory)] for name, factory in self.factories.items()}
 
-    def protocol(self, protocol: TurnProtocol) -> TurnProtocol:
+    @staticmethod
+    def protocol(protocol: TurnProtocol) -> TurnProtocol:
         """`TurnProtocol.for_environment`: tool-call actions and the environment instruction."""
         return protocol.for_environment()
+
+    @staticmethod
+    def read_rows(path: str, split: str, config: str | None = None):
+        """The reset rows of the .jsonl at ``path`` (one file: no splits)."""
+        from datasets import Dataset
+
+        return Dataset.from_list(read_jsonl(path))
 
     def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
         """`environment_reward_funcs`: the environments and the first row of each checked, ``get_reward`` added."""
@@ -177,6 +213,12 @@ class EnvironmentTask:
         if parse_tool_call(content) is None:
             return '<tool_call> is not a JSON call {"name": ..., "arguments": {...}}'
         return None
+
+    def usage(self, model_id: str, info: dict) -> str:
+        """`environment_usage` with this task's environment class."""
+        from mempo_trl.model_card import environment_usage
+
+        return environment_usage(model_id, self.environment_factory)
 
 
 def make_task(retriever=None, environment_factory=None, task: Task | None = None) -> Task:

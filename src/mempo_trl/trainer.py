@@ -14,22 +14,24 @@ import torch
 from accelerate.utils import gather_object, is_peft_model
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
-from trl.trainer.utils import pad, use_adapter
+from trl.trainer.utils import use_adapter
 
-from mempo_trl.advantages import MemPOAdvantages, mempo_advantages, normalize_then_sum_advantages
+from mempo_trl.advantages import MemPOAdvantages, batch_advantages
 from mempo_trl.config import ROW_LEVEL_LOSSES, MemPOConfig
 from mempo_trl.data import check_map_style, named_datasets
 from mempo_trl.dynamic_sampling import ScoredStep, dynamic_sampling
 from mempo_trl.grpo_mirror import GRPOMirror, activation_checkpointing_off
 from mempo_trl.interruptions import check_finite
 from mempo_trl.memory import MemoryScores, memory_scores, quantile_threshold
-from mempo_trl.metrics import final_metrics, round_metric_values
+from mempo_trl.metrics import final_metrics, mean_metrics, round_metric_values
 from mempo_trl.model_card import mempo_model_card
+from mempo_trl.padding import round_tensors
 from mempo_trl.rewards import (
     OutcomeScore,
     announce_reward_format,
     episode_metrics,
     episode_outcome,
+    reward_inputs,
 )
 from mempo_trl.rollout import Episode, Rollout, RolloutEngine, TrainingRow
 from mempo_trl.scoring import (
@@ -160,7 +162,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             stops = {"stop": list(protocol.stops), "include_stop_str_in_output": True}
             args.generation_kwargs = {**stops, **(args.generation_kwargs or {})}
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, **kwargs)
-        self.protocol, self.task, self.retriever, self.model_card_info = protocol, task, retriever, {}
+        self.protocol, self.task, self.model_card_info = protocol, task, {}
+        self.retriever = getattr(task, "retriever", None)  # a `SearchTask`'s
         self.memory_settings = args.memory_settings()
         self.dynamic_sampling_settings = args.dynamic_sampling_settings()
         self.shared_prefix_scoring = self._check_model_arguments()
@@ -330,21 +333,12 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         """
         prompts = [ep.base_messages for ep in episodes]
         completions = [[{"role": "assistant", "content": ep.rounds[-1].text}] for ep in episodes]
-        reward_inputs = [
-            {
-                **row,
-                "trajectory": [r.text for r in ep.rounds],
-                "format_valid": bool(stat["format_valid"]),
-                "outcome": o,
-            }
-            for row, ep, o, stat in zip(inputs, episodes, outcomes, stats)
-        ]
         self.environments = [ep.environment for ep in episodes] if self.task.passes_environments else None
-        for reward_input, ep in zip(reward_inputs, episodes):  # None: no gold, the outcome reward gives None
-            if reward_input.get("golden_answers") is None:
-                reward_input["golden_answers"] = ep.golden_answers
         rewards_per_func = self._calculate_rewards(
-            reward_inputs, prompts, completions, [ep.rounds[-1].completion_ids for ep in episodes]
+            reward_inputs(inputs, episodes, outcomes, stats),
+            prompts,
+            completions,
+            [ep.rounds[-1].completion_ids for ep in episodes],
         )
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
@@ -380,36 +374,17 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
     def _round_batch(
         self, episodes: list[Episode], rows: Sequence[TrainingRow], mode: str, dropped: list[bool]
     ) -> RoundBatch:
-        """The training ``rows`` of ``episodes`` as tensors, padded with placeholder rows (one pad token, completion
-        fully masked) so that every process has the same number of rows, a multiple of ``steps_per_generation``; the
-        prompt and completion widths are multiples of ``pad_to_multiple_of`` when set (as in TRL). The rows of the
-        episodes that are ``dropped`` (one flag per episode) get a fully masked completion. ``real_rows`` (bool, one
-        per row) marks the rows that are neither (`_compute_loss`)."""
-        device = self.accelerator.device
-        rows = tuple(rows)
+        """The training ``rows`` of ``episodes`` as tensors (`round_tensors`), padded with placeholder rows so that
+        every process has the same number of rows, a multiple of ``steps_per_generation``; the rows of the episodes
+        that are ``dropped`` (one flag per episode) get a fully masked completion."""
+        rows, device = tuple(rows), self.accelerator.device
         per_step = self.args.steps_per_generation if mode == "train" else 1
-        real = [not dropped[row.episode_index] for row in rows]
-        num_dummy = math.ceil(self._global_max(len(rows)) / per_step) * per_step - len(rows)
-        pad_id = self._tokenizer.pad_token_id
-        prompts = [torch.tensor(r.prompt_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
-        completions = [torch.tensor(r.completion_ids) for r in rows] + [torch.tensor([pad_id])] * num_dummy
-        masks = [torch.ones_like(c) for c in completions[: len(rows)]] + [torch.zeros(1, dtype=torch.long)] * num_dummy
-        multiple = self.pad_to_multiple_of  # TRL's `pad_to_multiple_of`, on the prompt and completion widths
-        completion_mask = pad(masks, padding_value=0, padding_side="right", pad_to_multiple_of=multiple).to(device)
-        if self.mask_truncated_completions:
-            truncated = torch.tensor([r.truncated for r in rows] + [False] * num_dummy, device=device)
-            completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
-        kept = torch.tensor(real + [True] * num_dummy, device=device)
-        completion_mask = completion_mask * kept.unsqueeze(1).int()
-        prompt_mask = pad([torch.ones_like(p) for p in prompts], 0, "left", pad_to_multiple_of=multiple)
-        tensors = {
-            "prompt_ids": pad(prompts, pad_id, "left", pad_to_multiple_of=multiple).to(device),
-            "prompt_mask": prompt_mask.to(device),
-            "completion_ids": pad(completions, pad_id, "right", pad_to_multiple_of=multiple).to(device),
-            "completion_mask": completion_mask,
-            "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
-            "real_rows": torch.tensor(real + [False] * num_dummy, device=device),
-        }
+        placeholders = math.ceil(self._global_max(len(rows)) / per_step) * per_step - len(rows)
+        kept = [not dropped[row.episode_index] for row in rows]
+        pad_id, multiple = self._tokenizer.pad_token_id, self.pad_to_multiple_of
+        tensors = round_tensors(rows, kept, placeholders, pad_id, multiple, self.mask_truncated_completions)
+        tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
+        tensors["num_items_in_batch"] = self.accelerator.gather(tensors["completion_mask"].sum()).sum()
         return RoundBatch(mode, episodes, rows, tensors)
 
     # 4. the memory reward
@@ -484,40 +459,25 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
     def _advantages(
         self, batch: RoundBatch, memory_rewards: torch.Tensor, rewards_per_func: torch.Tensor, mode: str
     ) -> MemPOAdvantages:
-        """`mempo_advantages` on the rounds of all processes, returned for this process's rows.
+        """`batch_advantages` for this process's rows: the memory rewards and spans of the rounds of all processes
+        are gathered (`gather_object`) for their pools."""
 
-        A trajectory's global index is ``process_index * len(episodes) + episode`` (the order in which
-        `_calculate_rewards` gathers ``rewards_per_func``, ``(N, F)``), so memory pools span processes exactly like
-        GRPO's groups. The outcome advantage aggregates the reward functions as ``multi_objective_aggregation`` says
-        (TRL's two ways; a trajectory of all-NaN rewards is unscorable, advantage 0).
-        """
-        weights = self.reward_weights.to(rewards_per_func.device)
-        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
-        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        outcome = None
-        if self.multi_objective_aggregation == "normalize_then_sum":
-            outcome = normalize_then_sum_advantages(rewards_per_func, weights, num_generations)
-        rank, n_local = self.accelerator.process_index, len(batch.episodes)
-        local = [
-            (rank * n_local + row.episode_index, row.round_index, None if math.isnan(reward) else reward, row.mem_span)
-            for row, reward in zip(batch.rows, memory_rewards.tolist())
-        ]
-        per_process = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
-        start = sum(len(p) for p in per_process[:rank])
-        everything = [row for p in per_process for row in p]
-        return mempo_advantages(
-            rewards,
-            row_trajectories=[row[0] for row in everything],
-            row_rounds=[row[1] for row in everything],
-            memory_rewards=[row[2] for row in everything],
-            mem_spans=[row[3] for row in everything],
-            completion_mask=batch.tensors["completion_mask"],
-            local_rows=slice(start, start + len(local)),
-            num_generations=num_generations,
+        def gather(local: list) -> list[list]:
+            return gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+
+        return batch_advantages(
+            rewards_per_func,
+            self.reward_weights.to(rewards_per_func.device),
+            batch.rows,
+            memory_rewards,
+            batch.tensors["completion_mask"],
+            self.accelerator.process_index,
+            len(batch.episodes),
+            gather,
+            num_generations=self.num_generations if mode == "train" else self.num_generations_eval,
             scale_rewards=self.scale_rewards,
+            aggregation=self.multi_objective_aggregation,
             settings=self.memory_settings,
-            outcome_advantages=outcome,
         )
 
     # 6. the log-probs (`GRPOMirror._loss_log_probs`) and the logs
@@ -544,14 +504,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             batch.rows, step.stats, scores, advantages.memory, self.protocol.max_turns, self.task.action_metric
         )
         device, metrics, timings = self.accelerator.device, self._metrics[batch.mode], step.rollout.timings
-        local = torch.tensor([[sum(v), len(v), sum(x * x for x in v)] for v in values.values()])
-        totals = self.accelerator.gather(local.to(device).unsqueeze(0)).sum(dim=0)
-        for name, (total, count, total_sq) in zip(values, totals.tolist()):
-            if count:
-                mean = total / count
-                metrics[name].append(mean)
-                if name.startswith(("memory/reward", "memory/advantage")):
-                    metrics[f"{name}_std"].append(math.sqrt(max(total_sq / count - mean * mean, 0.0)))
+        for name, value in mean_metrics(values, lambda t: self.accelerator.gather(t.to(device)[None]).sum(0)).items():
+            metrics[name].append(value)
         metrics["tokens/prompt_peak"].append(float(self._global_max(max(len(r.prompt_ids) for r in batch.rows))))
         seconds = torch.tensor([timings.generation, timings.retrieval, scoring_seconds], device=device)
         slowest = self.accelerator.gather(seconds.unsqueeze(0)).max(dim=0).values.tolist()

@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import trl
@@ -139,29 +140,48 @@ def load_model_and_tokenizer(model_args, training_args):
     return model, tokenizer
 
 
+def task_class(script_args: ScriptArguments) -> type:
+    """The kind of task the run trains on: `EnvironmentTask` with `environment`, else `SearchTask`."""
+    from mempo_trl.tasks import EnvironmentTask, SearchTask
+
+    return EnvironmentTask if script_args.environment else SearchTask
+
+
+def build_task(script_args: ScriptArguments, retriever_args: RetrieverArguments) -> tuple[Any, dict[str, str]]:
+    """The run's task, built once, and what the model card says of it (`trainer.model_card_info`): an
+    `EnvironmentTask` on the class `environment` names (checked against TRL's convention), else a `SearchTask` on the
+    retriever the retriever arguments describe (a server is asked now: it fails before training, with the URL in the
+    message)."""
+    from mempo_trl.environments import check_environment, load_environment
+    from mempo_trl.tasks import EnvironmentTask, SearchTask
+
+    if script_args.environment:
+        environment_factory = load_environment(script_args.environment)
+        check_environment(environment_factory)
+        return EnvironmentTask(environment_factory), {"environment": script_args.environment}
+    retriever = build_retriever(retriever_args, ride_out_outages=True)
+    if retriever_args.retriever_url:
+        retriever.health()
+    retriever_arg = retriever_args.retriever_url or retriever_args.corpus
+    return SearchTask(retriever), {"retriever": describe_retriever(retriever_args), "retriever_arg": retriever_arg}
+
+
 def load_dataset(script_args: ScriptArguments, split: str):
-    """`split` of `dataset_name`: validated QA rows (`mempo_trl.data.load_qa`), or reset rows of an environment."""
-    from datasets import Dataset
-
-    from mempo_trl.data import load_qa, read_jsonl
-
+    """`split` of `dataset_name`, as the run's task reads it (`Task.read_rows`: validated QA rows, or the reset rows
+    of an environment)."""
     if not script_args.dataset_name:
         raise ValueError(
             "no data: set dataset_name (a QA .jsonl, a directory of {split}.jsonl files or a `datasets` "
             "name; `mempo-trl kit learner` writes one)."
         )
-    if script_args.environment:
-        return Dataset.from_list(read_jsonl(script_args.dataset_name))
-    if Path(split).is_file():  # a held-out file given as `dataset_test_split`
-        return load_qa(split)
-    return load_qa(script_args.dataset_name, split=split, config=script_args.dataset_config)
+    return task_class(script_args).read_rows(script_args.dataset_name, split, script_args.dataset_config)
 
 
 def check_heldout_source(script_args: ScriptArguments, training_args) -> None:
     """Refuse an evaluation (`heldout_questions`, `eval_strategy`) whose rows would be the training rows: a file
     `dataset_name` has no splits, so its `dataset_test_split` rows are the training file unless that names a file."""
     evaluates = script_args.heldout_questions > 0 or training_args.eval_strategy != "no"
-    if not evaluates or script_args.environment or not script_args.dataset_name:
+    if not evaluates or not task_class(script_args).heldout or not script_args.dataset_name:
         return
 
     def source(split: str) -> tuple:
@@ -183,16 +203,7 @@ def check_heldout_source(script_args: ScriptArguments, training_args) -> None:
         )
 
 
-def load_environment(spec: str):
-    """The environment class `spec` names (an import path), checked against TRL's convention."""
-    from mempo_trl.environments import check_environment, load_environment
-
-    environment_factory = load_environment(spec)
-    check_environment(environment_factory)
-    return environment_factory
-
-
-def add_callbacks(trainer, script_args: ScriptArguments, training_args, retriever, tokenizer) -> None:
+def add_callbacks(trainer, script_args: ScriptArguments, training_args, tokenizer) -> None:
     """The launch banner, the one-line step summary, checkpoint-on-SIGTERM and, with `heldout_questions`, the
     held-out evaluation before and after training."""
     from mempo_trl.callbacks import HeldOutProgressCallback, LaunchBannerCallback, use_step_summary
@@ -214,7 +225,7 @@ def add_callbacks(trainer, script_args: ScriptArguments, training_args, retrieve
 
         row_metric = None
         if script_args.heldout_row_metric:
-            row_metric = import_object(script_args.heldout_row_metric, "heldout_row_metric")(retriever)
+            row_metric = import_object(script_args.heldout_row_metric, "heldout_row_metric")(trainer.task.retriever)
         heldout = load_dataset(script_args, script_args.dataset_test_split)
         rows = list(heldout.select(range(min(script_args.heldout_questions, len(heldout)))))
         progress = HeldOutProgressCallback(len(rows), at_end=False)  # `train` evaluates after saving the model
@@ -223,7 +234,7 @@ def add_callbacks(trainer, script_args: ScriptArguments, training_args, retrieve
             HeldOutEvalCallback(
                 tokenizer,
                 rows,
-                retriever,
+                trainer.task.retriever,
                 trainer.protocol,
                 on_result=progress.report,
                 row_metric=row_metric,
@@ -233,28 +244,21 @@ def add_callbacks(trainer, script_args: ScriptArguments, training_args, retrieve
 
 
 def build_trainer(script_args: ScriptArguments, training_args, model_args, retriever_args: RetrieverArguments):
-    """Load and validate the data, the retriever (or environment) and the model; return a ready `MemPOTrainer`."""
+    """Load and validate the data, the task (`build_task`) and the model; return a ready `MemPOTrainer`."""
     from mempo_trl.trainer import MemPOTrainer
 
     train_dataset = load_dataset(script_args, script_args.dataset_train_split)
     eval_dataset = None
-    if training_args.eval_strategy != "no" and not script_args.environment:
+    if training_args.eval_strategy != "no" and task_class(script_args).heldout:
         eval_dataset = load_dataset(script_args, script_args.dataset_test_split)
-    retriever, environment_factory = None, None
-    if script_args.environment:
-        environment_factory = load_environment(script_args.environment)
-    else:
-        retriever = build_retriever(retriever_args, ride_out_outages=True)
-        if retriever_args.retriever_url:
-            retriever.health()  # fail before training, with the URL in the message
+    task, card_info = build_task(script_args, retriever_args)
     reward_funcs = load_reward_funcs(script_args.reward_funcs)
-    if environment_factory is not None and script_args.reward_funcs == ScriptArguments().reward_funcs:
-        reward_funcs = None  # the trainer's default on an environment: its get_reward(), or exact match
+    if script_args.reward_funcs == ScriptArguments().reward_funcs:
+        reward_funcs = None  # the task's default (`Task.prepare`): the outcome reward, or the environment's
     model, tokenizer = load_model_and_tokenizer(model_args, training_args)
     trainer = MemPOTrainer(
         model=model,
-        retriever=retriever,
-        environment_factory=environment_factory,
+        task=task,
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=train_dataset,
@@ -265,17 +269,10 @@ def build_trainer(script_args: ScriptArguments, training_args, model_args, retri
     trainer.model_card_info = {
         "base_model": model_args.model_name_or_path,
         "dataset": script_args.dataset_name,
-        **(
-            {"environment": script_args.environment}
-            if script_args.environment
-            else {
-                "retriever": describe_retriever(retriever_args),
-                "retriever_arg": retriever_args.retriever_url or retriever_args.corpus,
-                "example_question": train_dataset[0]["question"],
-            }
-        ),
+        "example_question": train_dataset[0].get("question"),
+        **card_info,
     }
-    add_callbacks(trainer, script_args, training_args, retriever, tokenizer)
+    add_callbacks(trainer, script_args, training_args, tokenizer)
     return trainer
 
 
@@ -477,7 +474,7 @@ def check_before_training(
             "dataset_streaming is not supported: MemPO validates every row of `dataset_name` before "
             "training (set dataset_streaming: false)."
         )
-    if script_args.environment and script_args.heldout_questions > 0:
+    if not task_class(script_args).heldout and script_args.heldout_questions > 0:
         raise ValueError(
             "heldout_questions evaluates the search task; evaluate an environment agent with "
             f"`mempo-trl eval --environment {script_args.environment}` instead (set heldout_questions: 0)."
@@ -507,9 +504,10 @@ def check_before_training(
         prepare_output_dir(training_args.output_dir, check_existing=False, inputs=inputs)
 
 
-def protocol_changes(training_args, environment: bool) -> str | None:
+def protocol_changes(training_args, task: type) -> str | None:
     """One line naming the turn-protocol settings (`max_turns`, ...) of this run that differ from those saved in the
-    checkpoint it resumes (its ``mempo_agent.json``), or None: the run goes on with its own, as said."""
+    checkpoint it resumes (its ``mempo_agent.json``; ``task``: the run's task class, `task_class`), or None: the run goes
+    on with its own, as said."""
     from dataclasses import asdict
 
     from mempo_trl.protocol import TurnProtocol
@@ -517,7 +515,7 @@ def protocol_changes(training_args, environment: bool) -> str | None:
     saved = TurnProtocol.from_pretrained(training_args.resume_from_checkpoint)
     if saved is None:
         return None
-    _, changes = saved.override(**asdict(training_args.turn_protocol(environment=environment)))
+    _, changes = saved.override(**asdict(task.protocol(training_args.turn_protocol())))
     if not changes:
         return None
     return (
@@ -547,7 +545,7 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
         if int(os.environ.get("RANK", "0")) == 0:
             print(finished)
         return 0
-    changes = training_args.resume_from_checkpoint and protocol_changes(training_args, bool(script_args.environment))
+    changes = training_args.resume_from_checkpoint and protocol_changes(training_args, task_class(script_args))
     if changes and int(os.environ.get("RANK", "0")) == 0:
         print(changes)
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
