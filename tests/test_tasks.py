@@ -86,6 +86,9 @@ def test_the_trainer_trains_a_third_task_and_refuses_refill_for_it(tiny, tmp_pat
     trainer.train()
     metrics = trainer.state.log_history[0]
     assert metrics["episode/lookups"] > 0 and "episode/searches" not in metrics
+    trainer.create_model_card()  # a task without `usage`: the card keeps TRL's quick start
+    card = (tmp_path / "README.md").read_text()
+    assert "## Quick start" in card and "MemPOAgent" not in card.split("## Quick start")[1].split("##")[0]
     with pytest.raises(ValueError, match="dynamic_sampling='refill' plays further prompts, which GlossaryTask cannot"):
         refill = cpu_config(tmp_path, dynamic_sampling="refill")
         MemPOTrainer(model, args=refill, train_dataset=dataset, processing_class=tokenizer, task=GlossaryTask())

@@ -227,13 +227,15 @@ def mempo_model_card(trainer, dataset_name: str | None = None) -> Path:
         count=1,
     )
     model_id = args.hub_model_id if args.push_to_hub and args.hub_model_id else str(args.output_dir)
-    text = re.sub(
-        r"(## Quick start\n\n)```python\n.*?```",
-        lambda m: m.group(1) + trainer.task.usage(model_id, info),
-        text,
-        count=1,
-        flags=re.S,
-    )
+    usage = getattr(trainer.task, "usage", None)  # optional for a task of one's own: TRL's quick start stays
+    if usage is not None:
+        text = re.sub(
+            r"(## Quick start\n\n)```python\n.*?```",
+            lambda m: m.group(1) + usage(model_id, info),
+            text,
+            count=1,
+            flags=re.S,
+        )
     own_fields = [name for name in MemPOConfig.__annotations__ if name not in ("system_prompt", "instruction")]
     recipe = {name: getattr(args, name) for name in own_fields}
     recipe.update({name: getattr(args, name) for name in ("num_generations", "learning_rate", "beta", "loss_type")})

@@ -85,7 +85,8 @@ class Task(Protocol):
         """Why an action block of a valid turn cannot be run (the turn is then invalid), or None."""
 
     def usage(self, model_id: str, info: dict) -> str:
-        """The model card's quick start for an agent trained on this task (``info``: `trainer.model_card_info`)."""
+        """The model card's quick start for an agent trained on this task (``info``: `trainer.model_card_info`).
+        Optional: without it the card keeps TRL's quick start."""
 
 
 class SearchTask:
