@@ -13,6 +13,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+PYTHON_FIRST = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+"""PATH with this interpreter's directory first: the venv's `python3`, whether or not the venv is activated."""
+
+
 def _mempo(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mempo_trl", *args],
@@ -170,6 +174,7 @@ def test_smollm2_recipe_runs_end_to_end_small(tmp_path):
     run = tmp_path / "run"
     env = {
         **os.environ,
+        "PATH": PYTHON_FIRST,  # the script's `python3` imports mempo_trl, as in the venv it documents
         "MEMPO": f"{sys.executable} -m mempo_trl",
         "OMP_NUM_THREADS": "1",
         "TRAIN_ARGS": "--num_generations 2 --per_device_train_batch_size 2 --max_completion_length 48",
@@ -241,7 +246,8 @@ def _recipe(tmp_path, *args: str) -> subprocess.CompletedProcess:
     """examples/smollm2_cpu.sh with every `mempo-trl` command replaced by `FAKE_MEMPO` (it writes what each stage
     leaves and logs its arguments to calls.txt): the script's own wiring, in a second."""
     (tmp_path / "fake_mempo.py").write_text(FAKE_MEMPO)
-    env = {**os.environ, "MEMPO": f"{sys.executable} {tmp_path / 'fake_mempo.py'}", "OMP_NUM_THREADS": "1"}
+    fake = f"{sys.executable} {tmp_path / 'fake_mempo.py'}"
+    env = {**os.environ, "PATH": PYTHON_FIRST, "MEMPO": fake, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), *args],
         capture_output=True,
