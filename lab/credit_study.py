@@ -545,7 +545,7 @@ def score_group(model, tokenizer, row: dict, blocks: list[str], full_messages: l
 
 def scripted_group(model, tokenizer, retriever, row: dict, study: dict) -> dict:
     """The scripted group of a question (`scripted_memories`), all with the oracle's full history; outcomes 0."""
-    from mempo_trl.protocol import round_messages
+    from mempo_trl.context import round_messages
 
     scripted, history = scripted_memories(row, retriever, study, random.Random(f"{study['seed']}-{row['id']}"))
     full = round_messages(protocol_of(study).initial_messages(row["question"]), history, "full_history")
@@ -562,10 +562,10 @@ def sampled_groups(model, tokenizer, retriever, rows: list[dict], study: dict) -
     that is not well-formed is not scored (as in training) and counted in ``unscored``."""
     import torch
 
-    from mempo_trl.context import render_prompt
+    from mempo_trl.context import render_prompt, round_messages
     from mempo_trl.generation import HFGenerator
-    from mempo_trl.protocol import parse_turn, round_messages
     from mempo_trl.rollout import cut_after_action
+    from mempo_trl.turns import parse_turn
 
     protocol, g, mem_drop = protocol_of(study), study["generations"], study["warm"]["mem_drop"]
     generator = HFGenerator(
