@@ -265,7 +265,8 @@ def test_a_machine_killed_or_hung_ends_the_other_in_one_line_and_leaves_no_proce
         assert validate_checkpoint(tmp_path / "out" / f"checkpoint-{step}")["global_step"] == step
         return
     step = int(line.split("after step ")[1].split(":")[0])
-    reason = "Timed out waiting 10000ms" if what == "machine 1 hangs" else "Connection reset by peer"
+    # gloo names a lost peer's socket as reset or closed, whichever its read or write sees first
+    reasons = ["Timed out waiting 10000ms"] if what == "machine 1 hangs" else ["reset by peer", "closed by peer"]
     assert line.startswith(f"error: training stopped after step {step}: another process of the run ended or stopped")
-    assert reason in line and "ddp_timeout=10 s" in line, line
+    assert any(reason in line for reason in reasons) and "ddp_timeout=10 s" in line, line
     assert line.endswith("Nothing can be saved without it: no checkpoint was saved yet, start every machine again.")
