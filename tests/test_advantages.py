@@ -215,13 +215,13 @@ def test_batch_advantages_pool_the_rounds_of_all_processes_and_return_this_ones(
     this row's memory advantage is (0.1 - 0.2) / 0.1414 = -0.7071 on its <mem> tokens 0..1."""
     from types import SimpleNamespace
 
-    theirs = [(0, 1, 0.3, (0, 1))]
+    theirs = torch.tensor([[0, 1, 0.3, 0, 1], [-1, 0, math.nan, -1, -1]], dtype=torch.float64)  # and a placeholder
     mine = [SimpleNamespace(episode_index=0, round_index=1, mem_span=(0, 1))]
     gathered = []
 
-    def gather(local):
-        gathered.append(local)
-        return [theirs, local]
+    def gather(table):
+        gathered.append(table)
+        return torch.cat([theirs, table])
 
     settings = MemoryRewardSettings(memory_scale_rewards="group")
     out = batch_advantages(
@@ -237,7 +237,8 @@ def test_batch_advantages_pool_the_rounds_of_all_processes_and_return_this_ones(
         scale_rewards="none",
         settings=settings,
     )
-    assert gathered == [[(1, 1, pytest.approx(0.1), (0, 1))]]
+    (table,) = gathered
+    assert table.shape == (2, 5) and table[0].tolist() == [1, 1, pytest.approx(0.1), 0, 1] and table[1, 0] == -1
     assert out.outcome.tolist() == [1.0, -1.0]
     memory = -0.1 / math.sqrt(0.02)
     assert out.advantages[0].tolist() == pytest.approx([-1.0 + memory, -1.0 + memory, -1.0], abs=1e-4)  # float32
@@ -258,7 +259,7 @@ def test_batch_advantages_normalize_then_sum_and_unscorable_rows():
         torch.ones(2, 1),
         rank=0,
         episodes_per_process=2,
-        gather=lambda local: [local],
+        gather=lambda table: table,
         num_generations=2,
         aggregation="normalize_then_sum",
     )

@@ -239,8 +239,8 @@ def make_trainer(tiny_model_dir, tmp_path, monkeypatch, factory, rows, context_m
     oracle = OracleGenerator(tokenizer, policy)
     monkeypatch.setattr(trainer, "_generate_single_turn", lambda prompt_ids, *a, **k: oracle(prompt_ids))
     answer_logps, shared_logps = scripted_scorers(tokenizer, p_of_context)
-    monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", answer_logps)
-    monkeypatch.setattr("mempo_trl.trainer.shared_prefix_answer_logps", shared_logps)
+    monkeypatch.setattr("mempo_trl.memory_scoring.answer_token_logps", answer_logps)
+    monkeypatch.setattr("mempo_trl.memory_scoring.shared_prefix_answer_logps", shared_logps)
     return trainer, tokenizer
 
 

@@ -15,7 +15,19 @@ import mempo_trl
 
 
 PACKAGE = Path(mempo_trl.__file__).parent
-CHAIN = ("turns", "offsets", "context", "protocol", "rollout", "padding", "scoring", "memory", "advantages", "trainer")
+CHAIN = (
+    "turns",
+    "offsets",
+    "context",
+    "protocol",
+    "rollout",
+    "padding",
+    "scoring",
+    "memory",
+    "memory_scoring",
+    "advantages",
+    "trainer",
+)
 """The stages a training step's data goes through, in order; the turn format (`turns`, `offsets`), the context rebuild
 (`context`) and the rules of the game (`protocol`) are shared; `padding` makes the rollout's rows one batch."""
 

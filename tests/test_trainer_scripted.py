@@ -105,9 +105,9 @@ def scripted_trainer(request, tiny_model_dir, tmp_path, monkeypatch):
         return logps, mask
 
     monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
-    monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", scripted_logps)
+    monkeypatch.setattr("mempo_trl.memory_scoring.answer_token_logps", scripted_logps)
     monkeypatch.setattr(
-        "mempo_trl.trainer.shared_prefix_answer_logps",
+        "mempo_trl.memory_scoring.shared_prefix_answer_logps",
         lambda model, items, group_keys, pad_token_id, batch_size=8, num_chunks=None: scripted_logps(
             model, items, pad_token_id, batch_size, num_chunks
         ),
@@ -265,12 +265,12 @@ def test_a_process_with_nothing_to_score_still_issues_the_shared_prefix_forwards
     monkeypatch.setattr(trainer, "shared_prefix_scoring", True)
     monkeypatch.setattr(trainer, "_global_max", lambda value: max(value, 2))  # another process needs 2 chunks
     monkeypatch.setattr(
-        "mempo_trl.trainer.shared_prefix_answer_logps",
+        "mempo_trl.memory_scoring.shared_prefix_answer_logps",
         lambda model, items, keys, pad, bs, num_chunks: (
             calls.append((len(items), keys, num_chunks)) or (torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.bool))
         ),
     )
-    monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", lambda *a, **k: pytest.fail("batched scorer used"))
+    monkeypatch.setattr("mempo_trl.memory_scoring.answer_token_logps", lambda *a, **k: pytest.fail("batched scorer used"))
     assert [column.numel() for column in trainer._memory_rewards(())] == [0, 0, 0]
     assert calls == [(0, [], 2), (0, [], 2)]  # the full contexts, then the mem contexts
 
@@ -357,7 +357,7 @@ def test_a_steps_data_visits_each_module_once_downwards(scripted_trainer, dynami
     trainer.model.train()
     inputs = [{"question": q, "golden_answers": GOLDS[q], "data_source": "demo"} for q in SCRIPT for _ in range(2)]
     walk = step_walk(trainer, inputs)
-    order = ["rollout", "rewards", "dynamic_sampling", "padding", "scoring", "memory", "advantages"]
+    order = ["rollout", "rewards", "dynamic_sampling", "padding", "memory_scoring", "advantages"]
     order += ["interruptions", "metrics"]
     expected = [m for m in order if m != "dynamic_sampling" or dynamic_sampling != "keep"]
     assert walk == expected, walk

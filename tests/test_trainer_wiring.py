@@ -86,8 +86,8 @@ def make_trainer(model_dir, output_dir, monkeypatch, scripted_scores=True, **con
     monkeypatch.setattr(trainer, "_generate_single_turn", scripted_generate)
     if scripted_scores:
         answer_token_logps, shared_prefix_answer_logps = scripted_scorers(tokenizer, probability)
-        monkeypatch.setattr("mempo_trl.trainer.answer_token_logps", answer_token_logps)
-        monkeypatch.setattr("mempo_trl.trainer.shared_prefix_answer_logps", shared_prefix_answer_logps)
+        monkeypatch.setattr("mempo_trl.memory_scoring.answer_token_logps", answer_token_logps)
+        monkeypatch.setattr("mempo_trl.memory_scoring.shared_prefix_answer_logps", shared_prefix_answer_logps)
     trainer.model.train()
     return trainer, tokenizer
 

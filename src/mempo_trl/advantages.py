@@ -192,6 +192,24 @@ def mempo_advantages(
     return MemPOAdvantages(advantages, outcome, memory)
 
 
+def row_table(rows: Sequence, memory_rewards: torch.Tensor, first: int, num_rows: int) -> torch.Tensor:
+    """What the memory pools need of each row, as one tensor that gathers over processes: ``(num_rows, 5)`` float64
+    of trajectory (``first + row.episode_index``; -1 on the ``num_rows - len(rows)`` placeholder rows), round, memory
+    reward (NaN: not scored) and the ``<mem>`` span's first and last token (-1: none).
+
+    >>> from types import SimpleNamespace
+    >>> row_table([SimpleNamespace(episode_index=1, round_index=2, mem_span=(3, 5))], torch.tensor([0.5]), 4, 2)
+    tensor([[ 5.0000,  2.0000,  0.5000,  3.0000,  5.0000],
+            [-1.0000,  0.0000,     nan, -1.0000, -1.0000]], dtype=torch.float64)
+    """
+    values = [
+        [first + row.episode_index, row.round_index, reward, *(row.mem_span or (-1, -1))]
+        for row, reward in zip(rows, memory_rewards.tolist())
+    ]
+    values += [[-1, 0, math.nan, -1, -1]] * (num_rows - len(rows))
+    return torch.tensor(values, dtype=torch.float64).reshape(num_rows, 5)
+
+
 def batch_advantages(
     rewards_per_func: torch.Tensor,
     reward_weights: torch.Tensor,
@@ -200,7 +218,7 @@ def batch_advantages(
     completion_mask: torch.Tensor,
     rank: int,
     episodes_per_process: int,
-    gather: Callable[[list], list[list]],
+    gather: Callable[[torch.Tensor], torch.Tensor],
     num_generations: int,
     scale_rewards: str | bool = "group",
     aggregation: str = "sum_then_normalize",
@@ -218,11 +236,12 @@ def batch_advantages(
             (the order in which TRL's `_calculate_rewards` gathers ``rewards_per_func``), so memory pools span
             processes exactly like GRPO's groups.
         memory_rewards: ``(len(rows),)`` their memory rewards, NaN where the round is not scored.
-        completion_mask: ``(B, T)`` of this process's rows and placeholder rows.
-        gather: the lists of all processes, in process order, from this process's (one process: ``[local]``).
+        completion_mask: ``(B, T)`` of this process's rows and placeholder rows (B the same on every process).
+        gather: the ``(B, 5)`` `row_table` of every process, concatenated in process order (`accelerator.gather`;
+            one process: the table itself).
 
     >>> out = batch_advantages(torch.tensor([[1.0], [0.0]]), torch.ones(1), [], torch.tensor([]), torch.ones(1, 2),
-    ...                        0, 2, lambda local: [local], 2, "none")
+    ...                        0, 2, lambda table: table, 2, "none")
     >>> out.outcome, out.advantages
     (tensor([ 0.5000, -0.5000]), tensor([[0., 0.]]))
     """
@@ -231,22 +250,19 @@ def batch_advantages(
     outcome = None
     if aggregation == "normalize_then_sum":
         outcome = normalize_then_sum_advantages(rewards_per_func, reward_weights, num_generations)
-    first = rank * episodes_per_process
-    local = [
-        (first + row.episode_index, row.round_index, None if math.isnan(reward) else reward, row.mem_span)
-        for row, reward in zip(rows, memory_rewards.tolist())
-    ]
-    per_process = gather(local)
-    start = sum(len(p) for p in per_process[:rank])
-    everything = [row for p in per_process for row in p]
+    num_rows = completion_mask.shape[0]
+    table = row_table(rows, memory_rewards, rank * episodes_per_process, num_rows).to(completion_mask.device)
+    everything = gather(table).cpu()
+    start = int((everything[: rank * num_rows, 0] >= 0).sum())
+    everything = everything[everything[:, 0] >= 0].tolist()
     return mempo_advantages(
         rewards,
-        row_trajectories=[row[0] for row in everything],
-        row_rounds=[row[1] for row in everything],
-        memory_rewards=[row[2] for row in everything],
-        mem_spans=[row[3] for row in everything],
+        row_trajectories=[int(row[0]) for row in everything],
+        row_rounds=[int(row[1]) for row in everything],
+        memory_rewards=[None if math.isnan(row[2]) else row[2] for row in everything],
+        mem_spans=[None if row[3] < 0 else (int(row[3]), int(row[4])) for row in everything],
         completion_mask=completion_mask,
-        local_rows=slice(start, start + len(local)),
+        local_rows=slice(start, start + len(rows)),
         num_generations=num_generations,
         scale_rewards=scale_rewards,
         settings=settings,

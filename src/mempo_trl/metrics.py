@@ -3,6 +3,7 @@
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -98,3 +99,36 @@ def final_metrics(history: Sequence[dict]) -> dict[str, float]:
         **{k: v for k, v in (evals[-1:] or [{}])[0].items() if k.startswith("eval_")},
     }
     return {k: v for k, v in last.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+@dataclass
+class StepAccount:
+    """What one process did in the current optimizer step so far: the prompt and completion tokens of the rows it
+    generated (what ``num_tokens`` counts over all processes), and its seconds of generation, retrieval and memory
+    scoring."""
+
+    tokens: int = 0
+    generation: float = 0.0
+    retrieval: float = 0.0
+    memory_scoring: float = 0.0
+
+    def add(self, rows: Sequence, timings, memory_scoring: float) -> None:
+        """Count a batch's ``rows`` (with ``prompt_ids`` and ``completion_ids``), its rollout's ``timings``
+        (``generation``, ``retrieval``) and its seconds of memory scoring."""
+        self.tokens += sum(len(row.prompt_ids) + len(row.completion_ids) for row in rows)
+        self.generation += timings.generation
+        self.retrieval += timings.retrieval
+        self.memory_scoring += memory_scoring
+
+    def metrics(self, step_time: float) -> dict[str, float]:
+        """``tokens_per_second`` (the tokens over ``step_time``, TRL's) and ``time/other`` (``step_time`` less the
+        generation, retrieval and memory scoring).
+
+        >>> StepAccount(100, 1.0, 0.5, 0.25).metrics(2.0)
+        {'tokens_per_second': 50.0, 'time/other': 0.25}
+        """
+        parts = self.generation + self.retrieval + self.memory_scoring
+        return {
+            "tokens_per_second": self.tokens / step_time if step_time > 0 else 0.0,
+            "time/other": step_time - parts,
+        }

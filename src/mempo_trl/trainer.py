@@ -6,24 +6,22 @@ import math
 import textwrap
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object, is_peft_model
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
-from trl.trainer.utils import use_adapter
 
 from mempo_trl.advantages import MemPOAdvantages, batch_advantages
 from mempo_trl.config import ROW_LEVEL_LOSSES, MemPOConfig
 from mempo_trl.data import check_map_style, named_datasets
 from mempo_trl.dynamic_sampling import ScoredStep, dynamic_sampling
-from mempo_trl.grpo_mirror import GRPOMirror, activation_checkpointing_off
+from mempo_trl.grpo_mirror import GRPOMirror
 from mempo_trl.interruptions import check_finite
-from mempo_trl.memory import MemoryScores, memory_scores, quantile_threshold
-from mempo_trl.metrics import final_metrics, mean_metrics, round_metric_values
+from mempo_trl.memory import MemoryScores
+from mempo_trl.memory_scoring import MemoryScoring
+from mempo_trl.metrics import StepAccount, final_metrics, mean_metrics, round_metric_values
 from mempo_trl.model_card import mempo_model_card
 from mempo_trl.padding import round_tensors
 from mempo_trl.rewards import (
@@ -34,12 +32,6 @@ from mempo_trl.rewards import (
     reward_inputs,
 )
 from mempo_trl.rollout import Episode, Rollout, RolloutEngine, TrainingRow
-from mempo_trl.scoring import (
-    SHARED_PREFIX_ATTENTION,
-    answer_token_logps,
-    pack_shared_prefix,
-    shared_prefix_answer_logps,
-)
 from mempo_trl.tasks import Task, make_task
 
 
@@ -58,19 +50,7 @@ class RoundBatch:
     tensors: dict[str, torch.Tensor]
 
 
-@dataclass
-class StepAccount:
-    """What this process did in the current optimizer step so far: the prompt and completion tokens of the rows it
-    generated (what ``num_tokens`` counts over all processes), and its seconds of generation, retrieval and memory
-    scoring (``time/other`` is the rest of TRL's ``step_time``)."""
-
-    tokens: int = 0
-    generation: float = 0.0
-    retrieval: float = 0.0
-    memory_scoring: float = 0.0
-
-
-class MemPOTrainer(GRPOMirror, GRPOTrainer):
+class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
     """
     Trainer for MemPO (Self-Memory Policy Optimization, arXiv 2603.00680) search agents.
 
@@ -80,17 +60,11 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
     `mempo_agent.json`), `create_model_card` (MemPO's card) and `__init__` (MemPO's own arguments, then TRL's). The
     loss itself, the sampler, PEFT, DeepSpeed/FSDP, vLLM weight sync and logging are inherited unchanged; what is
     taken, adapted or refused of each `GRPOConfig` option is docs/trl_parity.md.
-    `_generate_and_score_completions`:
-
-    - each question is played as a multi-turn search episode (`mempo_trl.rollout.RolloutEngine`) whose context is
-      rebuilt every round from the question, the previous turn and its search result (`context_mode="memory"`),
-      generating each turn with TRL's own `_generate_single_turn` (HF generate, transformers continuous batching,
-      vLLM colocate or server);
-    - every round becomes its own training row (prompt = the context it was sampled from, completion = the turn),
-      padded with fully masked rows to the same count on every process;
-    - the outcome advantage is GRPO's group-normalised reward of the whole trajectory, copied to all its rows;
-    - the memory advantage (P_mem - P_full of the gold answer, normalised per question across processes) is added on
-      the `<mem>...</mem>` tokens of rounds >= 2, giving per-token advantages of shape (rows, completion tokens).
+    `_generate_and_score_completions` plays each question as a multi-turn episode whose context is rebuilt every round
+    from the question, the last memory and the last search result, makes every round a training row, and gives its
+    tokens the trajectory's GRPO advantage plus, on the `<mem>` tokens of rounds >= 2, the memory advantage (P_mem -
+    P_full of the gold answer, normalised per question across processes): per-token advantages of shape (rows,
+    completion tokens). Its docstring lists the steps.
 
     Args:
         model: model id/path or instance, as for `GRPOTrainer`.
@@ -166,8 +140,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         self.retriever = getattr(task, "retriever", None)  # a `SearchTask`'s
         self.memory_settings = args.memory_settings()
         self.dynamic_sampling_settings = args.dynamic_sampling_settings()
-        self.shared_prefix_scoring = self._check_model_arguments()
-        self._score_memory = protocol.context_mode == "memory" and self.memory_settings.memory_coef != 0.0
+        self._check_memory_scoring()
         self._stop_turns_on(protocol.stops, protocol.stop_token_ids(self._tokenizer, self.eos_token_ids))
         self._sync_vllm_by_reload()
         limit = self._max_prompt_length()
@@ -208,28 +181,6 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             )
         return copy.copy(args), task
 
-    def _check_model_arguments(self) -> bool:
-        """Refuse the memory settings the loaded model cannot serve, announce a run without the memory advantage, and
-        say whether memory scoring shares prefixes (`memory_scoring`)."""
-        settings, attention = self.memory_settings, self.model.config._attn_implementation
-        if settings.memory_scoring == "shared_prefix" and attention not in SHARED_PREFIX_ATTENTION:
-            raise ValueError(
-                f"memory_scoring='shared_prefix' needs 4D attention masks ({SHARED_PREFIX_ATTENTION}), but the model "
-                f"uses {attention!r}: set memory_scoring='batched' (or 'auto'), or attn_implementation='sdpa'."
-            )
-        if settings.memory_full_from_reference and self.ref_model is None and not is_peft_model(self.model):
-            raise ValueError(
-                "memory_full_from_reference=True needs a reference model: set beta > 0 or train a PEFT adapter."
-            )
-        if self.protocol.context_mode == "memory" and settings.memory_coef == 0.0 and self.is_world_process_zero():
-            print(
-                "mempo-trl: memory_coef is 0: the memory advantage is off, this run trains on the outcome reward only "
-                "(set memory_coef > 0 for MemPO)."
-            )
-        return settings.memory_scoring == "shared_prefix" or (
-            settings.memory_scoring == "auto" and attention in SHARED_PREFIX_ATTENTION
-        )
-
     # ------------------------------------------------------------------ the override, step by step
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict[str, torch.Tensor]:
@@ -244,7 +195,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
            functions, gathered over processes (`_outcome_rewards`); with `dynamic_sampling`, refills or drops the
            groups whose rewards are all equal (`mempo_trl.dynamic_sampling.dynamic_sampling`);
         3. pads the rows with fully masked placeholder rows to the same count on every process (`_round_batch`);
-        4. scores P_full / P_mem of the gold answer for rounds >= 2 and their memory reward (`_memory_rewards`);
+        4. scores P_full / P_mem of the gold answer for rounds >= 2 and their memory reward (`_memory_rewards`,
+           `mempo_trl.memory_scoring`);
         5. gathers the rounds of all processes and calls `mempo_advantages` for per-token advantages of shape
            (rows, completion tokens) instead of one scalar per completion (`_advantages`);
         6. computes the old / sampling / reference log-probs and logs what `GRPOTrainer` logs
@@ -276,27 +228,21 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
     # 1. the rollout
 
     def _play_episodes(self, inputs: list[dict]) -> Rollout:
-        """One multi-turn episode per input row, all processes stepping together, with its training rows."""
+        """One multi-turn episode per input row, all processes stepping together, with its training rows; warns once
+        when episodes have no gold answer (an environment may set none): their rounds get the outcome advantage only."""
         with profiling_context(self, "rollout"), self._rollout_context():
             global_active = self._global_sum if self.accelerator.num_processes > 1 else None
             rollout = self.rollout_engine.play(inputs, self._generate_turns, global_active, self._score_memory)
-        self._warn_no_memory_target(rollout.episodes)
-        return rollout
-
-    def _warn_no_memory_target(self, episodes: Sequence[Episode]) -> None:
-        """Warn once when episodes have no gold answer (an environment may set none): their rounds get the outcome
-        advantage only."""
-        if self._warned_no_target:
-            return
-        missing = sorted({type(ep.environment or self.task).__name__ for ep in episodes if ep.golden_answers is None})
-        if missing:
+        missing = {type(ep.environment or self.task).__name__ for ep in rollout.episodes if ep.golden_answers is None}
+        if missing and not self._warned_no_target:
             self._warned_no_target = True
             logger.warning(
                 "Some episodes of %s have no gold answer (no `golden_answers` in the row or on the environment): "
                 "their rounds get no memory reward, only the outcome advantage (memory/scored_rounds counts the "
                 "rounds that do).",
-                " / ".join(missing),
+                " / ".join(sorted(missing)),
             )
+        return rollout
 
     # 2. the outcome rewards and dynamic sampling
 
@@ -304,16 +250,10 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         """Steps 1 and 2 on ``inputs``: the rollout, each episode's outcome and metrics, the reward functions'
         values."""
         rollout = self._play_episodes(inputs)
-        outcomes, stats = self._score_episodes(rollout.episodes)
+        outcomes = [episode_outcome(ep) for ep in rollout.episodes]
+        stats = [episode_metrics(ep, outcome) for ep, outcome in zip(rollout.episodes, outcomes)]
         rewards_per_func, rewards = self._outcome_rewards(inputs, rollout.episodes, outcomes, stats)
         return ScoredStep(rollout, outcomes, stats, rewards_per_func, rewards)
-
-    @staticmethod
-    def _score_episodes(episodes) -> tuple[list[OutcomeScore | None], list[dict[str, float]]]:
-        """Each episode's `episode_outcome` (EM/F1/sub-EM against its golds, the reward functions' ``outcome``
-        column) and `episode_metrics` (the ``episode/*`` numbers), scored once per step."""
-        outcomes = [episode_outcome(ep) for ep in episodes]
-        return outcomes, [episode_metrics(ep, outcome) for ep, outcome in zip(episodes, outcomes)]
 
     def _outcome_rewards(
         self,
@@ -387,84 +327,13 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         tensors["num_items_in_batch"] = self.accelerator.gather(tensors["completion_mask"].sum()).sum()
         return RoundBatch(mode, episodes, rows, tensors)
 
-    # 4. the memory reward
-
-    def _memory_rewards(self, rows: Sequence[TrainingRow], dropped: Sequence[bool] = ()) -> MemoryScores:
-        """Step 4: P_full, P_mem and the memory reward of the rows that carry scoring contexts (none when the memory
-        advantage is off), NaN on the rows of ``dropped`` episodes (one flag per episode): a dropped group teaches
-        nothing, its memory rounds included."""
-        if not self._score_memory:
-            return MemoryScores.unscored(len(rows))
-        scores = self._score_memory_rows(rows)
-        if any(dropped):
-            gone = torch.tensor([dropped[row.episode_index] for row in rows], dtype=torch.bool)
-            scores = MemoryScores(*(column.masked_fill(gone, math.nan) for column in scores))
-        return scores
-
-    def _score_memory_rows(self, rows: Sequence[TrainingRow]) -> MemoryScores:
-        """P_full, P_mem and the memory reward of the rows that carry scoring contexts."""
-        scored = [i for i, row in enumerate(rows) if row.scoring is not None]
-        pairs = [rows[i].scoring for i in scored]
-        settings = self.memory_settings
-        with torch.no_grad(), activation_checkpointing_off(self.model, self.args.gradient_checkpointing_kwargs):
-            # Shared-prefix scoring packs the contexts of one trajectory together: its full contexts are prefixes of
-            # each other, and so are its mem contexts up to their memory. The two kinds are scored apart: a mem
-            # context shares only the system and user messages with the full history, so in one row its block would
-            # attend over the whole history's keys for nothing.
-            group_keys = [rows[i].episode_index for i in scored] if self.shared_prefix_scoring else None
-            if settings.memory_full_from_reference or self.shared_prefix_scoring:
-                reference = settings.memory_full_from_reference
-                full_logps, full_mask = self._score_items([p.full for p in pairs], reference, group_keys)
-                mem_logps, mem_mask = self._score_items([p.mem for p in pairs], False, group_keys)
-            else:  # one padded batch, sorted by length, for both kinds
-                logps, mask = self._score_items([p.full for p in pairs] + [p.mem for p in pairs], False)
-                full_logps, mem_logps = logps[: len(pairs)], logps[len(pairs) :]
-                full_mask, mem_mask = mask[: len(pairs)], mask[len(pairs) :]
-        threshold = settings.memory_threshold
-        if settings.memory_threshold_quantile is not None:  # one threshold for the answer tokens of all processes
-            local = torch.cat([full_logps[full_mask.bool()], mem_logps[mem_mask.bool()]]).tolist()
-            values = torch.tensor(gather_object(local) if self.accelerator.num_processes > 1 else local)
-            threshold = quantile_threshold(
-                values, torch.ones_like(values, dtype=torch.bool), settings.memory_threshold_quantile
-            )
-        lengths = [rows[i].mem_span[1] - rows[i].mem_span[0] + 1 for i in scored]
-        full, mem, budget = (full_logps, full_mask), (mem_logps, mem_mask), self.protocol.max_completion_length
-        return memory_scores(len(rows), scored, full, mem, lengths, settings, threshold, budget)
-
-    def _score_items(self, items, use_reference: bool, group_keys=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Answer-token log-probs of scoring items, with the same number of forwards on every process.
-
-        With ``group_keys`` (one per item), items of the same key that share a context prefix are scored with one
-        forward of that prefix (`shared_prefix_answer_logps`).
-        """
-        bs = self.memory_settings.memory_scoring_batch_size
-        num_rows = len(items) if group_keys is None else len(pack_shared_prefix(items, group_keys))
-        num_chunks = self._global_max(math.ceil(num_rows / bs))
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if use_reference and self.ref_model is not None:
-            model, adapter_ctx = self.ref_model, nullcontext()
-        elif use_reference:
-            model = self.model
-            adapter_ctx = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
-        else:
-            model, adapter_ctx = self.model, nullcontext()
-        pad_id = self._tokenizer.pad_token_id
-        with adapter_ctx, self.accelerator.autocast():
-            if group_keys is None:
-                return answer_token_logps(model, items, pad_id, bs, num_chunks)
-            return shared_prefix_answer_logps(model, items, group_keys, pad_id, bs, num_chunks)
-
     # 5. the advantages
 
     def _advantages(
         self, batch: RoundBatch, memory_rewards: torch.Tensor, rewards_per_func: torch.Tensor, mode: str
     ) -> MemPOAdvantages:
         """`batch_advantages` for this process's rows: the memory rewards and spans of the rounds of all processes
-        are gathered (`gather_object`) for their pools."""
-
-        def gather(local: list) -> list[list]:
-            return gather_object([local]) if self.accelerator.num_processes > 1 else [local]
-
+        are gathered (`accelerator.gather`, one padded tensor) for their pools."""
         return batch_advantages(
             rewards_per_func,
             self.reward_weights.to(rewards_per_func.device),
@@ -473,7 +342,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
             batch.tensors["completion_mask"],
             self.accelerator.process_index,
             len(batch.episodes),
-            gather,
+            self.accelerator.gather,
             num_generations=self.num_generations if mode == "train" else self.num_generations_eval,
             scale_rewards=self.scale_rewards,
             aggregation=self.multi_objective_aggregation,
@@ -512,10 +381,7 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         for name, value in zip(("generation", "retrieval", "memory_scoring"), slowest):
             metrics[f"time/{name}"].append(value)
         if batch.mode == "train":
-            self._step_account.tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in batch.rows)
-            self._step_account.generation += timings.generation
-            self._step_account.retrieval += timings.retrieval
-            self._step_account.memory_scoring += scoring_seconds
+            self._step_account.add(batch.rows, timings, scoring_seconds)
 
     # ------------------------------------------------------------------ TRL's loss and step
 
@@ -546,11 +412,9 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         check_finite("loss", loss, self.state.global_step + 1, self.accelerator)
         if self._step % self.current_gradient_accumulation_steps == 0:
-            metrics, account = self._metrics["train"], self._step_account
-            step_time = metrics["step_time"][-1]
-            metrics["tokens_per_second"].append(account.tokens / step_time if step_time > 0 else 0.0)
-            parts = account.generation + account.retrieval + account.memory_scoring
-            metrics["time/other"].append(step_time - parts)
+            metrics = self._metrics["train"]
+            for name, value in self._step_account.metrics(metrics["step_time"][-1]).items():
+                metrics[name].append(value)
             self._step_account = StepAccount()
         return loss
 
