@@ -80,9 +80,9 @@ def main(model_dir: str, out_dir: str) -> None:
         trajectory, t = _MEM.findall(context)[-1]
         return scripted_p_mem(f"{trajectory} r{t}")
 
-    import mempo_trl.trainer as trainer_module
+    import mempo_trl.memory_scoring as scoring_module
 
-    trainer_module.answer_token_logps, trainer_module.shared_prefix_answer_logps = scripted_scorers(
+    scoring_module.answer_token_logps, scoring_module.shared_prefix_answer_logps = scripted_scorers(
         tokenizer, probability
     )
     trainer._generate_single_turn = scripted_generate

@@ -77,9 +77,9 @@ def main(model_dir: str, out_path: str) -> None:
         return P_MEM[re.findall(r"<mem>(.*?)</mem>", context)[-1]] if context.endswith("</mem>") else P_FULL
 
     trainer._generate_single_turn = scripted_generate
-    import mempo_trl.trainer as trainer_module
+    import mempo_trl.memory_scoring as scoring_module
 
-    trainer_module.answer_token_logps, trainer_module.shared_prefix_answer_logps = scripted_scorers(
+    scoring_module.answer_token_logps, scoring_module.shared_prefix_answer_logps = scripted_scorers(
         tokenizer, probability
     )
     trainer.model.train()
