@@ -46,7 +46,7 @@ def test_gpu_smoke_dry_run_passes_every_stage(tmp_path):
 
 
 def test_gpu_smoke_rejects_an_unknown_stage(tmp_path):
-    env = _env("model nonsense")
+    env = _env("retriever nonsense")
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_smoke.sh"), "--cpu", str(tmp_path)],
         capture_output=True,
