@@ -17,6 +17,7 @@ from mempo_trl.memory import (
     normalize_memory_rewards,
     quantile_threshold,
     scatter_span_values,
+    weakest_part_reward,
 )
 from mempo_trl.memory_rewards import MEMORY_REWARDS
 from mempo_trl.settings import MemoryRewardSettings
@@ -256,3 +257,40 @@ def test_scatter_span_values():
         scatter_span_values(torch.ones(2, 3), [[0]], [[1]], [[1.0]])
     with pytest.raises(ValueError, match="row 0: 1 starts, 2 ends and 1 values"):
         scatter_span_values(torch.ones(1, 3), [[0]], [[1, 2]], [[1.0]])
+
+
+def test_weakest_part_reward_scores_a_memory_by_the_part_it_lost():
+    """Row 0: two parts; the memory holds part 1 as well as the full history (0.9 each) but part 2 at 0.2 against
+    0.8. Joint: sqrt(.9 * .2) - sqrt(.9 * .8) = 0.4243 - 0.8485; weakest: part 2, 0.2 - 0.8 = -0.6 (part 1: 0). Row
+    1 has no part tokens (parts all 0): the joint reward. With the default filter (log 0.5) part 2's memory tokens
+    are dropped: P_mem = 0, reward -0.8."""
+    log = torch.log
+    full = (
+        log(torch.tensor([[0.9, 0.9, 0.8, 0.8], [0.5, 0.5, 1.0, 1.0]])),
+        torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
+    )
+    mem = (log(torch.tensor([[0.9, 0.9, 0.2, 0.2], [0.8, 0.2, 1.0, 1.0]])), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]))
+    parts = torch.tensor([[1, 1, 2, 2], [0, 0, 0, 0]])
+    got = weakest_part_reward(full, mem, parts, threshold=None)
+    assert got.tolist() == pytest.approx([0.2 - 0.8, 0.4 - 0.5], abs=1e-6)
+    joint = memory_reward(answer_probability(*mem, None), answer_probability(*full, None))
+    assert joint[0].item() == pytest.approx(math.sqrt(0.9 * 0.2) - math.sqrt(0.9 * 0.8), abs=1e-6)
+    assert weakest_part_reward(full, mem, parts)[0].item() == pytest.approx(-0.8, abs=1e-6)
+    ratio = weakest_part_reward(full, mem, parts, mode="log_ratio", threshold=None)[0].item()
+    assert ratio == pytest.approx(math.log(0.2 + 1e-6) - math.log(0.8 + 1e-6), abs=1e-5)
+
+
+def test_memory_scores_take_the_weakest_part_only_when_asked():
+    """`memory_scores` with ``memory_reward_parts="weakest"``: the reward of row 0's weakest part less the length
+    penalty (0.5 x 10 / 100); P_full and P_mem stay joint; "joint" ignores the parts."""
+    log = torch.log
+    full = (log(torch.tensor([[0.9, 0.8]])), torch.tensor([[1, 1]]))
+    mem = (log(torch.tensor([[0.9, 0.2]])), torch.tensor([[1, 1]]))
+    parts = torch.tensor([[1, 2]])
+    weakest = MemoryRewardSettings(memory_reward_parts="weakest", memory_length_penalty=0.5, memory_threshold=None)
+    scores = memory_scores(2, [1], full, mem, [10], weakest, None, 100, parts)
+    assert scores.reward[1].item() == pytest.approx(0.2 - 0.8 - 0.05, abs=1e-6) and math.isnan(scores.reward[0])
+    assert scores.p_mem[1].item() == pytest.approx(math.sqrt(0.9 * 0.2), abs=1e-6)
+    joint = MemoryRewardSettings(memory_length_penalty=0.5, memory_threshold=None)
+    expected = math.sqrt(0.9 * 0.2) - math.sqrt(0.9 * 0.8) - 0.05
+    assert memory_scores(2, [1], full, mem, [10], joint, None, 100, parts).reward[1].item() == pytest.approx(expected)

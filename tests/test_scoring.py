@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import EchoRetriever
 
-from mempo_trl.context import ScoringItem, gold_answer_tokens, render_prompt, round_messages
+from mempo_trl.context import ScoringItem, gold_answer_parts, gold_answer_tokens, render_prompt, round_messages
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.memory import answer_probability
 from mempo_trl.protocol import TurnProtocol
@@ -308,3 +308,16 @@ def test_scored_logps_are_the_trained_models_next_token_logps():
             assert mask[i, :n].tolist() == [bool(m) for m in item.answer_mask] and not mask[i, n:].any()
             gold = mask[i, :n]
             torch.testing.assert_close(logps[i, :n][gold], torch.tensor(expected[i])[gold], atol=1e-4, rtol=1e-4)
+
+
+def test_scoring_pairs_carry_the_part_of_each_answer_token(any_tokenizer):
+    """The rollout's scoring pairs hold `gold_answer_parts` of their row: one part per sub-answer of a multi-part
+    row (what ``memory_reward_parts="weakest"`` reads), the gold tokens of a single answer."""
+    tokenizer = any_tokenizer
+    episode = scripted_episodes(tokenizer, SCRIPTS[:1], GOLDS[:1])[0]
+    (single, *_) = memory_scoring_items(episode, tokenizer)
+    assert single.answer_parts == tuple(gold_answer_tokens(tokenizer, GOLDS[0])[1])
+    episode.row["sub_answers"] = [["Nord"], ["haven"]]
+    (multi, *_) = memory_scoring_items(episode, tokenizer)
+    assert multi.answer_parts == tuple(gold_answer_parts(tokenizer, GOLDS[0], [["Nord"], ["haven"]]))
+    assert set(multi.answer_parts) == {0, 1, 2} and len(multi.answer_parts) == len(multi.full.answer_ids)

@@ -270,7 +270,9 @@ def test_a_process_with_nothing_to_score_still_issues_the_shared_prefix_forwards
             calls.append((len(items), keys, num_chunks)) or (torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.bool))
         ),
     )
-    monkeypatch.setattr("mempo_trl.memory_scoring.answer_token_logps", lambda *a, **k: pytest.fail("batched scorer used"))
+    monkeypatch.setattr(
+        "mempo_trl.memory_scoring.answer_token_logps", lambda *a, **k: pytest.fail("batched scorer used")
+    )
     assert [column.numel() for column in trainer._memory_rewards(())] == [0, 0, 0]
     assert calls == [(0, [], 2), (0, [], 2)]  # the full contexts, then the mem contexts
 
@@ -361,3 +363,33 @@ def test_a_steps_data_visits_each_module_once_downwards(scripted_trainer, dynami
     order += ["interruptions", "metrics"]
     expected = [m for m in order if m != "dynamic_sampling" or dynamic_sampling != "keep"]
     assert walk == expected, walk
+
+
+def test_the_trainer_scores_the_weakest_part_of_a_multi_part_gold(scripted_trainer, monkeypatch):
+    """``memory_reward_parts="weakest"`` through the trainer's memory scoring: the scorer's answer-token log-probs
+    (full history 0.9 / 0.8, memory 0.9 / 0.2 on parts 1 / 2) give the reward of part 2, 0.2 - 0.8; "joint" gives
+    the geometric means' difference."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from mempo_trl.context import MemoryScoringPair, ScoringItem
+
+    trainer, *_ = scripted_trainer
+    parts = (0, 1, 1, 2, 0)
+    item = ScoringItem([1, 2], [5, 6, 7, 8, 9], [0, 1, 1, 1, 0])
+    pair = MemoryScoringPair(1, item, ScoringItem([1, 3], item.answer_ids, item.answer_mask), answer_parts=parts)
+    rows = [SimpleNamespace(episode_index=0, round_index=1, scoring=pair, mem_span=(0, 3))]
+    probabilities = {(1, 2): [1.0, 0.9, 0.9, 0.8, 1.0], (1, 3): [1.0, 0.9, 0.9, 0.2, 1.0]}
+
+    def score_items(items, use_reference, group_keys=None):
+        logps = torch.log(torch.tensor([probabilities[tuple(it.context_ids)] for it in items]))
+        return logps, torch.tensor([it.answer_mask for it in items], dtype=torch.bool)
+
+    monkeypatch.setattr(trainer, "_score_items", score_items)
+    monkeypatch.setattr(trainer, "_score_memory", True)
+    settings = replace(trainer.memory_settings, memory_threshold=None, memory_length_penalty=0.0)
+    monkeypatch.setattr(trainer, "memory_settings", replace(settings, memory_reward_parts="weakest"))
+    assert trainer._memory_rewards(rows).reward.tolist() == pytest.approx([0.2 - 0.8], abs=1e-6)
+    monkeypatch.setattr(trainer, "memory_settings", settings)
+    joint = (0.9 * 0.9 * 0.2) ** (1 / 3) - (0.9 * 0.9 * 0.8) ** (1 / 3)
+    assert trainer._memory_rewards(rows).reward.tolist() == pytest.approx([joint], abs=1e-6)

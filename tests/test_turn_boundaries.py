@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mempo_trl.kit.qwen as qwen_module
-from mempo_trl.context import gold_answer_tokens, render_prompt, round_messages
+from mempo_trl.context import gold_answer_parts, gold_answer_tokens, render_prompt, round_messages
 from mempo_trl.kit.tiny import qwen2_5_chat_template
 from mempo_trl.offsets import locate_mem_span
 from mempo_trl.protocol import TurnProtocol
@@ -222,3 +222,18 @@ def test_gold_mask_covers_exactly_the_gold_tokens(any_tokenizer, gold):
     assert all(mask[first : last + 1])
     assert tok.decode(ids[first : last + 1]).strip() == gold  # only a leading space beside the gold text
     assert "answer" not in tok.decode(ids[first : last + 1])
+
+
+@pytest.mark.parametrize(
+    "parts", [[["Ulm"], ["Max Planck", "Planck"], ["1879"]], [["A; B"], ["中文 🙂"]], [["x"], ["x"]]]
+)
+def test_gold_answer_parts_mark_each_sub_answer_and_nothing_else(any_tokenizer, parts):
+    """`memory_reward_parts="weakest"` reads each part's tokens: part k's tokens decode to its first alias, the tags and
+    the ``"; "`` between parts are in no part, and every part token is a gold token."""
+    tok = any_tokenizer
+    ids, mask = gold_answer_tokens(tok, [], parts)
+    marks = gold_answer_parts(tok, [], parts)
+    assert len(marks) == len(ids) and all(mask[i] for i, m in enumerate(marks) if m)
+    for k, aliases in enumerate(parts, start=1):
+        assert tok.decode([i for i, m in zip(ids, marks) if m == k]).strip() == aliases[0]
+    assert gold_answer_parts(tok, ["Nord Haven"]) == gold_answer_tokens(tok, ["Nord Haven"])[1]  # one part: the gold

@@ -91,6 +91,10 @@ class MemPOConfig(GRPOConfig):
             `"diff"`: P_mem - P_full (paper). `"log_ratio"`: log(P_mem + eps) - log(P_full + eps).
         memory_reward_eps (`float`, *optional*, defaults to `1e-6`):
             The eps of `"log_ratio"`, > 0.
+        memory_reward_parts (`str`, *optional*, defaults to `"joint"`):
+            `"joint"`: P_mem and P_full over all gold tokens (paper). `"weakest"`: for a gold of several parts
+            (`sub_answers`), the memory reward of each part on its own tokens, and the lowest of them: a memory that
+            lost one needed fact is scored by that fact.
         memory_length_penalty (`float`, *optional*, defaults to `0.0`):
             Variant: subtract `lambda * len(<mem> tokens) / max_completion_length` from the memory reward.
         memory_pooling (`str`, *optional*, defaults to `"question"`):
@@ -161,6 +165,7 @@ class MemPOConfig(GRPOConfig):
     memory_threshold_quantile: float | None = flat_field(MemoryRewardSettings, "memory_threshold_quantile")
     memory_reward_type: str = flat_field(MemoryRewardSettings, "memory_reward_type")
     memory_reward_eps: float = flat_field(MemoryRewardSettings, "memory_reward_eps")
+    memory_reward_parts: str = flat_field(MemoryRewardSettings, "memory_reward_parts")
     memory_length_penalty: float = flat_field(MemoryRewardSettings, "memory_length_penalty")
     memory_pooling: str = flat_field(MemoryRewardSettings, "memory_pooling")
     memory_scale_rewards: str = flat_field(MemoryRewardSettings, "memory_scale_rewards")

@@ -176,11 +176,13 @@ class ScoringItem:
 
 @dataclass(frozen=True)
 class MemoryScoringPair:
-    """The two scoring items of one round: ``round_index`` is 0-based (so always >= 1 here)."""
+    """The two scoring items of one round: ``round_index`` is 0-based (so always >= 1 here); ``answer_parts`` holds
+    the part of each answer token (`gold_answer_parts`; empty: one part)."""
 
     round_index: int
     full: ScoringItem
     mem: ScoringItem
+    answer_parts: tuple[int, ...] = ()
 
 
 def gold_answer_tokens(tokenizer, golden_answers: Sequence[str], sub_answers=None) -> tuple[list[int], list[int]]:
@@ -193,6 +195,26 @@ def gold_answer_tokens(tokenizer, golden_answers: Sequence[str], sub_answers=Non
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(s < end and e > start) for s, e in encoded["offset_mapping"]]
     return list(encoded["input_ids"]), mask
+
+
+def gold_answer_parts(tokenizer, golden_answers: Sequence[str], sub_answers=None) -> list[int]:
+    """The part of each token of ``<answer> GOLD </answer>`` (`gold_answer_tokens`' ids): 1 + the index of the
+    sub-question whose alias the token overlaps first (multi-objective rows), 1 for every GOLD token of a single
+    answer, 0 outside them (the tags, the ``"; "`` between parts).
+
+    Example:
+        >>> gold_answer_parts(tokenizer, [], [["Ulm"], ["Max"]])  # doctest: +SKIP
+        [0, 0, 1, 0, 2, 0]
+    """
+    text, (start, end) = render_gold_answer(golden_answers, sub_answers)
+    spans, at = [], start
+    for alias in [str(aliases[0]).strip() for aliases in sub_answers] if sub_answers else [text[start:end]]:
+        spans.append((at, at + len(alias)))
+        at += len(alias) + len("; ")
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [
+        next((k + 1 for k, (a, b) in enumerate(spans) if s < b and e > a), 0) for s, e in encoded["offset_mapping"]
+    ]
 
 
 def memory_context_ids(tokenizer, base_ids: list[int], mem_block: str) -> list[int]:

@@ -85,16 +85,31 @@ def memory_reward(
     if mode not in MEMORY_REWARDS:
         raise ValueError(f"mode must be one of {tuple(MEMORY_REWARDS)}, got {mode!r}")
     reward = MEMORY_REWARDS[mode](p_mem, p_full, eps)
+    return reward - memory_length_penalty(reward, mem_lengths, length_penalty, max_mem_tokens)
+
+
+def memory_length_penalty(
+    reward: torch.Tensor,
+    mem_lengths: torch.Tensor | Sequence[int] | None,
+    length_penalty: float,
+    max_mem_tokens: int | None,
+) -> torch.Tensor:
+    """``length_penalty * mem_lengths / max_mem_tokens`` in the shape, dtype and device of ``reward`` (zeros when the
+    penalty is 0).
+
+    >>> memory_length_penalty(torch.zeros(2), [20, 200], 0.1, 100)
+    tensor([0.0200, 0.2000])
+    """
     if length_penalty < 0:
         raise ValueError(f"length_penalty must be >= 0, got {length_penalty}")
-    if length_penalty > 0:
-        if mem_lengths is None or max_mem_tokens is None or max_mem_tokens <= 0:
-            raise ValueError("length_penalty > 0 needs mem_lengths and a positive max_mem_tokens")
-        lengths = torch.as_tensor(mem_lengths, dtype=reward.dtype, device=reward.device)
-        if lengths.shape != reward.shape:
-            raise ValueError(f"mem_lengths {tuple(lengths.shape)} must have the shape of p_mem {tuple(reward.shape)}")
-        reward = reward - length_penalty * lengths / max_mem_tokens
-    return reward
+    if length_penalty == 0:
+        return torch.zeros_like(reward)
+    if mem_lengths is None or max_mem_tokens is None or max_mem_tokens <= 0:
+        raise ValueError("length_penalty > 0 needs mem_lengths and a positive max_mem_tokens")
+    lengths = torch.as_tensor(mem_lengths, dtype=reward.dtype, device=reward.device)
+    if lengths.shape != reward.shape:
+        raise ValueError(f"mem_lengths {tuple(lengths.shape)} must have the shape of p_mem {tuple(reward.shape)}")
+    return length_penalty * lengths / max_mem_tokens
 
 
 class MemoryScores(NamedTuple):
@@ -110,6 +125,38 @@ class MemoryScores(NamedTuple):
         return cls(*(torch.full((num_rows,), math.nan) for _ in cls._fields))
 
 
+def weakest_part_reward(
+    full: tuple[torch.Tensor, torch.Tensor],
+    mem: tuple[torch.Tensor, torch.Tensor],
+    parts: torch.Tensor,
+    mode: str = "diff",
+    eps: float = 1e-6,
+    threshold: float | None = math.log(0.5),
+) -> torch.Tensor:
+    """The memory reward of each row's weakest answer part, ``(N, K) x 2, (N, K) -> (N,)``.
+
+    ``full`` and ``mem`` are the answer-token log-probs and masks under the full history and the memory; ``parts``
+    the part of each answer token (1, 2, ...; 0: in none, `mempo_trl.context.gold_answer_parts`). Each part's
+    `answer_probability` over its own tokens gives its `memory_reward`; a row's reward is the lowest over the parts
+    it has. A row with one part, or with no token in a part, gets the joint reward.
+
+    >>> full = (torch.log(torch.tensor([[0.9, 0.9, 0.5]])), torch.tensor([[1, 1, 1]]))
+    >>> mem = (torch.log(torch.tensor([[0.95, 0.95, 0.1]])), torch.tensor([[1, 1, 1]]))
+    >>> weakest_part_reward(full, mem, torch.tensor([[1, 1, 2]]), threshold=None)  # part 2: 0.1 - 0.5
+    tensor([-0.4000])
+    """
+    parts = parts.to(full[0].device)
+    joint = memory_reward(answer_probability(*mem, threshold), answer_probability(*full, threshold), mode, eps)
+    weakest = torch.full_like(joint, math.inf)
+    for part in range(1, int(parts.max()) + 1 if parts.numel() else 1):
+        where = parts == part
+        p_full = answer_probability(full[0], full[1].bool() & where, threshold)
+        p_mem = answer_probability(mem[0], mem[1].bool() & where, threshold)
+        reward = memory_reward(p_mem, p_full, mode, eps)
+        weakest = torch.where(where.any(dim=-1), torch.minimum(weakest, reward), weakest)
+    return torch.where(torch.isinf(weakest), joint, weakest)
+
+
 def memory_scores(
     num_rows: int,
     scored: Sequence[int],
@@ -119,25 +166,24 @@ def memory_scores(
     settings,
     threshold: float | None,
     max_mem_tokens: int,
+    parts: torch.Tensor | None = None,
 ) -> MemoryScores:
     """The `MemoryScores` of ``num_rows`` rows from the answer-token log-probs and masks of the ``scored`` rows, each
     ``(len(scored), K)``, under the full history (``full``) and the memory (``mem``); ``settings`` is a
-    `MemoryRewardSettings` (the variant, its eps, the length penalty), ``threshold`` the one `answer_probability`
-    applies."""
+    `MemoryRewardSettings` (the variant, its eps, the answer parts, the length penalty), ``threshold`` the one
+    `answer_probability` applies, ``parts`` ``(len(scored), K)`` the part of each answer token (for
+    ``memory_reward_parts="weakest"``: `weakest_part_reward`). P_full and P_mem are always over all gold tokens."""
     scores = MemoryScores.unscored(num_rows)
     if not scored:
         return scores
     p_full = answer_probability(*full, threshold).cpu()
     p_mem = answer_probability(*mem, threshold).cpu()
-    rewards = memory_reward(
-        p_mem,
-        p_full,
-        mode=settings.memory_reward_type,
-        eps=settings.memory_reward_eps,
-        mem_lengths=torch.tensor([float(length) for length in mem_lengths]),
-        length_penalty=settings.memory_length_penalty,
-        max_mem_tokens=max_mem_tokens,
-    )
+    mode, eps = settings.memory_reward_type, settings.memory_reward_eps
+    rewards = memory_reward(p_mem, p_full, mode, eps)
+    if settings.memory_reward_parts == "weakest" and parts is not None:
+        rewards = weakest_part_reward(full, mem, parts, mode, eps, threshold).cpu()
+    lengths = [float(length) for length in mem_lengths]
+    rewards = rewards - memory_length_penalty(rewards, lengths, settings.memory_length_penalty, max_mem_tokens)
     index = torch.tensor(list(scored))
     for column, values in zip(scores, (p_full, p_mem, rewards)):
         column[index] = values.float()

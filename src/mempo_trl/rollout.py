@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from mempo_trl.context import (
     MemoryScoringPair,
     ScoringItem,
+    gold_answer_parts,
     gold_answer_tokens,
     memory_context_ids,
     render_prompt,
@@ -193,7 +194,9 @@ def memory_scoring_items(
     golds = episode.golden_answers
     if golds is None:
         return []
-    answer_ids, answer_mask = gold_answer_tokens(tokenizer, golds, episode.row.get("sub_answers") or None)
+    sub_answers = episode.row.get("sub_answers") or None
+    answer_ids, answer_mask = gold_answer_tokens(tokenizer, golds, sub_answers)
+    answer_parts = tuple(gold_answer_parts(tokenizer, golds, sub_answers))
     base_ids = episode.rounds[0].prompt_ids if episode.rounds else []  # round 1's context: system + user(question)
     history = episode.history()
     pairs = []
@@ -209,6 +212,7 @@ def memory_scoring_items(
                 round_index=t,
                 full=ScoringItem(full_ids, answer_ids, answer_mask),
                 mem=ScoringItem(mem_ids, answer_ids, answer_mask),
+                answer_parts=answer_parts,
             )
         )
     return pairs

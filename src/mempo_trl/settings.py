@@ -129,6 +129,12 @@ class MemoryRewardSettings(SettingsHome):
         "diff", "`diff` (P_mem - P_full) or `log_ratio` (`mempo_trl.memory_rewards`).", choices=tuple(MEMORY_REWARDS)
     )
     memory_reward_eps: float = setting(1e-6, "eps of the log-ratio memory reward (> 0).")
+    memory_reward_parts: str = setting(
+        "joint",
+        "`joint`: one P over all gold tokens (paper). `weakest`: with multi-part golds (`sub_answers`), the reward of "
+        "the part it is lowest for.",
+        choices=("joint", "weakest"),
+    )
     memory_length_penalty: float = setting(0.0, "lambda of the `<mem>` length penalty (0 = off).", minimum=0.0)
     memory_pooling: str = setting(
         "question", "`question` or `question_round` normalisation pool.", choices=("question", "question_round")
