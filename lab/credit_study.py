@@ -100,11 +100,19 @@ VARIANTS = {
     "diff_quantile": {"memory_reward_type": "diff", "memory_threshold": None, "memory_threshold_quantile": "quantile"},
     "log_ratio_filter": {"memory_reward_type": "log_ratio", "memory_threshold": math.log(0.5)},
     "log_ratio": {"memory_reward_type": "log_ratio", "memory_threshold": None},
+    "diff_weakest": {"memory_reward_type": "diff", "memory_threshold": None, "memory_reward_parts": "weakest"},
+    "log_ratio_weakest": {
+        "memory_reward_type": "log_ratio",
+        "memory_threshold": None,
+        "memory_reward_parts": "weakest",
+    },
 }
 """The reward variants, as `MemoryRewardSettings` fields: the library's default (``diff_filter``: the paper's
 ``P_mem - P_full`` with its filter, p > 0.5), without the filter, with the quantile filter (the q-quantile of the
 group's answer-token log-probs, full and memory, q = ``STUDY["quantile"]``), and ``log_ratio`` with and without the
-filter. ``log_ratio`` without the filter is the difference of the mean per-token log-probability of the gold."""
+filter. ``log_ratio`` without the filter is the difference of the mean per-token log-probability of the gold. The
+``_weakest`` ones score each part of the gold on its own tokens and take the lowest reward
+(``memory_reward_parts="weakest"``)."""
 
 DEFAULT_VARIANT = "diff_filter"
 SCRIPTED = ("all", "drop_first", "drop_half", "corrupt", "nothing")
@@ -229,15 +237,15 @@ def variant_settings(name: str, quantile: float):
     return MemoryRewardSettings(**fields)
 
 
-def group_advantages(group: dict, settings) -> tuple[list[float], list[float]]:
+def group_advantages(group: dict, settings, parts: list[int] | None = None) -> tuple[list[float], list[float]]:
     """The memory rewards and memory advantages of one group's scored memories under ``settings``, computed with the
     library's functions: `quantile_threshold` over the group's answer-token log-probs (full and memory) when the
-    variant has one, `answer_probability`, `memory_reward`, and `mempo_advantages` (the group's G trajectories, one
-    scored round each, their outcome rewards)."""
+    variant has one, `memory_scores` (with ``parts``, the part of each gold token, for ``memory_reward_parts``), and
+    `mempo_advantages` (the group's G trajectories, one scored round each, their outcome rewards)."""
     import torch
 
     from mempo_trl.advantages import mempo_advantages
-    from mempo_trl.memory import answer_probability, memory_reward, quantile_threshold
+    from mempo_trl.memory import memory_scores, quantile_threshold
 
     mem_logps, mem_mask = _padded(group["mem_logps"])
     full_logps, full_mask = _padded(group["full_logps"])
@@ -247,10 +255,12 @@ def group_advantages(group: dict, settings) -> tuple[list[float], list[float]]:
         threshold = quantile_threshold(
             values, torch.ones_like(values, dtype=torch.bool), settings.memory_threshold_quantile
         )
-    p_mem = answer_probability(mem_logps, mem_mask, threshold)
-    p_full = answer_probability(full_logps, full_mask, threshold)
-    rewards = memory_reward(p_mem, p_full, settings.memory_reward_type, settings.memory_reward_eps).tolist()
-    n = len(rewards)
+    n = len(group["mem_logps"])
+    part_ids = None if parts is None else _padded([parts] * n)[0].long()
+    scores = memory_scores(
+        n, list(range(n)), (full_logps, full_mask), (mem_logps, mem_mask), [0] * n, settings, threshold, 1, part_ids
+    )
+    rewards = scores.reward.tolist()
     out = mempo_advantages(
         torch.tensor(group["outcomes"], dtype=torch.float32),
         list(range(n)),
@@ -263,6 +273,16 @@ def group_advantages(group: dict, settings) -> tuple[list[float], list[float]]:
         settings=settings,
     )
     return rewards, out.memory[:, 0].tolist()
+
+
+def gold_token_parts(tokenizer, row: dict) -> list[int]:
+    """The part of each gold token of ``row``'s answer (`gold_answer_parts` where `gold_answer_tokens`' mask is 1),
+    aligned with a group's cached ``mem_logps`` / ``full_logps``."""
+    from mempo_trl.context import gold_answer_parts, gold_answer_tokens
+
+    _, mask = gold_answer_tokens(tokenizer, row["golden_answers"], row["sub_answers"])
+    parts = gold_answer_parts(tokenizer, row["golden_answers"], row["sub_answers"])
+    return [part for part, gold in zip(parts, mask) if gold]
 
 
 def _padded(rows: list[list[float]]):
@@ -630,16 +650,18 @@ def scored_phase(path: Path, rows: list[dict], score, log, name: str, deadline: 
     return done
 
 
-def study_figures(rows: dict[int, list[dict]], scripted: dict, sampled: dict, study: dict) -> dict:
+def study_figures(rows: dict[int, list[dict]], scripted: dict, sampled: dict, study: dict, tokenizer) -> dict:
     """Per K, group kind (scripted, sampled) and variant: `summarize_figures`
     of `pool_figures` over the questions scored so far; plus what the memories were (facts kept per scripted kind,
     sampled memories by facts kept)."""
     results: dict = {}
     for k, k_rows in rows.items():
-        groups = {
-            "scripted": [scripted[r["id"]] for r in k_rows if r["id"] in scripted],
-            "sampled": [sampled[r["id"]] for r in k_rows if r["id"] in sampled],
+        ids = {
+            kind: [r["id"] for r in k_rows if r["id"] in source]
+            for kind, source in (("scripted", scripted), ("sampled", sampled))
         }
+        groups = {"scripted": [scripted[i] for i in ids["scripted"]], "sampled": [sampled[i] for i in ids["sampled"]]}
+        parts = {r["id"]: gold_token_parts(tokenizer, r) for r in k_rows}
         kept = [sum(h) for g in groups["sampled"] for h in g["held"]]
         cell = results[str(k)] = {
             "questions": {kind: len(g) for kind, g in groups.items()},
@@ -658,9 +680,9 @@ def study_figures(rows: dict[int, list[dict]], scripted: dict, sampled: dict, st
             cell["variants"][variant] = {}
             for kind, kind_groups in groups.items():
                 counts = []
-                for group in kind_groups:
+                for group, question in zip(kind_groups, ids[kind]):
                     if len(group["memories"]) >= 2:
-                        rewards, advantages = group_advantages(group, settings)
+                        rewards, advantages = group_advantages(group, settings, parts[question])
                         counts.append(pool_figures(advantages, rewards, [sum(h) for h in group["held"]], k))
                 summary = summarize_figures(counts, study["bootstrap"], study["seed"]) if counts else None
                 cell["variants"][variant][kind] = summary
@@ -817,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     timed("scored", start)
 
     start = time.perf_counter()
-    figures = study_figures(rows, scripted, sampled, study)
+    figures = study_figures(rows, scripted, sampled, study, tokenizer)
     timed("figures", start)
     complete = len(scripted) == len(sampled) == len(order)
     summary = {

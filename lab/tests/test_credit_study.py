@@ -52,6 +52,37 @@ def test_group_advantages_by_hand(variant, rewards, advantages):
         assert got_advantages[0] > got_advantages[1] > got_advantages[2]
 
 
+@pytest.mark.parametrize("variant", ["diff_weakest", "log_ratio_weakest"])
+def test_the_weakest_part_variants_by_hand(variant):
+    """Two-part golds (one token a part), P_full 0.8 on both: memory A holds part 1 (0.9) but lost part 2 (0.2),
+    memory B is unsure of both (0.5): the weakest part scores A by part 2 (0.2 - 0.8 = -0.6, below B's -0.3), where
+    the joint mean puts A at sqrt(0.9 x 0.2) - 0.8 = -0.376."""
+    group = {
+        "mem_logps": [[math.log(0.9), math.log(0.2)], [math.log(0.5), math.log(0.5)]],
+        "full_logps": [[math.log(0.8), math.log(0.8)]] * 2,
+        "outcomes": [0.0, 0.0],
+    }
+    rewards, _ = group_advantages(group, variant_settings(variant, 0.5), parts=[1, 2])
+    if variant == "diff_weakest":
+        assert rewards == pytest.approx([0.2 - 0.8, 0.5 - 0.8], abs=1e-6)
+    else:
+        eps = 1e-6
+        assert rewards == pytest.approx([math.log((0.2 + eps) / (0.8 + eps)), math.log((0.5 + eps) / (0.8 + eps))])
+    joint, _ = group_advantages(group, variant_settings("diff", 0.5), parts=[1, 2])
+    assert joint[0] == pytest.approx(math.sqrt(0.9 * 0.2) - 0.8, abs=1e-6)
+
+
+def test_gold_token_parts_align_with_the_cached_gold_logps(smollm2_tokenizer):
+    row = {"golden_answers": [], "sub_answers": [["Ulm"], ["Max Planck"]]}
+    parts = credit_study.gold_token_parts(smollm2_tokenizer, row)
+    from mempo_trl.context import gold_answer_tokens
+
+    ids, mask = gold_answer_tokens(smollm2_tokenizer, [], row["sub_answers"])
+    assert len(parts) == sum(mask) and set(parts) == {0, 1, 2}  # the "; " between them is in no part
+    gold = [i for i, m in zip(ids, mask) if m]
+    assert smollm2_tokenizer.decode([i for i, p in zip(gold, parts) if p == 2]).strip() == "Max Planck"
+
+
 def test_memory_advantage_ignores_the_outcomes():
     """The memory advantage of a group is its pooled memory reward whatever the outcomes (all equal or not)."""
     settings = variant_settings("diff", 0.5)
