@@ -149,7 +149,9 @@ def engine(tokenizer, factory, context_mode="memory", max_turns=8):
 def test_key_vault_episodes_rebuild_the_context_from_the_task_the_last_turn_and_its_tool_result(tiny, context_mode):
     _, tokenizer = tiny
     rows = key_vault_rows(3, seed=0, num_boxes=4)
-    episodes, _ = engine(tokenizer, KeyVaultEnv, context_mode).run(rows, OracleGenerator(tokenizer, key_vault_oracle))
+    episodes = (
+        engine(tokenizer, KeyVaultEnv, context_mode).play(rows, OracleGenerator(tokenizer, key_vault_oracle)).episodes
+    )
     for row, ep in zip(rows, episodes):
         env = KeyVaultEnv()
         task = env.reset(**row)

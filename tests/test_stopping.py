@@ -122,7 +122,7 @@ def test_trainer_hf_generation_stops_at_action_strings(qwen_trainer, monkeypatch
 
     monkeypatch.setattr(trainer, "_generate_single_turn", recording)
     rows = [{"question": q, "golden_answers": ["x"]} for q in TURNS]
-    episodes, _ = trainer.rollout_engine.run(rows, trainer._generate_turns)
+    episodes = trainer.rollout_engine.play(rows, trainer._generate_turns).episodes
     alpha, beta, gamma = (ep.rounds[0] for ep in episodes)
     assert alpha.turn.valid and beta.turn.valid and not gamma.turn.valid
     assert alpha.completion_ids == _kept(tokenizer, TURNS["Where is Alpha?"])
