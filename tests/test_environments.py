@@ -187,7 +187,7 @@ def test_a_malformed_tool_call_ends_the_episode_and_an_unknown_tool_answers_with
     def generate(prompts):
         return [tokenizer(next(script), add_special_tokens=False)["input_ids"] for _ in prompts], None
 
-    (ep,), _ = engine(tokenizer, Counter).run([{"start": 1}], generate)
+    (ep,) = engine(tokenizer, Counter).play([{"start": 1}], generate).episodes
     assert ep.rounds[0].information == str({"error": "Tool mul not found."})
     assert not ep.rounds[1].turn.valid and "not a JSON call" in ep.rounds[1].turn.reason
     assert ep.rounds[1].turn.mem == "b" and ep.rounds[1].mem_span is not None
@@ -204,7 +204,7 @@ def test_environment_instances_are_built_once_and_reset_for_every_episode(tiny):
         return [tokenizer(answer, add_special_tokens=False)["input_ids"] for _ in prompts], None
 
     for _ in range(3):
-        episodes, _ = rollout.run([{"start": k} for k in range(4)], generate)
+        episodes = rollout.play([{"start": k} for k in range(4)], generate).episodes
     assert Counter.built == 4  # the probe, then three more for a batch of four
     assert [ep.environment.total for ep in episodes] == [0, 1, 2, 3]
 
@@ -346,5 +346,5 @@ def test_the_docs_example_environment_follows_the_convention(tiny):
         turn = '<mem>m</mem><think>t</think><tool_call>{"name": "read_page", "arguments": {"page": 2}}</tool_call>'
         return [tokenizer(turn, add_special_tokens=False)["input_ids"] for _ in prompts], None
 
-    (ep,), _ = engine(tokenizer, namespace["NotebookEnv"], max_turns=2).run([{"pages": [3, 8, 5]}], generate)
+    (ep,) = engine(tokenizer, namespace["NotebookEnv"], max_turns=2).play([{"pages": [3, 8, 5]}], generate).episodes
     assert ep.golden_answers == ["16"] and ep.rounds[0].information == "Page 2 says 8."

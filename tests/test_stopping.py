@@ -139,7 +139,9 @@ def test_rollout_cuts_vllm_style_outputs_by_the_same_policy(real_tokenizer):
     turn = TURNS["Where is Beta?"]
     sampled = _kept(tok, turn) + [tok.eos_token_id]
     engine = RolloutEngine(tok, TurnProtocol(max_turns=1), EchoRetriever(), eos_token_ids=[tok.eos_token_id])
-    (episode,), _ = engine.run([{"question": "Where is Beta?"}], lambda prompts: ([sampled], [[-0.5] * len(sampled)]))
+    (episode,) = engine.play(
+        [{"question": "Where is Beta?"}], lambda prompts: ([sampled], [[-0.5] * len(sampled)])
+    ).episodes
     record = episode.rounds[0]
     assert record.text == turn and record.turn.valid and record.completion_ids == sampled[:-1]
     assert record.logprobs == [-0.5] * len(record.completion_ids)
