@@ -14,6 +14,7 @@ rounds are frozen `RoundRecord`s, and one `TrainingRow` per round, referring to 
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -231,9 +232,10 @@ class TrainingRow:
     """One round of one episode as a training row: what the rollout hands to every later stage of a training step.
 
     ``episode_index`` indexes this process's episodes and ``round_index`` is 0-based (metric names count from 1);
-    ``record`` is the round's `RoundRecord`, whose ids, log-probs, ``truncated`` flag and ``mem_span`` (the inclusive
-    token span of the ``<mem>`` block in ``completion_ids``) the row reads through; ``scoring`` holds the two contexts
-    and the gold answer of the memory reward (`memory_scoring_items`), None for a round that is not scored.
+    ``record`` is the round's `RoundRecord`: ``prompt_ids``, ``completion_ids``, ``logprobs``, ``truncated`` and
+    ``mem_span`` (the inclusive token span of the ``<mem>`` block in ``completion_ids``) read its fields, and
+    ``memory`` is the text of that block; ``scoring`` holds the two contexts and the gold answer of the memory reward
+    (`memory_scoring_items`), None for a round that is not scored.
     """
 
     episode_index: int
@@ -241,25 +243,12 @@ class TrainingRow:
     record: RoundRecord
     scoring: MemoryScoringPair | None
 
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.record.prompt_ids
-
-    @property
-    def completion_ids(self) -> list[int]:
-        return self.record.completion_ids
-
-    @property
-    def logprobs(self) -> list[float] | None:
-        return self.record.logprobs
-
-    @property
-    def truncated(self) -> bool:
-        return self.record.truncated
-
-    @property
-    def mem_span(self) -> tuple[int, int] | None:
-        return self.record.mem_span
+    # Plain attribute reads of the record (`attrgetter`: no rollout code runs when a later stage reads them).
+    prompt_ids = property(attrgetter("record.prompt_ids"))
+    completion_ids = property(attrgetter("record.completion_ids"))
+    logprobs = property(attrgetter("record.logprobs"))
+    truncated = property(attrgetter("record.truncated"))
+    mem_span = property(attrgetter("record.mem_span"))
 
     @property
     def memory(self) -> str | None:
@@ -428,10 +417,8 @@ class RolloutEngine:
         if self.protocol.context_overflow == "truncate_information":
             searched = [t for t, r in enumerate(episode.rounds) if r.information is not None]
             for t in shown_rounds(searched, self.protocol.context_mode):
-                shown = episode.shown_information(t)
-                body = self.tokenizer(shown[len("<information>") : -len("</information>")], add_special_tokens=False)[
-                    "input_ids"
-                ]
+                inner = episode.shown_information(t)[len("<information>") : -len("</information>")]
+                body = self.tokenizer(inner, add_special_tokens=False)["input_ids"]
                 while len(ids) > limit and body:
                     body = body[: max(0, len(body) - (len(ids) - limit))]
                     episode.cut_information[t] = f"<information>{self.tokenizer.decode(body)} ...</information>"

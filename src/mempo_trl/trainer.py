@@ -494,7 +494,8 @@ class MemPOTrainer(GRPOMirror, GRPOTrainer):
         step's account (tokens and seconds, `training_step`)."""
         trajectories = [
             "\n".join(
-                r.text + ("\n" + ep.shown_information(t) if r.information else "") for t, r in enumerate(ep.rounds)
+                r.text + ("\n" + ep.cut_information.get(t, r.information) if r.information else "")
+                for t, r in enumerate(ep.rounds)
             )
             for ep in batch.episodes
         ]
