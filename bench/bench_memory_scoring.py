@@ -140,7 +140,7 @@ def play_episodes(tokenizer, retriever, rows, rounds: int, turn_tokens: int, mem
     """Scripted MemPO episodes of exactly ``rounds`` rounds (memory context, real retrieval, top-3)."""
     engine = RolloutEngine(tokenizer, TurnProtocol(max_turns=rounds, retrieval_topk=3), retriever)
     policy = ScriptedPolicy(tokenizer, rows, rounds, turn_tokens, mem_tokens)
-    episodes, _ = engine.run(rows, policy)
+    episodes = engine.play(rows, policy).episodes
     assert all(len(ep.rounds) == rounds and ep.format_valid for ep in episodes), "scripted episodes must be valid"
     return episodes
 

@@ -109,7 +109,7 @@ def run(model_dir: str, questions: int, chatter: str, max_completion_length: int
         return completions, logprobs
 
     trainer._generate_single_turn = recording
-    episodes, _ = trainer.rollout_engine.run(rows, trainer._generate_turns)
+    episodes = trainer.rollout_engine.play(rows, trainer._generate_turns).episodes
     rounds = [r for ep in episodes for r in ep.rounds]
     return {
         "chatter": chatter,

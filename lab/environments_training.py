@@ -123,9 +123,8 @@ def warm_start(env: str, warm_dir: Path, settings: dict) -> dict:
     env_cls, rows = KIT_ENVIRONMENTS[env]
     protocol = TurnProtocol(max_turns=settings["max_turns"])
     engine = RolloutEngine(tokenizer, protocol, environment_factory=env_cls, eos_token_ids=[tokenizer.eos_token_id])
-    episodes, _ = engine.run(
-        rows(settings["rows"], seed=settings["rows_seed"]), OracleGenerator(tokenizer, ORACLES[env])
-    )
+    oracle = OracleGenerator(tokenizer, ORACLES[env])
+    episodes = engine.play(rows(settings["rows"], seed=settings["rows_seed"]), oracle).episodes
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     examples = [(r.prompt_ids, r.completion_ids + [end]) for episode in episodes for r in episode.rounds]
     steps, warmup = settings["steps"], settings["warmup_steps"]
@@ -160,7 +159,7 @@ def warm_start(env: str, warm_dir: Path, settings: dict) -> dict:
     model.eval()
     greedy = HFGenerator(model, tokenizer, max_new_tokens=settings["eval_max_new_tokens"], stops=TOOL_STOPS)
     engine = RolloutEngine(tokenizer, protocol, environment_factory=env_cls, eos_token_ids=greedy.eos_token_ids)
-    episodes, _ = engine.run(rows(settings["eval_rows"], seed=settings["eval_seed"]), greedy)
+    episodes = engine.play(rows(settings["eval_rows"], seed=settings["eval_seed"]), greedy).episodes
     metrics = [episode_metrics(episode) for episode in episodes]
     held_out = {key: round(sum(m.get(key, 0.0) for m in metrics) / len(metrics), 4) for key in metrics[0]}
     if hasattr(env_cls, "get_reward"):

@@ -3,6 +3,7 @@
 rollout, then the trainer on TRL's vLLM colocate path with a fake engine that rejects long prompts as vLLM does, and
 the budget through a scripted trainer step and agent episodes."""
 
+import dataclasses
 import json
 
 import fake_vllm
@@ -11,12 +12,19 @@ from datasets import Dataset
 from helpers import EchoRetriever, cpu_config
 
 from mempo_trl import MemPOAgent, MemPOTrainer
-from mempo_trl.context import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT, initial_messages, render_prompt
-from mempo_trl.evaluation import evaluate
+from mempo_trl.agent import AgentResult
+from mempo_trl.context import (
+    DEFAULT_INSTRUCTION,
+    DEFAULT_SYSTEM_PROMPT,
+    initial_messages,
+    render_information,
+    render_prompt,
+)
+from mempo_trl.evaluation import episode_record, evaluate
 from mempo_trl.kit.tiny import load_tiny
 from mempo_trl.protocol import PROTOCOL_FILE, TurnProtocol
 from mempo_trl.retrieval import Passage
-from mempo_trl.rollout import RolloutEngine
+from mempo_trl.rollout import RolloutEngine, memory_scoring_items
 
 
 LONG = " ".join(f"word{i}" for i in range(120))
@@ -52,7 +60,7 @@ def play(tokenizer, limit, mode, context_mode="memory"):
     protocol = TurnProtocol(max_turns=3, context_mode=context_mode, context_overflow=mode)
     engine = RolloutEngine(tokenizer, protocol, Retriever(), max_prompt_length=limit)
     rows = [{"question": f"Q{k}?", "golden_answers": ["x"]} for k in range(2)]
-    episodes, _ = engine.run(rows, generate)
+    episodes = engine.play(rows, generate).episodes
     return episodes, prompts_seen
 
 
@@ -85,15 +93,51 @@ def test_overflow_cuts_the_information_block(tokenizer, context_mode):
     assert max(len(p) for p in prompts) <= limit
     assert [len(ep.rounds) for ep in episodes] == [3, 3]
     assert not any(ep.context_overflow for ep in episodes)
-    first, second = (r.information for r in episodes[0].rounds[:2])
+    first, second = (episodes[0].shown_information(t) for t in range(2))
     assert first.endswith(" ...</information>") and "word119" not in first
     if context_mode == "memory":
         assert "word0" in first and "word0" in second
-        assert first in tokenizer.decode(prompts[2], skip_special_tokens=False)  # the record is what was shown
+        assert first in tokenizer.decode(prompts[2], skip_special_tokens=False)
     else:  # the oldest block is cut first: round 1's result is emptied before round 2's is cut
         assert first == "<information> ...</information>" and second.endswith(" ...</information>")
         assert first in tokenizer.decode(prompts[-2], skip_special_tokens=False)
     assert episodes[1].rounds[0].information.endswith("short</information>")  # untouched
+    assert episodes[1].cut_information == {}
+
+
+def test_a_cut_result_is_shown_short_and_kept_whole_in_its_record(tokenizer):
+    episodes, prompts = play(tokenizer, _limit(tokenizer), "truncate_information")
+    episode = episodes[0]
+    full = render_information([Passage(id="long 1", title="long 1", text=LONG)])
+    assert episode.rounds[0].information == full  # the record: what the retriever returned
+    shown = episode.shown_information(0)
+    assert shown == episode.cut_information[0] and shown.endswith(" ...</information>") and len(shown) < len(full)
+    round2 = tokenizer.decode(prompts[2], skip_special_tokens=False)  # episode 0's round-2 context
+    assert shown in round2 and full not in round2
+    assert episode.history()[0] == (episode.rounds[0].text, shown)
+    (pair, _) = memory_scoring_items(episode, tokenizer)  # P_full is scored after the context the model saw
+    assert pair.round_index == 1 and shown in tokenizer.decode(pair.full.context_ids, skip_special_tokens=False)
+    # The trajectories file and `AgentResult` show what the contexts showed.
+    assert episode_record(episode)["rounds"][0]["information"] == shown
+    assert AgentResult.from_episode(episode).turns[0]["information"] == shown
+
+
+def test_a_round_record_is_frozen_and_a_training_row_refers_to_it(tiny_model_dir):
+    tokenizer = load_tiny(tiny_model_dir)[1]
+    engine = RolloutEngine(tokenizer, TurnProtocol(max_turns=3), EchoRetriever())
+    rollout = engine.play(
+        [{"question": "Where?"}], lambda prompts: ([scripted_turn(tokenizer, p) for p in prompts], None)
+    )
+    record = rollout.episodes[0].rounds[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.information = "<information>rewritten</information>"
+    assert record.information == "<information>Doc 1(Title: T alpha) about alpha</information>"
+    row = rollout.rows[0]
+    assert row.record is record and (row.episode_index, row.round_index) == (0, 0)
+    assert (row.prompt_ids, row.completion_ids, row.logprobs) == (record.prompt_ids, record.completion_ids, None)
+    assert (row.truncated, row.memory) == (False, "<mem>one</mem>")
+    first, last = row.mem_span
+    assert tokenizer.decode(row.completion_ids[first : last + 1]) == "<mem>one</mem>"
 
 
 def test_first_context_too_long_is_an_error_naming_the_question(tokenizer):
@@ -218,22 +262,22 @@ def test_budget_binds_agent_episodes_and_evaluation_reports_it(tiny_model_dir):
     engine = RolloutEngine(
         tokenizer, protocol.override(context_mode="full_history")[0], EchoRetriever(), max_prompt_length=4096
     )
-    episodes, _ = engine.run(rows, generate)
+    episodes = engine.play(rows, generate).episodes
     assert episodes[0].context_overflow and len(episodes[0].rounds) == 2
     # truncate_information, the protocol's other rule: 3 tokens over, round 1's result is cut and the episode answers.
     for overflow, answer in (("end_episode", None), ("truncate_information", "Paris")):
         cut = TurnProtocol(
             max_turns=3, max_context_tokens=full_round3 - 3, context_mode="full_history", context_overflow=overflow
         )
-        (episode,), _ = RolloutEngine(tokenizer, cut, EchoRetriever()).run(rows, generate)
+        (episode,) = RolloutEngine(tokenizer, cut, EchoRetriever()).play(rows, generate).episodes
         assert (episode.context_overflow, episode.answer) == (answer is None, answer)
-    assert episode.rounds[0].information.endswith(" ...</information>")
+    assert episode.shown_information(0).endswith(" ...</information>")
 
 
 def test_first_context_over_the_budget_is_an_error_naming_it(tokenizer):
     engine = RolloutEngine(tokenizer, TurnProtocol(max_context_tokens=10), Retriever(), max_prompt_length=4000)
     with pytest.raises(ValueError, match="max_context_tokens=10: raise it"):
-        engine.run([{"question": "Q0?"}], lambda prompts: ([[0]] * len(prompts), None))
+        engine.play([{"question": "Q0?"}], lambda prompts: ([[0]] * len(prompts), None))
 
 
 def test_budget_is_validated_carried_saved_and_optional(tmp_path):

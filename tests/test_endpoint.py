@@ -127,7 +127,7 @@ def test_turns_from_the_api_parse_under_the_real_tokenizers(real_tokenizer, stop
             BM25Retriever.from_corpus(str(demo_paths.corpus)),
             eos_token_ids=protocol.stop_token_ids(real_tokenizer),
         )
-        episodes, _ = engine.run(rows, generate)
+        episodes = engine.play(rows, generate).episodes
     finally:
         fake.close()
     for row, episode in zip(rows, episodes):

@@ -149,7 +149,9 @@ def engine(tokenizer, factory, context_mode="memory", max_turns=8):
 def test_key_vault_episodes_rebuild_the_context_from_the_task_the_last_turn_and_its_tool_result(tiny, context_mode):
     _, tokenizer = tiny
     rows = key_vault_rows(3, seed=0, num_boxes=4)
-    episodes, _ = engine(tokenizer, KeyVaultEnv, context_mode).run(rows, OracleGenerator(tokenizer, key_vault_oracle))
+    episodes = (
+        engine(tokenizer, KeyVaultEnv, context_mode).play(rows, OracleGenerator(tokenizer, key_vault_oracle)).episodes
+    )
     for row, ep in zip(rows, episodes):
         env = KeyVaultEnv()
         task = env.reset(**row)
@@ -185,7 +187,7 @@ def test_a_malformed_tool_call_ends_the_episode_and_an_unknown_tool_answers_with
     def generate(prompts):
         return [tokenizer(next(script), add_special_tokens=False)["input_ids"] for _ in prompts], None
 
-    (ep,), _ = engine(tokenizer, Counter).run([{"start": 1}], generate)
+    (ep,) = engine(tokenizer, Counter).play([{"start": 1}], generate).episodes
     assert ep.rounds[0].information == str({"error": "Tool mul not found."})
     assert not ep.rounds[1].turn.valid and "not a JSON call" in ep.rounds[1].turn.reason
     assert ep.rounds[1].turn.mem == "b" and ep.rounds[1].mem_span is not None
@@ -202,7 +204,7 @@ def test_environment_instances_are_built_once_and_reset_for_every_episode(tiny):
         return [tokenizer(answer, add_special_tokens=False)["input_ids"] for _ in prompts], None
 
     for _ in range(3):
-        episodes, _ = rollout.run([{"start": k} for k in range(4)], generate)
+        episodes = rollout.play([{"start": k} for k in range(4)], generate).episodes
     assert Counter.built == 4  # the probe, then three more for a batch of four
     assert [ep.environment.total for ep in episodes] == [0, 1, 2, 3]
 
@@ -344,5 +346,5 @@ def test_the_docs_example_environment_follows_the_convention(tiny):
         turn = '<mem>m</mem><think>t</think><tool_call>{"name": "read_page", "arguments": {"page": 2}}</tool_call>'
         return [tokenizer(turn, add_special_tokens=False)["input_ids"] for _ in prompts], None
 
-    (ep,), _ = engine(tokenizer, namespace["NotebookEnv"], max_turns=2).run([{"pages": [3, 8, 5]}], generate)
+    (ep,) = engine(tokenizer, namespace["NotebookEnv"], max_turns=2).play([{"pages": [3, 8, 5]}], generate).episodes
     assert ep.golden_answers == ["16"] and ep.rounds[0].information == "Page 2 says 8."

@@ -35,7 +35,7 @@ def scripted_episodes(tokenizer, scripts, golds):
             outs.append(tokenizer(script[done], add_special_tokens=False)["input_ids"])
         return outs, None
 
-    episodes, _ = engine.run(rows, generate)
+    episodes = engine.play(rows, generate).episodes
     return episodes
 
 

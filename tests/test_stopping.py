@@ -122,7 +122,7 @@ def test_trainer_hf_generation_stops_at_action_strings(qwen_trainer, monkeypatch
 
     monkeypatch.setattr(trainer, "_generate_single_turn", recording)
     rows = [{"question": q, "golden_answers": ["x"]} for q in TURNS]
-    episodes, _ = trainer.rollout_engine.run(rows, trainer._generate_turns)
+    episodes = trainer.rollout_engine.play(rows, trainer._generate_turns).episodes
     alpha, beta, gamma = (ep.rounds[0] for ep in episodes)
     assert alpha.turn.valid and beta.turn.valid and not gamma.turn.valid
     assert alpha.completion_ids == _kept(tokenizer, TURNS["Where is Alpha?"])
@@ -139,7 +139,9 @@ def test_rollout_cuts_vllm_style_outputs_by_the_same_policy(real_tokenizer):
     turn = TURNS["Where is Beta?"]
     sampled = _kept(tok, turn) + [tok.eos_token_id]
     engine = RolloutEngine(tok, TurnProtocol(max_turns=1), EchoRetriever(), eos_token_ids=[tok.eos_token_id])
-    (episode,), _ = engine.run([{"question": "Where is Beta?"}], lambda prompts: ([sampled], [[-0.5] * len(sampled)]))
+    (episode,) = engine.play(
+        [{"question": "Where is Beta?"}], lambda prompts: ([sampled], [[-0.5] * len(sampled)])
+    ).episodes
     record = episode.rounds[0]
     assert record.text == turn and record.turn.valid and record.completion_ids == sampled[:-1]
     assert record.logprobs == [-0.5] * len(record.completion_ids)

@@ -67,7 +67,7 @@ def test_the_rollout_plays_a_third_task_through_the_seam(tiny):
         return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in turns], None
 
     engine = RolloutEngine(tokenizer, TurnProtocol(max_turns=3), task=GlossaryTask())
-    episodes, _ = engine.run(ROWS, generate)
+    episodes = engine.play(ROWS, generate).episodes
     assert [ep.rounds[0].information for ep in episodes] == [
         "<information>Alpha lies in Paris.</information>",
         "<information>unknown term</information>",

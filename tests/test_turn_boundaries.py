@@ -189,7 +189,7 @@ def test_rollout_with_a_model_that_keeps_talking(any_tokenizer, chatter):
             outs.append(tok(SCRIPT[done] + chatter, add_special_tokens=False).input_ids)
         return outs, None
 
-    (episode,), _ = engine.run([{"question": "Where is Nordhaven?", "golden_answers": ["Nordhaven"]}], generate)
+    (episode,) = engine.play([{"question": "Where is Nordhaven?", "golden_answers": ["Nordhaven"]}], generate).episodes
     assert [r.text for r in episode.rounds] == SCRIPT
     assert episode.format_valid and episode.answer == "Nordhaven"
     for t, record in enumerate(episode.rounds):

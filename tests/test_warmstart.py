@@ -97,7 +97,7 @@ def test_sft_examples_equal_the_rollout_contexts(
     for row in one_row_per_kind:
         examples = sft_examples([row], retriever, tokenizer, context_mode=context_mode, instruction=instruction)
         completions = iter(completion for _, completion in examples)
-        episodes, _ = engine.run([row], lambda prompts, scripted=completions: ([next(scripted)], None))
+        episodes = engine.play([row], lambda prompts, scripted=completions: ([next(scripted)], None)).episodes
         rounds = episodes[0].rounds
         assert [r.prompt_ids for r in rounds] == [prompt for prompt, _ in examples]
         # The rollout cuts the eos after the action tag: RL rows hold the turn tokens only.

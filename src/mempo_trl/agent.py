@@ -30,7 +30,7 @@ from typing import Any
 
 from mempo_trl.environments import EnvironmentFactory
 from mempo_trl.protocol import PROTOCOL_FILE, TurnProtocol
-from mempo_trl.rollout import Episode, GenerateFn, RolloutEngine, RolloutTimings
+from mempo_trl.rollout import Episode, GenerateFn, Rollout, RolloutEngine
 from mempo_trl.tasks import Task, make_task
 
 
@@ -45,8 +45,8 @@ class AgentError(RuntimeError):
 class AgentResult:
     """One answered question (or played environment task): the answer, every turn, the memories and the token cost.
 
-    ``turns`` holds one dict per round (``mem``, ``action``, ``content``, ``information``, ``valid``,
-    ``prompt_tokens``, ``completion_tokens``); ``memories`` the ``<mem>`` text of every round. A round's prompt
+    ``turns`` holds one dict per round (``mem``, ``action``, ``content``, ``information``: the result as later
+    contexts showed it, `Episode.shown_information`, ``valid``, ``prompt_tokens``, ``completion_tokens``); ``memories`` the ``<mem>`` text of every round. A round's prompt
     tokens are the context the model was given; ``total_tokens`` sums prompt + completion over the rounds and
     ``peak_context_tokens`` is the largest prompt + completion of one round.
     """
@@ -78,12 +78,12 @@ class AgentResult:
                 "think": r.turn.think,
                 "action": r.turn.action,
                 "content": r.turn.content,
-                "information": r.information,
+                "information": episode.shown_information(t),
                 "valid": r.turn.valid,
                 "prompt_tokens": len(r.prompt_ids),
                 "completion_tokens": len(r.completion_ids),
             }
-            for r in episode.rounds
+            for t, r in enumerate(episode.rounds)
         ]
         processed = [t["prompt_tokens"] + t["completion_tokens"] for t in turns]
         return cls(
@@ -245,10 +245,10 @@ class MemPOAgent:
 
     def play(
         self, rows: Sequence[dict], generate: GenerateFn | None = None, context_mode: str | None = None
-    ) -> tuple[list[Episode], RolloutTimings]:
+    ) -> Rollout:
         """Play one episode per row (``question`` and any other keys, kept in ``episode.row``; with an environment,
-        the keyword arguments of its ``reset``)."""
-        return self.rollout_engine(context_mode).run([dict(row) for row in rows], generate or self.generator)
+        the keyword arguments of its ``reset``): `RolloutEngine.play`, whose ``episodes`` and ``timings`` say how."""
+        return self.rollout_engine(context_mode).play([dict(row) for row in rows], generate or self.generator)
 
     def rollout_engine(self, context_mode: str | None = None) -> RolloutEngine:
         """The `RolloutEngine` that plays this agent's episodes: its protocol (with ``context_mode`` when given) and
@@ -267,8 +267,8 @@ class MemPOAgent:
     def run_batch(self, questions: Sequence[str | dict]) -> list[AgentResult]:
         """Answer every question (a string, or a row dict: an environment's ``reset`` arguments); their rounds are
         generated together, in batches."""
-        episodes, _ = self.play([{"question": q} if isinstance(q, str) else q for q in questions])
-        return [AgentResult.from_episode(episode) for episode in episodes]
+        rollout = self.play([{"question": q} if isinstance(q, str) else q for q in questions])
+        return [AgentResult.from_episode(episode) for episode in rollout.episodes]
 
     def run(self, question: str | dict) -> AgentResult:
         """Answer one question, or play one environment episode from its row."""

@@ -33,7 +33,7 @@ def episode_entry(episode: Episode, context_messages: Callable[[list[dict], list
     """
     outcome = episode_outcome(episode)
     rounds, history = [], []
-    for record in episode.rounds:
+    for t, record in enumerate(episode.rounds):
         rounds.append(
             {
                 "messages": context_messages(episode.base_messages, list(history)),
@@ -45,7 +45,7 @@ def episode_entry(episode: Episode, context_messages: Callable[[list[dict], list
             }
         )
         if record.information is not None:
-            history.append((record.text, record.information))
+            history.append((record.text, episode.shown_information(t)))
     row = episode.row
     return {
         "id": row["id"],
@@ -153,8 +153,7 @@ def distill(
     todo = [row for row in rows if str(row["id"]) not in done]
     for start in range(0, len(todo), save_every):
         group = [{**row, "id": str(row["id"])} for row in todo[start : start + save_every]]
-        episodes, _ = agent.play(group)
-        entries = [episode_entry(ep, agent.protocol.round_messages) for ep in episodes]
+        entries = [episode_entry(ep, agent.protocol.round_messages) for ep in agent.play(group).episodes]
         append_lines(episodes_path, entries)
         done.update((entry["id"], entry) for entry in entries)
         if on_group is not None:

@@ -69,10 +69,10 @@ def episode_record(episode: Episode) -> dict:
             "mem": r.turn.mem,
             "action": r.turn.action,
             "content": r.turn.content,
-            "information": r.information,
+            "information": episode.shown_information(t),
             "truncated": r.truncated,
         }
-        for r in episode.rounds
+        for t, r in enumerate(episode.rounds)
     ]
     environment = episode.environment
     reward = {"reward": float(environment.get_reward())} if has_own_reward(environment) else {}
@@ -226,11 +226,12 @@ def evaluate(
     mode = context_mode or agent.protocol.context_mode
     tracked = _Progress(agent.generator, len(rows), agent.protocol.max_turns, f"eval {mode}", progress)
     try:
-        episodes, timings = agent.play(rows, tracked, context_mode=mode)
+        rollout = agent.play(rows, tracked, context_mode=mode)
     finally:
         tracked.close()
-    records = [episode_record(ep) for ep in episodes]
-    return EvalResult(mode, records, summarize(records), episodes, timings.generation, timings.retrieval)
+    records = [episode_record(ep) for ep in rollout.episodes]
+    timings = rollout.timings
+    return EvalResult(mode, records, summarize(records), list(rollout.episodes), timings.generation, timings.retrieval)
 
 
 def evaluate_model(

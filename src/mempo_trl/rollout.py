@@ -1,18 +1,20 @@
 """Multi-turn episodes with the MemPO context rebuild (docs/algorithm.md, "Turn protocol", "Context rebuild").
 
-`RolloutEngine.run` plays a batch of episodes round by round: it renders each active episode's context with
+`RolloutEngine.play` plays a batch of episodes round by round: it renders each active episode's context with
 `mempo_trl.context`, asks a generation function for one turn per episode, cuts each turn after its action,
 parses it with `mempo_trl.turns.parse_turn`, runs the round's tool actions, and ends an episode on ``<answer>``,
 on an invalid turn, or at ``max_turns``. The environment is either the built-in search task (``<search>`` actions,
 all of a round answered with one batched retriever call) or a TRL-style environment (`mempo_trl.environments`: one
 instance per episode, ``reset(**row)``, one ``<tool_call>`` per turn run on that instance). The generation function
 is the only backend-specific piece: the trainer passes TRL's generation (HF or vLLM), the evaluator its own, so that
-training, evaluation and inference see exactly the same contexts.
+training, evaluation and inference see exactly the same contexts. `play` returns a frozen `Rollout`: the episodes, whose
+rounds are frozen `RoundRecord`s, and one `TrainingRow` per round, referring to its record.
 """
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -42,13 +44,15 @@ One whose ``takes_messages`` attribute is true (a chat endpoint, `mempo_trl.endp
 context messages, as ``messages=``."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundRecord:
-    """One generated turn: the context it was sampled from and what came out.
+    """One generated turn: the context it was sampled from and what came out. Frozen: the rollout replaces a record
+    (`dataclasses.replace`) to add the round's result, and never rewrites one.
 
     ``mem_span`` holds the inclusive token indices of the ``<mem>...</mem>`` block inside ``completion_ids``;
     ``information`` is the result message of the round's tool action (the ``<information>`` block of a search, the
-    text a tool returned), None when the round ran none.
+    text a tool returned), as the task returned it, None when the round ran none. What later contexts show of it can
+    be shorter (`Episode.shown_information`).
     """
 
     prompt_ids: list[int]
@@ -66,7 +70,9 @@ class Episode:
     """A question (or an environment's task) and the rounds played on it so far.
 
     ``environment`` is the TRL-style environment instance the episode plays (None for the search task) and ``tools``
-    the JSON schemas of its tools, rendered in every context of the episode.
+    the JSON schemas of its tools, rendered in every context of the episode. ``cut_information`` maps a round's
+    index to the shortened result that contexts show in place of its record's ``information``, for the rounds whose
+    result ``context_overflow="truncate_information"`` cut (`RolloutEngine.fit_prompt`).
     """
 
     row: dict
@@ -78,6 +84,7 @@ class Episode:
     environment: Any = None
     tools: list[dict] | None = None
     action_metric: str = "searches"
+    cut_information: dict[int, str] = field(default_factory=dict)
 
     @property
     def golden_answers(self) -> list[str] | None:
@@ -122,9 +129,15 @@ class Episode:
             "context_overflow": float(self.context_overflow),
         }
 
+    def shown_information(self, round_index: int) -> str | None:
+        """The result of round ``round_index`` (0-based) as later contexts show it: the record's ``information``, or
+        its shortened text when the context was cut (``cut_information``)."""
+        return self.cut_information.get(round_index, self.rounds[round_index].information)
+
     def history(self) -> list[tuple[str, str]]:
-        """``(output, information)`` of every round that searched, oldest first."""
-        return [(r.text, r.information) for r in self.rounds if r.information is not None]
+        """``(output, shown information)`` of every round that searched, oldest first: what contexts are rebuilt
+        from (`shown_information`)."""
+        return [(r.text, self.shown_information(t)) for t, r in enumerate(self.rounds) if r.information is not None]
 
 
 @dataclass
@@ -223,20 +236,29 @@ class TrainingRow:
     """One round of one episode as a training row: what the rollout hands to every later stage of a training step.
 
     ``episode_index`` indexes this process's episodes and ``round_index`` is 0-based (metric names count from 1);
-    ``mem_span`` is the inclusive token span of the ``<mem>`` block in ``completion_ids`` and ``memory`` its text;
-    ``scoring`` holds the two contexts and the gold answer of the memory reward (`memory_scoring_items`), None for a
-    round that is not scored.
+    ``record`` is the round's `RoundRecord`: ``prompt_ids``, ``completion_ids``, ``logprobs``, ``truncated`` and
+    ``mem_span`` (the inclusive token span of the ``<mem>`` block in ``completion_ids``) read its fields, and
+    ``memory`` is the text of that block; ``scoring`` holds the two contexts and the gold answer of the memory reward
+    (`memory_scoring_items`), None for a round that is not scored.
     """
 
     episode_index: int
     round_index: int
-    prompt_ids: tuple[int, ...]
-    completion_ids: tuple[int, ...]
-    logprobs: tuple[float, ...] | None
-    truncated: bool
-    mem_span: tuple[int, int] | None
-    memory: str | None
+    record: RoundRecord
     scoring: MemoryScoringPair | None
+
+    # Plain attribute reads of the record (`attrgetter`: no rollout code runs when a later stage reads them).
+    prompt_ids = property(attrgetter("record.prompt_ids"))
+    completion_ids = property(attrgetter("record.completion_ids"))
+    logprobs = property(attrgetter("record.logprobs"))
+    truncated = property(attrgetter("record.truncated"))
+    mem_span = property(attrgetter("record.mem_span"))
+
+    @property
+    def memory(self) -> str | None:
+        """The text of the round's ``<mem>`` block, None without one."""
+        span = self.record.turn.mem_chars
+        return None if span is None else self.record.text[span[0] : span[1]]
 
 
 def training_rows(
@@ -249,30 +271,16 @@ def training_rows(
         pairs = {}
         if score_memory:
             pairs = {p.round_index: p for p in memory_scoring_items(episode, tokenizer, chat_template_kwargs)}
-        for t, record in enumerate(episode.rounds):
-            span = record.turn.mem_chars
-            rows.append(
-                TrainingRow(
-                    episode_index=e,
-                    round_index=t,
-                    prompt_ids=tuple(record.prompt_ids),
-                    completion_ids=tuple(record.completion_ids),
-                    logprobs=None if record.logprobs is None else tuple(record.logprobs),
-                    truncated=record.truncated,
-                    mem_span=record.mem_span,
-                    memory=None if span is None else record.text[span[0] : span[1]],
-                    scoring=pairs.get(t),
-                )
-            )
+        rows += [TrainingRow(e, t, record, pairs.get(t)) for t, record in enumerate(episode.rounds)]
     return tuple(rows)
 
 
 @dataclass(frozen=True)
 class Rollout:
-    """What `RolloutEngine.play` hands to the rest of a training step: this process's finished ``episodes`` (in the
-    order of its input rows), one `TrainingRow` per round of them (``rows``, in episode then round order) and the
-    seconds spent generating and retrieving (``timings``). Later stages read the rows and the episodes' answers; none
-    of them calls back into the rollout."""
+    """What `RolloutEngine.play` returns: this process's finished ``episodes`` (in the order of its input rows), one
+    `TrainingRow` per round of them (``rows``, in episode then round order) and the seconds spent generating and
+    retrieving (``timings``). Evaluation and inference read the episodes; later stages of a training step read the
+    rows and the episodes' answers, and none of them calls back into the rollout."""
 
     episodes: tuple[Episode, ...]
     rows: tuple[TrainingRow, ...]
@@ -312,8 +320,9 @@ class RolloutEngine:
 
     The protocol's ``context_overflow`` says what happens to a longer context: ``"end_episode"`` ends the episode
     before the round (``Episode.context_overflow``); ``"truncate_information"`` first cuts the tail of the
-    ``<information>`` blocks in the context (oldest first; the shortened text is what the record keeps) and ends the
-    episode only when that is not enough. A round-1 context (no information yet) that does not fit is an error.
+    ``<information>`` blocks in the context (oldest first; the shortened text is what later contexts show,
+    `Episode.cut_information`, while the record keeps the full result) and ends the episode only when that is not
+    enough. A round-1 context (no information yet) that does not fit is an error.
     """
 
     def __init__(
@@ -410,27 +419,28 @@ class RolloutEngine:
                 f"{self._limit_hint(limit)}."
             )
         if self.protocol.context_overflow == "truncate_information":
-            searched = [r for r in episode.rounds if r.information is not None]
-            for record in shown_rounds(searched, self.protocol.context_mode):
-                body = self.tokenizer(
-                    record.information[len("<information>") : -len("</information>")], add_special_tokens=False
-                )["input_ids"]
+            searched = [t for t, r in enumerate(episode.rounds) if r.information is not None]
+            for t in shown_rounds(searched, self.protocol.context_mode):
+                inner = episode.shown_information(t)[len("<information>") : -len("</information>")]
+                body = self.tokenizer(inner, add_special_tokens=False)["input_ids"]
                 while len(ids) > limit and body:
                     body = body[: max(0, len(body) - (len(ids) - limit))]
-                    record.information = f"<information>{self.tokenizer.decode(body)} ...</information>"
+                    episode.cut_information[t] = f"<information>{self.tokenizer.decode(body)} ...</information>"
                     ids = self.render(self.context_messages(episode), episode.tools)
                 if len(ids) <= limit:
                     return ids
         episode.finished = episode.context_overflow = True
         return None
 
-    def run(
+    def play(
         self,
         rows: Sequence[dict],
         generate: GenerateFn,
         global_active: Callable[[int], int] | None = None,
-    ) -> tuple[list[Episode], RolloutTimings]:
-        """Play one episode per row to the end.
+        score_memory: bool = False,
+    ) -> Rollout:
+        """Play one episode per row to the end: the episodes, their training rows (`training_rows`) and the timings,
+        for evaluation, inference and training alike.
 
         Args:
             rows: dicts with at least ``question`` (search task), or the keyword arguments of the environment's
@@ -440,6 +450,8 @@ class RolloutEngine:
                 all processes; while it is positive, a process without active episodes still calls ``generate`` (on
                 one placeholder prompt) so that every process issues the same generation calls (vLLM server and
                 ZeRO-3 generation are collectives).
+            score_memory: the rounds the memory reward scores carry both of their contexts (``TrainingRow.scoring``,
+                rendered with the protocol's ``chat_template_kwargs``).
 
         Raises:
             RetrieverOutage: the retriever stayed unreachable. The process that lost it ends its episodes and keeps
@@ -489,24 +501,12 @@ class RolloutEngine:
                         ep.finished = True
                 timings.retrieval += time.perf_counter() - start
                 for (ep, _), information in zip(searches, results):
-                    ep.rounds[-1].information = information
+                    ep.rounds[-1] = replace(ep.rounds[-1], information=information)
         for ep in episodes:
             ep.finished = True
         lost = global_active(int(outage is not None)) if global_active is not None else int(outage is not None)
         if lost:
             raise outage or RetrieverOutage(f"{lost} other process(es) lost the retrieval server (see their log).")
-        return episodes, timings
-
-    def play(
-        self,
-        rows: Sequence[dict],
-        generate: GenerateFn,
-        global_active: Callable[[int], int] | None = None,
-        score_memory: bool = False,
-    ) -> Rollout:
-        """`run`, then the training rows of its episodes (`training_rows`; with ``score_memory``, the rounds the memory
-        reward scores carry both of their contexts): everything a training step needs from the rollout, at once."""
-        episodes, timings = self.run(rows, generate, global_active)
         return Rollout(
             tuple(episodes),
             training_rows(episodes, self.tokenizer, score_memory, self.protocol.chat_template_kwargs),

@@ -362,7 +362,10 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
         (`mempo_trl.metrics`, each averaged over all processes; ``time/*``: the slowest process), and in training the
         step's account (tokens and seconds, `training_step`)."""
         trajectories = [
-            "\n".join(r.text + ("\n" + r.information if r.information else "") for r in ep.rounds)
+            "\n".join(
+                r.text + ("\n" + ep.cut_information.get(t, r.information) if r.information else "")
+                for t, r in enumerate(ep.rounds)
+            )
             for ep in batch.episodes
         ]
         prompts = [ep.base_messages for ep in batch.episodes]

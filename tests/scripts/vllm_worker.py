@@ -43,14 +43,14 @@ def main(mode: str, model_dir: str, out_dir: str) -> None:
     dataset = Dataset.from_list([{"question": f"Q{k} where?", "golden_answers": [f"A{k}"]} for k in range(4)])
     trainer = MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
     episodes = []
-    run = trainer.rollout_engine.run
+    play = trainer.rollout_engine.play
 
-    def recording_run(*a, **kw):
-        result = run(*a, **kw)
-        episodes.extend(result[0])
-        return result
+    def recording_play(*a, **kw):
+        rollout = play(*a, **kw)
+        episodes.extend(rollout.episodes)
+        return rollout
 
-    trainer.rollout_engine.run = recording_run
+    trainer.rollout_engine.play = recording_play
     trainer.train()
     engine = fake_vllm.engine_of(trainer)
     rank = trainer.accelerator.process_index
