@@ -352,7 +352,7 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
     # 6. the log-probs (`GRPOMirror._loss_log_probs`) and the logs
 
     @staticmethod
-    def _sampling_logps(rows: Sequence[TrainingRow]) -> list[tuple[float, ...]] | None:
+    def _sampling_logps(rows: Sequence[TrainingRow]) -> list[list[float]] | None:
         """The sampling log-probs of the rows' completions (vLLM's), or None when any row has none."""
         logps = [row.logprobs for row in rows]
         return logps if all(lp is not None for lp in logps) else None
