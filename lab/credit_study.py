@@ -371,9 +371,10 @@ def warm_rows_file(out: Path, paths: dict, study: dict, retriever) -> Path:
     return data_dir
 
 
-def warm_start(out: Path, base: Path, data_dir: Path, study: dict, log) -> tuple[Path, dict]:
-    """The LoRA warm start by `mempo-trl sft` into ``out/warm`` (resumed from its newest checkpoint; skipped when
-    ``warm_done.json`` holds the same settings). Returns the adapter's folder and its stats."""
+def warm_start(out: Path, base: Path, data_dir: Path, study: dict, log, device: str = "cpu") -> tuple[Path, dict]:
+    """The LoRA warm start by `mempo-trl sft` into ``out/warm`` on ``device`` (``cuda``: bf16; resumed from its newest
+    checkpoint; skipped when ``warm_done.json`` holds the same settings). Returns the adapter's folder and its
+    stats."""
     from mempo_trl.checkpoints import newest_complete_checkpoint
 
     warm = study["warm"]
@@ -412,9 +413,9 @@ def warm_start(out: Path, base: Path, data_dir: Path, study: dict, log) -> tuple
         "--seed",
         str(warm["seed"]),
         "--use_cpu",
-        "true",
+        str(device == "cpu").lower(),
         "--bf16",
-        "false",
+        str(device == "cuda").lower(),
         "--activation_checkpointing",
         "false",
         "--logging_steps",
@@ -452,15 +453,16 @@ def warm_start(out: Path, base: Path, data_dir: Path, study: dict, log) -> tuple
     return warm_dir, stats
 
 
-def load_warm(base: Path, warm_dir: Path):
-    """The base model with the warm start's LoRA adapter merged in, in eval mode, and its tokenizer."""
+def load_warm(base: Path, warm_dir: Path, device: str = "cpu"):
+    """The base model with the warm start's LoRA adapter merged in, in eval mode on ``device``, and its tokenizer."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from mempo_trl.loading import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(base))
-    return PeftModel.from_pretrained(model, str(warm_dir)).merge_and_unload().eval(), load_tokenizer(base)
+    merged = PeftModel.from_pretrained(model, str(warm_dir)).merge_and_unload().eval()
+    return merged.to(device), load_tokenizer(base)
 
 
 def gate(model, tokenizer, retriever, rows: dict[int, list[dict]], study: dict) -> dict:
@@ -741,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/credit_study", help="run directory (cached phases; not in git)")
     parser.add_argument("--quick", action="store_true", help="smoke run with tiny shapes (`QUICK`)")
     parser.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where the warm start, gate and scoring run"
+    )
+    parser.add_argument(
         "--ungated",
         action="store_true",
         help="go on when the warm start fails the gate (a diagnostic: the summary is credit_study_ungated.json)",
@@ -791,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     timed("world_and_base", start)
 
     start = time.perf_counter()
-    warm_dir, warm_stats = warm_start(out, base, data_dir, study, log)
+    warm_dir, warm_stats = warm_start(out, base, data_dir, study, log, args.device)
     timed("warm_start", start)
     log(
         f"warm start: {warm_stats.get('rows')} rounds, loss {warm_stats.get('first_logged_loss')} -> "
@@ -799,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     start = time.perf_counter()
-    model, tokenizer = load_warm(base, warm_dir)
+    model, tokenizer = load_warm(base, warm_dir, args.device)
     gate_path = out / "gate.json"
     checked = json.loads(gate_path.read_text()) if gate_path.is_file() else {}
     if checked.get("warm_start") != warm_stats["command"]:  # played again for a new warm start

@@ -10,11 +10,15 @@
 #   call 2, carry [".smol_b"]:          ls .smol_b
 #   call 3, carry [".smol_c"]:          bash scripts/gpu_long_horizon.sh run     # joins the GGUF, runs, fills $OUT
 #   bash scripts/gpu_long_horizon.sh dry-run DIR # `run` on the CPU: the quick world, --device cpu, into DIR
+#   call 4 (optional, same warm machine): bash scripts/gpu_long_horizon.sh credit   # the credit study on the GPU
+#   bash scripts/gpu_long_horizon.sh credit-dry-run DIR   # `credit` on the CPU: --quick --device cpu, into DIR
 #
 # `run` takes ARGS (default "--seeds 0 1 --jobs 8": the test runs, after `--tune --split validation` on an earlier
 # call) and LIMIT_S (default 500: a call may run 600 s); a run cut by the limit resumes from its checkpoint on the next
 # call; PYTHON (default python) runs lab/long_horizon.py. It copies the summary, the figure and every run's run.json
-# (runs.tgz) to $OUT, which the device tool brings back.
+# (runs.tgz) to $OUT, which the device tool brings back. `credit` runs `lab/credit_study.py --device cuda` (its warm
+# start, gate and scoring resume from runs/credit_study_gpu on the next call) and copies its summary, figure, gate and
+# phase times to $OUT; results that come back go in bench/results/gpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -24,6 +28,13 @@ GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 # versions installed here; the rest (torch, pyarrow, pandas, tokenizers, safetensors, xxhash) it has.
 WHEEL_NAMES="transformers trl datasets bm25s PyStemmer gguf dill multiprocess huggingface_hub accelerate peft fsspec
 tokenizers kernels"
+
+join_gguf() {  # on the device: SmolLM2's GGUF from the three parts the calls carried, into the cache it is read from
+    export PYTHONPATH="$PWD/.site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" MEMPO_CACHE="$PWD/.cache"
+    mkdir -p "$MEMPO_CACHE/smollm2"
+    cat .smol_a/part-aa .smol_b/part-ab .smol_c/part-ac >"$MEMPO_CACHE/smollm2/$GGUF"
+    echo "$GGUF_SHA256  $MEMPO_CACHE/smollm2/$GGUF" | sha256sum -c --quiet
+}
 
 case "${1:-}" in
 prepare)
@@ -48,12 +59,25 @@ stage)
     ls .smol_a/part-aa >/dev/null
     echo "staged: $(ls .site | wc -l) entries in .site, $(du -sh .smol_a | cut -f1) of the GGUF"
     ;;
+credit | credit-dry-run)
+    if [ "$1" = credit ]; then
+        join_gguf
+        out=runs/credit_study_gpu device=cuda quick="" results=${OUT:?OUT is where the device tool collects files}
+    else
+        out=${2:?credit-dry-run DIR} device=cpu quick=--quick results=${2}/collected
+    fi
+    # shellcheck disable=SC2086
+    timeout "${LIMIT_S:-500}" "${PYTHON:-python}" lab/credit_study.py $quick --device "$device" --out "$out" \
+        || echo "credit_study: exit $? (a phase cut by LIMIT_S resumes next call)"
+    mkdir -p "$results"
+    for file in credit_study.json credit_study.png gate.json phases.json; do
+        [ -f "$out/$file" ] && cp "$out/$file" "$results/"
+    done
+    ls "$results"
+    ;;
 run | dry-run)
     if [ "$1" = run ]; then
-        export PYTHONPATH="$PWD/.site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" MEMPO_CACHE="$PWD/.cache"
-        mkdir -p "$MEMPO_CACHE/smollm2"
-        cat .smol_a/part-aa .smol_b/part-ab .smol_c/part-ac >"$MEMPO_CACHE/smollm2/$GGUF"
-        echo "$GGUF_SHA256  $MEMPO_CACHE/smollm2/$GGUF" | sha256sum -c --quiet
+        join_gguf
         out=runs/long_horizon
         # shellcheck disable=SC2086
         timeout "${LIMIT_S:-500}" "${PYTHON:-python}" lab/long_horizon.py --learner smollm2 --device cuda --out "$out" \
@@ -76,7 +100,7 @@ run | dry-run)
     ls "$results"
     ;;
 *)
-    sed -n '2,17p' "$0"
+    sed -n '2,22p' "$0"
     exit 2
     ;;
 esac

@@ -3,6 +3,7 @@
 import doctest
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,12 +101,18 @@ def test_pool_figures_of_a_group():
 
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path, monkeypatch, capsys):
-    """`--quick` through the script: every phase, the summary of both K and every variant in the run directory (not
-    in lab/results), and a gate the warm start fails stops with one error line."""
+    """`--quick` through the GPU script's CPU dry run (`scripts/gpu_long_horizon.sh credit-dry-run`): every phase,
+    the summary of both K and every variant in the run directory (not in lab/results), collected as the GPU call
+    collects it; then a gate the warm start fails stops with one error line."""
     out = tmp_path / "credit"
-    command = [sys.executable, str(LAB / "credit_study.py"), "--quick", "--out", str(out)]
-    finished = subprocess.run(command, capture_output=True, text=True, cwd=LAB.parent)
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    script = LAB.parent / "scripts" / "gpu_long_horizon.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    finished = subprocess.run(
+        ["bash", str(script), "credit-dry-run", str(out)], capture_output=True, text=True, env=env, timeout=1200
+    )
+    assert finished.returncode == 0 and "exit" not in finished.stdout, finished.stdout + finished.stderr[-3000:]
+    collected = sorted(path.name for path in (out / "collected").iterdir())
+    assert collected == ["credit_study.json", "credit_study.png", "gate.json", "phases.json"]
     summary = json.loads((out / "credit_study.json").read_text())
     assert (out / "credit_study.png").is_file()
     assert set(summary["figures"]) == {"2", "4"}
@@ -113,7 +120,7 @@ def test_quick_run_end_to_end(tmp_path, monkeypatch, capsys):
         assert set(cell["variants"]) == set(credit_study.VARIANTS)
         assert cell["variants"]["diff"]["scripted"]["auc"]["value"] is not None
     assert set(summary["seconds"]) >= {"warm_start", "gate", "scored"}
-    assert summary["command"].startswith("python lab/credit_study.py --quick")
+    assert summary["command"].startswith("python lab/credit_study.py --quick --device cpu")
     monkeypatch.setitem(credit_study.QUICK, "gate", {**credit_study.QUICK["gate"], "min_format_valid": 1.0})
     monkeypatch.chdir(LAB.parent)
     assert credit_study.main(["--quick", "--out", str(out)]) == 2
