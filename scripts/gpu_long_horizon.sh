@@ -12,13 +12,19 @@
 #   bash scripts/gpu_long_horizon.sh dry-run DIR # `run` on the CPU: the quick world, --device cpu, into DIR
 #   call 4 (optional, same warm machine): bash scripts/gpu_long_horizon.sh credit   # the credit study on the GPU
 #   bash scripts/gpu_long_horizon.sh credit-dry-run DIR   # `credit` on the CPU: --quick --device cpu, into DIR
+#   call 5 (optional, same warm machine): bash scripts/gpu_long_horizon.sh pipeline # the paper's pipeline, SmolLM2
+#   bash scripts/gpu_long_horizon.sh pipeline-dry-run DIR # `pipeline` at its smallest on the CPU, into DIR
 #
 # `run` takes ARGS (default "--seeds 0 1 --jobs 8": the test runs, after `--tune --split validation` on an earlier
 # call) and LIMIT_S (default 500: a call may run 600 s); a run cut by the limit resumes from its checkpoint on the next
 # call; PYTHON (default python) runs lab/long_horizon.py. It copies the summary, the figure and every run's run.json
 # (runs.tgz) to $OUT, which the device tool brings back. `credit` runs `lab/credit_study.py --device cuda` (its warm
 # start, gate and scoring resume from runs/credit_study_gpu on the next call) and copies its summary, figure, gate and
-# phase times to $OUT; results that come back go in bench/results/gpu/.
+# phase times to $OUT; results that come back go in bench/results/gpu/. `pipeline` runs the paper's pipeline on the
+# learner's world with SmolLM2 as the student (compose -> distill with the kit learner as teacher -> LoRA SFT ->
+# merge-lora -> MemPO train -> eval over the number of objectives, README "Your data, the paper's pipeline") in
+# runs/pipeline_gpu, each step once (a step cut by LIMIT_S starts again on the next call), and copies the sweep,
+# the training metrics and the distillation report to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -75,6 +81,57 @@ credit | credit-dry-run)
     done
     ls "$results"
     ;;
+pipeline | pipeline-dry-run)
+    if [ "$1" = pipeline ]; then
+        join_gguf
+        out=runs/pipeline_gpu results=${OUT:?OUT is where the device tool collects files}
+    else
+        out=${2:?pipeline-dry-run DIR} results=${2}/collected
+    fi
+    mkdir -p "$out"
+    timeout "${LIMIT_S:-500}" bash scripts/gpu_long_horizon.sh pipeline-steps "$1" "$out" \
+        || echo "pipeline: exit $? (the steps done are kept; the next call goes on)"
+    mkdir -p "$results"
+    for file in sweep/objectives.json sweep/objectives.png rl/mempo_metrics.json distilled/distill_report.json; do
+        [ -f "$out/$file" ] && cp "$out/$file" "$results/"
+    done
+    ls "$results"
+    ;;
+pipeline-steps)  # pipeline-steps pipeline|pipeline-dry-run DIR: the steps, in DIR
+    if [ "$2" = pipeline ]; then  # one GPU, bf16
+        on=(--use_cpu false --bf16 true) rows=${PIPELINE_ROWS:-200} objectives=(1 2 4) sft=(150 8) rl=(20 8 32)
+        lora=(--lora_r 16 --lora_target_modules all-linear) tokens=128 turns=6 questions=50
+    else  # the CPU, at its smallest
+        on=(--use_cpu true --bf16 false) rows=6 objectives=(1 2) sft=(1 2) rl=(1 2 2)
+        lora=(--lora_r 4 --lora_target_modules q_proj v_proj) tokens=32 turns=2 questions=2
+    fi
+    cd "${3:?DIR}"
+    world=learner/world
+    step() {  # step NAME ARGS...: `mempo-trl ARGS` into NAME, once
+        [ -f "$1.done" ] && return 0
+        rm -rf "$1" && "${PYTHON:-python}" -m mempo_trl "${@:2}" && touch "$1.done"
+    }
+    step learner kit learner --output_dir learner
+    step composed compose --dataset_name "$world/warm.jsonl" --objectives "${objectives[@]}" --max_rows "$rows" \
+        --output_dir composed
+    if [ ! -f warm.jsonl ]; then
+        for k in "${objectives[@]}"; do cat "composed/k$k/train.jsonl"; done >warm.jsonl.part && mv warm.jsonl.part warm.jsonl
+    fi
+    step distilled distill --model_name_or_path learner/model --dataset_name warm.jsonl \
+        --corpus "$world/corpus.jsonl" --output_dir distilled --keep format_valid
+    step smollm2 kit smollm2 --output_dir smollm2
+    step student sft --model_name_or_path smollm2 --dataset_name distilled --output_dir student \
+        --max_steps "${sft[0]}" --per_device_train_batch_size "${sft[1]}" --use_peft "${lora[@]}" "${on[@]}" \
+        --save_strategy no --report_to none
+    step student_merged merge-lora --model_name_or_path student --output_dir student_merged
+    step rl train --model_name_or_path student_merged --dataset_name "composed/k${objectives[-1]}" \
+        --corpus "$world/corpus.jsonl" --output_dir rl --max_steps "${rl[0]}" --num_generations "${rl[1]}" \
+        --per_device_train_batch_size "${rl[2]}" --max_completion_length "$tokens" --max_turns "$turns" \
+        --use_peft true "${lora[@]}" "${on[@]}" --report_to none --heldout_questions 0 --save_strategy no
+    step sweep eval --model_name_or_path student_merged --dataset_name "$world/test.jsonl" --dataset_split test \
+        --corpus "$world/corpus.jsonl" --objectives "${objectives[@]}" --max_eval_samples "$questions" \
+        --max_completion_length "$tokens" --context_mode both --output_dir sweep --disable_tqdm true
+    ;;
 run | dry-run)
     if [ "$1" = run ]; then
         join_gguf
@@ -100,7 +157,7 @@ run | dry-run)
     ls "$results"
     ;;
 *)
-    sed -n '2,22p' "$0"
+    sed -n '2,29p' "$0"
     exit 2
     ;;
 esac

@@ -230,9 +230,7 @@ def test_sigterm_to_either_machine_saves_one_checkpoint_ends_both_and_resumes_bi
     assert all(torch.equal(t, reference[k]) for k, t in weights(tmp_path / "out").items())
 
 
-@pytest.mark.parametrize(
-    "what", ["SIGKILL to machine 1's top process", "machine 0 killed", "machine 1 hangs"]
-)
+@pytest.mark.parametrize("what", ["SIGKILL to machine 1's top process", "machine 0 killed", "machine 1 hangs"])
 def test_a_machine_killed_or_hung_ends_the_other_in_one_line_and_leaves_no_process(straight, tmp_path, what):
     """A SIGKILL to one machine's `mempo-trl train` reaches its processes as SIGTERM (the parent-death signal): the
     group is whole, so both machines save a checkpoint. A machine killed whole (every process: a machine lost) or
