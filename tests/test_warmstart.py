@@ -47,6 +47,25 @@ def test_doctests():
     assert doctest.testmod(warmstart).failed == 0
 
 
+def test_repair_searches_each_dropped_fact_again_and_answers_what_the_memory_holds(all_rows, retriever):
+    """With ``repair``, every fact the memory dropped is searched again after the hops, the memory grows by it, and
+    the answer turn's memory holds every fact; drops that would not fit ``max_turns`` are not made."""
+    row = max(all_rows, key=lambda r: len(r["hop_queries"]))
+    queries, facts = row["hop_queries"], hop_facts(row, retriever.search(row["hop_queries"], 3))
+    for seed in range(20):
+        plain = oracle_episode_turns(row, retriever, mem_drop=0.5, rng=random.Random(seed))
+        turns = oracle_episode_turns(row, retriever, mem_drop=0.5, rng=random.Random(seed), repair=True)
+        parsed = [parse_turn(text) for text, _ in turns]
+        assert all(t.valid for t in parsed) and parsed[-1].action == "answer"
+        assert parsed[-1].mem == " ".join(facts)  # every fact, in hop order
+        dropped = [f for f in facts if f not in parse_turn(plain[-1][0]).mem]
+        repairs = parsed[len(queries) : -1]
+        assert [t.content for t in repairs] == [queries[facts.index(f)] for f in dropped]
+        assert [t.content for t in parsed[: len(queries)]] == queries and turns[: len(queries)] == plain[:-1]
+    short = oracle_episode_turns(row, retriever, max_turns=len(queries) + 1, mem_drop=1.0, repair=True)
+    assert len(short) == len(queries) + 1 and parse_turn(short[-1][0]).mem == " ".join(facts)  # no room: no drop
+
+
 def test_oracle_turns_are_valid_and_search_the_gold_passages(all_rows, retriever, demo_paths):
     from mempo_trl.retrieval import load_corpus
 

@@ -125,7 +125,13 @@ def hop_facts(row: dict, results: Sequence[Sequence[Any]]) -> list[str]:
 
 
 def oracle_episode_turns(
-    row: dict, retriever, topk: int = 3, max_turns: int = 8, mem_drop: float = 0.0, rng: random.Random | None = None
+    row: dict,
+    retriever,
+    topk: int = 3,
+    max_turns: int = 8,
+    mem_drop: float = 0.0,
+    rng: random.Random | None = None,
+    repair: bool = False,
 ) -> list[tuple[str, str | None]]:
     """The turns of a scripted agent that solves a demo-world row: ``(turn text, information or None)``.
 
@@ -137,7 +143,10 @@ def oracle_episode_turns(
     ``mem_drop`` makes the memory imperfect on purpose: each fact of the episode is left out of every ``<mem>``
     with probability ``mem_drop`` (drawn from ``rng``), while the searches and the answer stay right, so a model
     warm-started on these turns forgets facts that a comparison or multi-objective answer needs: something for
-    the memory advantage to repair.
+    the memory advantage to repair. Its answer then names values that neither the memory nor the last result shows.
+    With ``repair``, the scripted agent searches each dropped fact again after the hops (as many as ``max_turns``
+    leaves room for; a drop beyond that is not made) and answers with every fact in memory: a model warm-started on
+    these turns sees a forgotten fact cost a search instead of learning to answer what it cannot see.
 
     Example:
         >>> turns = oracle_episode_turns(row, retriever)  # doctest: +SKIP
@@ -153,11 +162,21 @@ def oracle_episode_turns(
     facts = hop_facts(row, results)
     rng = rng or random.Random(0)
     kept = [fact if mem_drop == 0.0 or rng.random() >= mem_drop else "" for fact in facts]
+    if repair:  # at most as many drops as there are turns left for their searches
+        room = max_turns - len(queries) - 1
+        dropped = [i for i, fact in enumerate(kept) if not fact]
+        for i in dropped[room:]:
+            kept[i] = facts[i]
     turns: list[tuple[str, str | None]] = []
     for i, (query, passages) in enumerate(zip(queries, results)):
         mem = " ".join(fact for fact in kept[:i] if fact) or NOTHING_YET
         text = f"<mem> {mem} </mem>\n<think> {SEARCH_THOUGHT} </think>\n<search> {query} </search>"
         turns.append((text, render_information(passages)))
+    for i in [i for i, fact in enumerate(kept) if not fact] if repair else []:
+        mem = " ".join(fact for fact in kept if fact) or NOTHING_YET
+        text = f"<mem> {mem} </mem>\n<think> {SEARCH_THOUGHT} </think>\n<search> {queries[i]} </search>"
+        turns.append((text, render_information(results[i])))
+        kept[i] = facts[i]
     answer, _ = render_gold_answer(row["golden_answers"], row.get("sub_answers"))
     mem = " ".join(fact for fact in kept if fact) or NOTHING_YET
     turns.append((f"<mem> {mem} </mem>\n<think> {ANSWER_THOUGHT} </think>\n{answer}", None))
