@@ -266,3 +266,17 @@ def test_batch_advantages_normalize_then_sum_and_unscorable_rows():
     # function 1 in its group: (1 - 0.5) / std(1, 0) = 0.7071 and -0.7071; function 2 all equal: 0
     assert out.outcome.tolist() == pytest.approx([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)], abs=1e-4)
     assert out.memory.abs().sum() == 0
+
+
+def test_uncentred_memory_advantage_keeps_each_rewards_sign():
+    """``memory_center_rewards=False``: two rounds of one question with memory rewards -0.1 and -0.3 (both memories
+    worse than the full history): centred, the first gets +0.1 (scale "none"); uncentred both stay negative, -0.1
+    and -0.3 on their <mem> tokens (outcome rewards equal: outcome advantage 0)."""
+    args = ([1.0, 1.0], [0, 1], [1, 1], [-0.1, -0.3], [(0, 0), (0, 0)], torch.ones(2, 2), slice(0, 2), 2)
+    centred = mempo_advantages(
+        torch.tensor(args[0]), *args[1:], settings=MemoryRewardSettings(memory_scale_rewards="none")
+    )
+    assert centred.advantages[:, 0].tolist() == pytest.approx([0.1, -0.1], abs=1e-6)
+    settings = MemoryRewardSettings(memory_scale_rewards="none", memory_center_rewards=False)
+    out = mempo_advantages(torch.tensor(args[0]), *args[1:], settings=settings)
+    torch.testing.assert_close(out.advantages, torch.tensor([[-0.1, 0.0], [-0.3, 0.0]]))

@@ -141,8 +141,9 @@ def mempo_advantages(
         settings: the memory advantage's settings; it reads ``memory_coef`` (its weight), ``memory_pooling``
             (``"question"`` pools the memory rewards of all rounds of a question's G trajectories,
             ``"question_round"`` per (question, round index)), ``memory_scale_rewards`` (the memory rewards' std: of
-            their pool, of the batch, or ``"none"``; `normalize_memory_rewards`) and ``memory_gate_on_outcome`` (keep
-            the memory advantage only on rows whose outcome advantage is ``>= 0``).
+            their pool, of the batch, or ``"none"``; `normalize_memory_rewards`), ``memory_center_rewards`` (take the
+            pool's mean off) and ``memory_gate_on_outcome`` (keep the memory advantage only on rows whose outcome
+            advantage is ``>= 0``).
 
     Returns:
         `MemPOAdvantages`: ``advantages`` ``(B, T)`` = outcome advantage of the row's trajectory on every completion
@@ -175,6 +176,7 @@ def mempo_advantages(
         scored,
         [[t] * len(v) for t, v in zip(row_rounds, scored)] if settings.memory_pooling == "question_round" else None,
         settings.memory_scale_rewards,
+        center=settings.memory_center_rewards,
     )
     if settings.memory_gate_on_outcome:
         normalized = [v if outcome[t] >= 0 else [0.0] * len(v) for t, v in zip(row_trajectories, normalized)]

@@ -104,6 +104,11 @@ class MemPOConfig(GRPOConfig):
             What the memory rewards are divided by after their pool's mean is taken off: `"group"`: the pool's std
             (paper). `"batch"`: the std of all memory rewards of the batch. `"none"`: nothing. TRL's `scale_rewards`
             values, for the memory advantage.
+        memory_center_rewards (`bool`, *optional*, defaults to `True`):
+            Take each pool's mean off the memory rewards before dividing by `memory_scale_rewards`' std (paper).
+            `False`: no mean taken off, so a memory that predicts the gold worse than the full history (a negative
+            reward) gets a negative advantage whatever its group; pair it with `memory_scale_rewards="batch"` or
+            `"none"` (a pool's std can be tiny).
         memory_gate_on_outcome (`bool`, *optional*, defaults to `False`):
             Variant: add the memory advantage only on rows whose outcome advantage is >= 0.
         memory_full_from_reference (`bool`, *optional*, defaults to `False`):
@@ -169,6 +174,7 @@ class MemPOConfig(GRPOConfig):
     memory_length_penalty: float = flat_field(MemoryRewardSettings, "memory_length_penalty")
     memory_pooling: str = flat_field(MemoryRewardSettings, "memory_pooling")
     memory_scale_rewards: str = flat_field(MemoryRewardSettings, "memory_scale_rewards")
+    memory_center_rewards: bool = flat_field(MemoryRewardSettings, "memory_center_rewards")
     memory_gate_on_outcome: bool = flat_field(MemoryRewardSettings, "memory_gate_on_outcome")
     memory_full_from_reference: bool = flat_field(MemoryRewardSettings, "memory_full_from_reference")
     memory_scoring_batch_size: int = flat_field(MemoryRewardSettings, "memory_scoring_batch_size")

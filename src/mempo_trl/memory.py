@@ -205,6 +205,7 @@ def normalize_memory_rewards(
     rewards: Sequence[Sequence[float]],
     round_ids: Sequence[Sequence[Hashable]] | None = None,
     scale: str = "group",
+    center: bool = True,
 ) -> list[list[float]]:
     """Normalise memory rewards within their pool, keeping the nested per-row structure.
 
@@ -212,13 +213,16 @@ def normalize_memory_rewards(
     ``(group, round)`` when ``round_ids`` (aligned with ``rewards``) is given. Each reward minus its pool's mean, divided
     by ``std + 1e-6`` (unbiased std; ``r - mean`` where that std is 0): the pool's std with ``scale="group"`` (paper),
     the std of all the rewards given with ``"batch"``, no division with ``"none"`` (TRL's ``scale_rewards`` values). A
-    pool of 0 or 1 values uses mean 0 (and std 1 under ``"group"``). Pure function: call it on the rewards of all
-    ranks, then slice.
+    pool of 0 or 1 values uses mean 0 (and std 1 under ``"group"``). ``center=False`` takes no mean off (the std is
+    still the pool's, the batch's or none): each value keeps its sign, a reward below 0 stays a negative advantage
+    whatever its pool. Pure function: call it on the rewards of all ranks, then slice.
 
     >>> normalize_memory_rewards(["q1", "q2", "q1"], [[1.0], [5.0], [3.0, 2.0]])
     [[-0.99999...], [4.99999...], [0.99999..., 0.0]]
     >>> normalize_memory_rewards(["q1", "q1", "q2", "q2"], [[0.1], [0.3], [0.0], [0.0]], scale="batch")
     [[-0.7071...], [0.7071...], [0.0], [0.0]]
+    >>> normalize_memory_rewards(["q1", "q1"], [[-0.1], [-0.3]], scale="none", center=False)
+    [[-0.1], [-0.3]]
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
@@ -237,6 +241,8 @@ def normalize_memory_rewards(
         for key, value in zip(row_keys, row):
             pools[key].append(float(value))
     stats = {key: _pool_stats(values) for key, values in pools.items()}
+    if not center:
+        stats = {key: (0.0, std) for key, (_, std) in stats.items()}
     if scale != "group":
         batch_std = _pool_stats([float(v) for row in rewards for v in row])[1] if scale == "batch" else 0.0
         stats = {key: (mean, batch_std) for key, (mean, _) in stats.items()}

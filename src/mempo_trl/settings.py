@@ -144,6 +144,9 @@ class MemoryRewardSettings(SettingsHome):
         "Std the memory rewards are divided by: `group` (their pool's), `batch` or `none`.",
         choices=("group", "batch", "none"),
     )
+    memory_center_rewards: bool = setting(
+        True, "Take each pool's mean off the memory rewards (paper). False: a reward keeps its sign against P_full."
+    )
     memory_gate_on_outcome: bool = setting(False, "Memory advantage only where the outcome advantage is >= 0.")
     memory_full_from_reference: bool = setting(False, "Score P_full with the reference model.")
     memory_scoring_batch_size: int = setting(8, "Sequences per memory-scoring forward.", minimum=1)
