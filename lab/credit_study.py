@@ -81,7 +81,8 @@ STUDY = {
 }
 """The published configuration: the world (`generate_horizon_world` arguments), the LoRA warm start
 (`mempo-trl sft` arguments), the gate, the turn protocol, validation questions per K, sampled memories per question
-(G), their temperature, the quantile of the quantile filter, bootstrap resamples and the seed."""
+(G), their temperature, the quantile of the quantile filter, bootstrap resamples and the seed. ``warm["repair"]``
+(absent: off) makes the warm start's oracle search each dropped fact again (`oracle_episode_turns`)."""
 
 QUICK = {
     "world": {"num_entities": 60, "rows_per_horizon": {"warm": 4, "rl": 0, "validation": 2, "test": 0}},
@@ -286,10 +287,9 @@ def group_advantages(group: dict, settings, parts: list[int] | None = None) -> t
 def gold_token_parts(tokenizer, row: dict) -> list[int]:
     """The part of each gold token of ``row``'s answer (`gold_answer_parts` where `gold_answer_tokens`' mask is 1),
     aligned with a group's cached ``mem_logps`` / ``full_logps``."""
-    from mempo_trl.context import gold_answer_parts, gold_answer_tokens
+    from mempo_trl.context import gold_answer_encoding
 
-    _, mask = gold_answer_tokens(tokenizer, row["golden_answers"], row["sub_answers"])
-    parts = gold_answer_parts(tokenizer, row["golden_answers"], row["sub_answers"])
+    _, mask, parts = gold_answer_encoding(tokenizer, row["golden_answers"], row["sub_answers"])
     return [part for part, gold in zip(parts, mask) if gold]
 
 
@@ -358,7 +358,13 @@ def warm_rows_file(out: Path, paths: dict, study: dict, retriever) -> Path:
     for rows in by_k(read_jsonl(paths["warm"]), study["world"]["horizons"], warm["rows_per_k"]).values():
         for row in rows:
             turns = oracle_episode_turns(
-                row, retriever, protocol.retrieval_topk, protocol.max_turns, warm["mem_drop"], rng
+                row,
+                retriever,
+                protocol.retrieval_topk,
+                protocol.max_turns,
+                warm["mem_drop"],
+                rng,
+                warm.get("repair", False),
             )
             base, history = protocol.initial_messages(row["question"]), []
             for n, (text, information) in enumerate(turns, 1):

@@ -107,9 +107,13 @@ pipeline-steps)  # pipeline-steps pipeline|pipeline-dry-run DIR: the steps, in D
     fi
     cd "${3:?DIR}"
     world=learner/world
-    step() {  # step NAME ARGS...: `mempo-trl ARGS` into NAME, once
+    step() {  # step NAME ARGS...: `mempo-trl ARGS` into NAME, once; only a NAME this script started is started again
         [ -f "$1.done" ] && return 0
-        rm -rf "$1" && "${PYTHON:-python}" -m mempo_trl "${@:2}" && touch "$1.done"
+        if [ -e "$1" ] && [ ! -f "$1.started" ]; then
+            echo "error: $PWD/$1 exists and was not written by this script: give an empty or new DIR" >&2
+            return 2
+        fi
+        rm -rf "$1" && touch "$1.started" && "${PYTHON:-python}" -m mempo_trl "${@:2}" && touch "$1.done"
     }
     step learner kit learner --output_dir learner
     step composed compose --dataset_name "$world/warm.jsonl" --objectives "${objectives[@]}" --max_rows "$rows" \

@@ -44,3 +44,19 @@ def test_compose_distill_sft_train_and_sweep_with_smollm2_as_the_student(tmp_pat
         (k, mode) for k in (1, 2) for mode in ("memory", "full_history")
     }
     assert (tmp_path / "sweep" / "objectives.png").is_file()
+
+
+def test_the_pipeline_script_never_deletes_a_folder_it_did_not_write(tmp_path):
+    """A DIR holding a folder named like one of the steps that the script did not start is refused in one line, and
+    the folder is left as it was (a step the script started and a limit cut is started again from scratch)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_long_horizon.sh"
+    mine = tmp_path / "learner" / "mine.txt"
+    mine.parent.mkdir()
+    mine.write_text("keep me")
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(script), "pipeline-dry-run", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert "pipeline: exit 2" in done.stdout, done.stdout + done.stderr
+    assert f"error: {tmp_path}/learner exists and was not written by this script" in done.stderr
+    assert mine.read_text() == "keep me"

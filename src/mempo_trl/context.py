@@ -191,10 +191,8 @@ def gold_answer_tokens(tokenizer, golden_answers: Sequence[str], sub_answers=Non
     Example:
         >>> ids, mask = gold_answer_tokens(tokenizer, ["Paris"])  # doctest: +SKIP
     """
-    text, (start, end) = render_gold_answer(golden_answers, sub_answers)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(s < end and e > start) for s, e in encoded["offset_mapping"]]
-    return list(encoded["input_ids"]), mask
+    ids, mask, _ = gold_answer_encoding(tokenizer, golden_answers, sub_answers)
+    return ids, mask
 
 
 def gold_answer_parts(tokenizer, golden_answers: Sequence[str], sub_answers=None) -> list[int]:
@@ -206,15 +204,23 @@ def gold_answer_parts(tokenizer, golden_answers: Sequence[str], sub_answers=None
         >>> gold_answer_parts(tokenizer, [], [["Ulm"], ["Max"]])  # doctest: +SKIP
         [0, 0, 1, 0, 2, 0]
     """
+    return gold_answer_encoding(tokenizer, golden_answers, sub_answers)[2]
+
+
+def gold_answer_encoding(
+    tokenizer, golden_answers: Sequence[str], sub_answers=None
+) -> tuple[list[int], list[int], list[int]]:
+    """`gold_answer_tokens`' ids and mask and `gold_answer_parts`' parts, from one tokenization."""
     text, (start, end) = render_gold_answer(golden_answers, sub_answers)
     spans, at = [], start
     for alias in [str(aliases[0]).strip() for aliases in sub_answers] if sub_answers else [text[start:end]]:
         spans.append((at, at + len(alias)))
         at += len(alias) + len("; ")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return [
-        next((k + 1 for k, (a, b) in enumerate(spans) if s < b and e > a), 0) for s, e in encoded["offset_mapping"]
-    ]
+    offsets = encoded["offset_mapping"]
+    mask = [int(s < end and e > start) for s, e in offsets]
+    parts = [next((k + 1 for k, (a, b) in enumerate(spans) if s < b and e > a), 0) for s, e in offsets]
+    return list(encoded["input_ids"]), mask, parts
 
 
 def memory_context_ids(tokenizer, base_ids: list[int], mem_block: str) -> list[int]:

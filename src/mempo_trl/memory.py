@@ -179,9 +179,10 @@ def memory_scores(
     p_full = answer_probability(*full, threshold).cpu()
     p_mem = answer_probability(*mem, threshold).cpu()
     mode, eps = settings.memory_reward_type, settings.memory_reward_eps
-    rewards = memory_reward(p_mem, p_full, mode, eps)
     if settings.memory_reward_parts == "weakest" and parts is not None:
         rewards = weakest_part_reward(full, mem, parts, mode, eps, threshold).cpu()
+    else:
+        rewards = memory_reward(p_mem, p_full, mode, eps)
     lengths = [float(length) for length in mem_lengths]
     rewards = rewards - memory_length_penalty(rewards, lengths, settings.memory_length_penalty, max_mem_tokens)
     index = torch.tensor(list(scored))

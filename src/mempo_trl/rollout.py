@@ -22,8 +22,7 @@ from tokenizers import Tokenizer
 from mempo_trl.context import (
     MemoryScoringPair,
     ScoringItem,
-    gold_answer_parts,
-    gold_answer_tokens,
+    gold_answer_encoding,
     memory_context_ids,
     render_prompt,
     round_messages,
@@ -207,9 +206,8 @@ def memory_scoring_items(
     golds = episode.golden_answers
     if golds is None:
         return []
-    sub_answers = episode.row.get("sub_answers") or None
-    answer_ids, answer_mask = gold_answer_tokens(tokenizer, golds, sub_answers)
-    answer_parts = tuple(gold_answer_parts(tokenizer, golds, sub_answers))
+    answer_ids, answer_mask, parts = gold_answer_encoding(tokenizer, golds, episode.row.get("sub_answers") or None)
+    answer_parts = tuple(parts)
     base_ids = episode.rounds[0].prompt_ids if episode.rounds else []  # round 1's context: system + user(question)
     history = episode.history()
     pairs = []
