@@ -37,6 +37,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import platform
 import random
 import shlex
@@ -774,6 +775,12 @@ def main(argv: list[str] | None = None) -> int:
     published = not args.quick and args.out == "runs/credit_study"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    target = RESULTS if published else out
+    if not os.access(target if target.exists() else target.parent, os.W_OK):  # written after hours: check first
+        print(
+            f"error: cannot write the summary into {target}: make it writable or pass another --out", file=sys.stderr
+        )
+        return 2
     command = shlex.join(["python", "lab/credit_study.py", *(argv if argv is not None else sys.argv[1:])])
 
     import torch
@@ -880,7 +887,6 @@ def main(argv: list[str] | None = None) -> int:
             "threads": torch.get_num_threads(),
         },
     }
-    target = RESULTS if published else out
     target.mkdir(parents=True, exist_ok=True)
     name = "credit_study" if checked["passed"] else "credit_study_ungated"
     (target / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -132,3 +132,13 @@ def test_quick_run_end_to_end(tmp_path, monkeypatch, capsys):
 def test_pairwise_auc_counts_a_tie_as_half():
     # memory 0 keeps 2 facts, memory 1 one, memory 2 none: pairs (0, 1) tied, (0, 2) and (1, 2) right
     assert credit_study.pairwise_auc([0.3, 0.3, -1.0], [2, 1, 0]) == (2.5, 3)
+
+
+def test_an_unwritable_summary_folder_is_one_error_line_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(credit_study.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(credit_study, "write_world", lambda *a: pytest.fail("work started"))
+    assert credit_study.main(["--quick", "--out", str(tmp_path / "credit")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert (
+        line == f"error: cannot write the summary into {tmp_path / 'credit'}: make it writable or pass another --out"
+    )
