@@ -1122,6 +1122,27 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+PUBLISHED_SEEDS = (0, 1, 2, 3, 4)
+
+
+def publishable(records: list[dict], arms: list[str], seeds: list[int]) -> bool:
+    """Whether a command of the published configuration may write the published summary: it asked for every arm
+    and every published seed, and each of those runs is in ``records``. Any other command (some seeds or arms, or
+    one stopped before its runs were all in) leaves the published summary as its own command wrote it.
+
+    >>> everything = [{"arm": a, "seed": s} for a in ARMS for s in PUBLISHED_SEEDS]
+    >>> publishable(everything, list(ARMS), list(PUBLISHED_SEEDS))
+    True
+    >>> publishable(everything[1:], list(ARMS), list(PUBLISHED_SEEDS))
+    False
+    >>> publishable(everything, ["mempo"], list(PUBLISHED_SEEDS)), publishable(everything, list(ARMS), [3, 4])
+    (False, False)
+    """
+    if set(arms) != set(ARMS) or set(seeds) != set(PUBLISHED_SEEDS):
+        return False
+    return {(a, s) for a in ARMS for s in PUBLISHED_SEEDS} <= {(r["arm"], r["seed"]) for r in records}
+
+
 def summarize(records: list[dict], command: str) -> dict:
     """Per K and arm: seeds, warm and final EM/F1 (mean/std over seeds), tokens, peak context, memory recall,
     failure kinds (and, with a context budget, the share of episodes it ended); ``targets`` checks the issue's
@@ -1311,7 +1332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/long_horizon", help="world, warm model and runs (resumable)")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(PUBLISHED_SEEDS))
     parser.add_argument("--split", default="test", choices=["test", "validation"])
     parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side (processes)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -1524,7 +1545,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {tuned_path}", flush=True)
         return 0
     records = [r for r in records if r["settings"] == run_settings(settings, r["arm"], tuned.get(r["arm"]))]
-    if records:
+    if published and not publishable(records, args.arms, args.seeds):
+        print(
+            f"{len(records)} of {len(ARMS) * len(PUBLISHED_SEEDS)} runs kept; {results} is written by "
+            "`python lab/long_horizon.py` (every arm and seed), once all its runs are in",
+            flush=True,
+        )
+    elif records:
         summary = {**summarize(records, command), "scripted_oracle_tokens": oracle}
         results.write_text(json.dumps(summary, indent=2))
         plot(summary, results.with_suffix(".png"))
