@@ -65,6 +65,7 @@ STUDY = {
         "learning_rate": 2e-3,
         "lora_r": 16,
         "lora_alpha": 32,
+        "counted": True,
     },
     "gate": {"questions": 3, "min_format_valid": 0.5, "min_searched_k": 0.5},
     "protocol": {
@@ -82,8 +83,10 @@ STUDY = {
 }
 """The published configuration: the world (`generate_horizon_world` arguments), the LoRA warm start
 (`mempo-trl sft` arguments), the gate, the turn protocol, validation questions per K, sampled memories per question
-(G), their temperature, the quantile of the quantile filter, bootstrap resamples and the seed. ``warm["repair"]``
-(absent: off) makes the warm start's oracle search each dropped fact again (`oracle_episode_turns`)."""
+(G), their temperature, the quantile of the quantile filter, bootstrap resamples and the seed. ``warm["counted"]``
+starts every oracle thought with the hops searched so far (``Searched 1 of 2. I must search.``), in the warm start's
+data and in the rounds the study scores; ``warm["repair"]`` (absent: off) makes the oracle search each dropped fact
+again instead (`oracle_episode_turns`)."""
 
 QUICK = {
     "world": {"num_entities": 60, "rows_per_horizon": {"warm": 4, "rl": 0, "validation": 2, "test": 0}},
@@ -366,6 +369,7 @@ def warm_rows_file(out: Path, paths: dict, study: dict, retriever) -> Path:
                 warm["mem_drop"],
                 rng,
                 warm.get("repair", False),
+                warm.get("counted", False),
             )
             base, history = protocol.initial_messages(row["question"]), []
             for n, (text, information) in enumerate(turns, 1):
@@ -386,14 +390,29 @@ def warm_rows_file(out: Path, paths: dict, study: dict, retriever) -> Path:
     return data_dir
 
 
+def warm_digest(study: dict) -> str:
+    """The first 12 hex digits of the sha256 of what makes a warm start (its settings, the turn protocol, the world):
+    the warm start's folder, its gate and its scored groups are kept under it, so a changed warm start is trained,
+    gated and scored anew, never read from another's files.
+
+    >>> warm_digest(STUDY) == warm_digest(merged(STUDY, {})) != warm_digest(merged(STUDY, {"warm": {"seed": 1}}))
+    True
+    """
+    import hashlib
+
+    key = {"warm": study["warm"], "protocol": study["protocol"], "world": study["world"]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def warm_start(out: Path, base: Path, data_dir: Path, study: dict, log, device: str = "cpu") -> tuple[Path, dict]:
-    """The LoRA warm start by `mempo-trl sft` into ``out/warm`` on ``device`` (``cuda``: bf16; resumed from its newest
-    checkpoint; skipped when ``warm_done.json`` holds the same settings). Returns the adapter's folder and its
-    stats."""
+    """The LoRA warm start by `mempo-trl sft` into ``out/warm_<digest>`` (`warm_digest`) on ``device`` (``cuda``:
+    bf16; resumed from its newest checkpoint; skipped when ``warm_done.json`` there says it finished). Returns the
+    adapter's folder and its stats."""
     from mempo_trl.checkpoints import newest_complete_checkpoint
 
     warm = study["warm"]
-    warm_dir, done = out / "warm", out / "warm" / "warm_done.json"
+    warm_dir = out / f"warm_{warm_digest(study)}"
+    done = warm_dir / "warm_done.json"
     key = {"warm": warm, "protocol": study["protocol"], "world": study["world"]}
     if done.is_file() and json.loads(done.read_text())["key"] == key:
         return warm_dir, json.loads(done.read_text())["stats"]
@@ -546,7 +565,10 @@ def answer_round(row: dict, retriever, study: dict, mem_drop: float, rng: random
     from mempo_trl.kit.warmstart import oracle_episode_turns
 
     protocol = protocol_of(study)
-    turns = oracle_episode_turns(row, retriever, protocol.retrieval_topk, protocol.max_turns, mem_drop, rng)
+    warm = study["warm"]
+    turns = oracle_episode_turns(
+        row, retriever, protocol.retrieval_topk, protocol.max_turns, mem_drop, rng, counted=warm.get("counted", False)
+    )
     base = protocol.initial_messages(row["question"])
     history = [(text, information) for text, information in turns if information is not None]
     return base, history, protocol.round_messages(base, history)
@@ -826,10 +848,10 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     model, tokenizer = load_warm(base, warm_dir, args.device)
-    gate_path = out / "gate.json"
+    gate_path, digest = out / "gate.json", warm_digest(study)
     checked = json.loads(gate_path.read_text()) if gate_path.is_file() else {}
-    if checked.get("warm_start") != warm_stats["command"]:  # played again for a new warm start
-        checked = {"warm_start": warm_stats["command"], **gate(model, tokenizer, retriever, rows, study)}
+    if checked.get("warm_digest") != digest:  # played again for a new warm start
+        checked = {"warm_digest": digest, **gate(model, tokenizer, retriever, rows, study)}
         gate_path.write_text(json.dumps(checked, indent=1))
         timed("gate", start)
     thresholds = study["gate"]
@@ -843,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"error: the warm start fails the gate ({gate_path}): every K needs format-valid >= "
             f"{thresholds['min_format_valid']} and searched K times >= {thresholds['min_searched_k']}; train it "
-            "longer (STUDY['warm']['max_steps']) and delete the run directory's warm/ and gate.json",
+            "longer (STUDY['warm']['max_steps']): a warm start of other settings is trained and gated anew",
             file=sys.stderr,
         )
         return 2
@@ -859,7 +881,7 @@ def main(argv: list[str] | None = None) -> int:
             for row, s in zip(chunk, sampled)
         ]
 
-    groups = scored_phase(out / "groups.jsonl", order, score, log, "scored", deadline)
+    groups = scored_phase(out / f"groups_{digest}.jsonl", order, score, log, "scored", deadline)
     scripted = {i: g["scripted"] for i, g in groups.items()}
     sampled = {i: g["sampled"] for i, g in groups.items()}
     timed("scored", start)

@@ -66,6 +66,23 @@ def test_repair_searches_each_dropped_fact_again_and_answers_what_the_memory_hol
     assert len(short) == len(queries) + 1 and parse_turn(short[-1][0]).mem == " ".join(facts)  # no room: no drop
 
 
+def test_counted_thoughts_say_how_many_hops_were_searched_and_nothing_else_changes(all_rows, retriever):
+    """With ``counted``, the n-th turn's thought starts ``Searched n-1 of K.`` (the answer turn's ``Searched K of
+    K.``); memories, actions, results and drops are those of the plain turns; with ``repair`` it is refused."""
+    for row in {len(r["hop_queries"]): r for r in all_rows}.values():
+        hops = len(row["hop_queries"])
+        plain = oracle_episode_turns(row, retriever, mem_drop=0.5, rng=random.Random(3))
+        counted = oracle_episode_turns(row, retriever, mem_drop=0.5, rng=random.Random(3), counted=True)
+        assert len(counted) == len(plain) == hops + 1
+        for n, ((text, information), (plain_text, plain_information)) in enumerate(zip(counted, plain)):
+            turn, plain_turn = parse_turn(text), parse_turn(plain_text)
+            assert turn.valid and information == plain_information
+            assert (turn.mem, turn.action, turn.content) == (plain_turn.mem, plain_turn.action, plain_turn.content)
+            assert turn.think == f"Searched {n} of {hops}. {plain_turn.think}"
+    with pytest.raises(ValueError, match="pick one"):
+        oracle_episode_turns(all_rows[0], retriever, counted=True, repair=True)
+
+
 def test_oracle_turns_are_valid_and_search_the_gold_passages(all_rows, retriever, demo_paths):
     from mempo_trl.retrieval import load_corpus
 

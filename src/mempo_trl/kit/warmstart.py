@@ -132,6 +132,7 @@ def oracle_episode_turns(
     mem_drop: float = 0.0,
     rng: random.Random | None = None,
     repair: bool = False,
+    counted: bool = False,
 ) -> list[tuple[str, str | None]]:
     """The turns of a scripted agent that solves a demo-world row: ``(turn text, information or None)``.
 
@@ -148,6 +149,12 @@ def oracle_episode_turns(
     leaves room for; a drop beyond that is not made) and answers with every fact in memory: a model warm-started on
     these turns sees a forgotten fact cost a search instead of learning to answer what it cannot see.
 
+    With ``counted``, each thought starts with how many of the row's hops are searched so far (`counted_thought`:
+    ``Searched 1 of 2. I must search.``, ..., ``Searched 2 of 2. I know the answer.``): the count of the turn before
+    is in view in the next context, so a model warm-started on these turns reads when to answer off a number it
+    copies and raises by one, not off the facts its memory may have dropped. Not combined with ``repair``, whose
+    extra searches repeat hops (``ValueError``).
+
     Example:
         >>> turns = oracle_episode_turns(row, retriever)  # doctest: +SKIP
         >>> turns[0][0]  # doctest: +SKIP
@@ -160,6 +167,8 @@ def oracle_episode_turns(
         raise ValueError(f"mem_drop must be in [0, 1], got {mem_drop}")
     results = retriever.search(queries, topk)
     facts = hop_facts(row, results)
+    if counted and repair:
+        raise ValueError("counted thoughts count the hops, and repair searches hops again: pick one")
     rng = rng or random.Random(0)
     kept = [fact if mem_drop == 0.0 or rng.random() >= mem_drop else "" for fact in facts]
     if repair:  # at most as many drops as there are turns left for their searches
@@ -170,7 +179,8 @@ def oracle_episode_turns(
     turns: list[tuple[str, str | None]] = []
     for i, (query, passages) in enumerate(zip(queries, results)):
         mem = " ".join(fact for fact in kept[:i] if fact) or NOTHING_YET
-        text = f"<mem> {mem} </mem>\n<think> {SEARCH_THOUGHT} </think>\n<search> {query} </search>"
+        thought = counted_thought(i, len(queries), SEARCH_THOUGHT) if counted else SEARCH_THOUGHT
+        text = f"<mem> {mem} </mem>\n<think> {thought} </think>\n<search> {query} </search>"
         turns.append((text, render_information(passages)))
     for i in [i for i, fact in enumerate(kept) if not fact] if repair else []:
         mem = " ".join(fact for fact in kept if fact) or NOTHING_YET
@@ -179,8 +189,18 @@ def oracle_episode_turns(
         kept[i] = facts[i]
     answer, _ = render_gold_answer(row["golden_answers"], row.get("sub_answers"))
     mem = " ".join(fact for fact in kept if fact) or NOTHING_YET
-    turns.append((f"<mem> {mem} </mem>\n<think> {ANSWER_THOUGHT} </think>\n{answer}", None))
+    thought = counted_thought(len(queries), len(queries), ANSWER_THOUGHT) if counted else ANSWER_THOUGHT
+    turns.append((f"<mem> {mem} </mem>\n<think> {thought} </think>\n{answer}", None))
     return turns
+
+
+def counted_thought(searched: int, hops: int, thought: str) -> str:
+    """The thought of a counted oracle turn (`oracle_episode_turns`): the hops searched so far, then ``thought``.
+
+    >>> counted_thought(1, 2, SEARCH_THOUGHT), counted_thought(2, 2, ANSWER_THOUGHT)
+    ('Searched 1 of 2. I must search.', 'Searched 2 of 2. I know the answer.')
+    """
+    return f"Searched {searched} of {hops}. {thought}"
 
 
 def sft_examples(
