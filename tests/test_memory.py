@@ -12,6 +12,7 @@ import mempo_trl.memory as memory
 from mempo_trl.memory import (
     MemoryScores,
     answer_probability,
+    losses_reward,
     memory_reward,
     memory_scores,
     normalize_memory_rewards,
@@ -278,6 +279,27 @@ def test_weakest_part_reward_scores_a_memory_by_the_part_it_lost():
     assert weakest_part_reward(full, mem, parts)[0].item() == pytest.approx(-0.8, abs=1e-6)
     ratio = weakest_part_reward(full, mem, parts, mode="log_ratio", threshold=None)[0].item()
     assert ratio == pytest.approx(math.log(0.2 + 1e-6) - math.log(0.8 + 1e-6), abs=1e-5)
+
+
+def test_losses_reward_never_rewards_a_lost_part_and_grades_how_many_were_lost():
+    """Four-part golds, one token a part, P_full 0.8 on each. Row 0 gains on three parts (0.9) and lost one (0.2):
+    (0 + 0 + 0 - 0.6) / 4. Row 1 lost two: (-0.6 - 0.6) / 4, lower (the weakest part ties them at -0.6). Row 2 lost
+    none: the joint reward, 0.9 - 0.8. Row 3 gains on three parts (1.0) and lost one a little (0.7): the joint
+    reward, 0.7^(1/4) - 0.8 = +0.115, pays for the loss; losses gives -0.1 / 4."""
+    probabilities = torch.tensor(
+        [[0.9, 0.9, 0.9, 0.2], [0.9, 0.9, 0.2, 0.2], [0.9, 0.9, 0.9, 0.9], [1.0, 1.0, 1.0, 0.7]]
+    )
+    full = (torch.log(torch.full((4, 4), 0.8)), torch.ones(4, 4))
+    mem = (torch.log(probabilities), torch.ones(4, 4))
+    parts = torch.tensor([[1, 2, 3, 4]] * 4)
+    got = losses_reward(full, mem, parts, threshold=None)
+    assert got.tolist() == pytest.approx([-0.6 / 4, -1.2 / 4, 0.9 - 0.8, -0.1 / 4], abs=1e-6)
+    joint = memory_reward(answer_probability(*mem, None), answer_probability(*full, None))
+    assert joint[3].item() == pytest.approx(0.7**0.25 - 0.8, abs=1e-6) and joint[3] > 0  # the mean pays for it
+    assert weakest_part_reward(full, mem, parts, threshold=None)[:2].tolist() == pytest.approx([-0.6, -0.6])  # a tie
+    settings = MemoryRewardSettings(memory_reward_parts="losses", memory_threshold=None)
+    scores = memory_scores(4, [0, 1, 2, 3], full, mem, [1] * 4, settings, None, 100, parts)
+    assert scores.reward.tolist() == pytest.approx(got.tolist(), abs=1e-6)
 
 
 def test_memory_scores_take_the_weakest_part_only_when_asked():

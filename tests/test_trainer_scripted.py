@@ -366,9 +366,9 @@ def test_a_steps_data_visits_each_module_once_downwards(scripted_trainer, dynami
 
 
 def test_the_trainer_scores_the_weakest_part_of_a_multi_part_gold(scripted_trainer, monkeypatch):
-    """``memory_reward_parts="weakest"`` through the trainer's memory scoring: the scorer's answer-token log-probs
-    (full history 0.9 / 0.8, memory 0.9 / 0.2 on parts 1 / 2) give the reward of part 2, 0.2 - 0.8; "joint" gives
-    the geometric means' difference."""
+    """``memory_reward_parts="weakest"`` and ``"losses"`` through the trainer's memory scoring: the scorer's
+    answer-token log-probs (full history 0.9 / 0.8, memory 0.9 / 0.2 on parts 1 / 2) give the reward of part 2,
+    0.2 - 0.8, and the mean of the parts' losses, (0 - 0.6) / 2; "joint" gives the geometric means' difference."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -390,6 +390,8 @@ def test_the_trainer_scores_the_weakest_part_of_a_multi_part_gold(scripted_train
     settings = replace(trainer.memory_settings, memory_threshold=None, memory_length_penalty=0.0)
     monkeypatch.setattr(trainer, "memory_settings", replace(settings, memory_reward_parts="weakest"))
     assert trainer._memory_rewards(rows).reward.tolist() == pytest.approx([0.2 - 0.8], abs=1e-6)
+    monkeypatch.setattr(trainer, "memory_settings", replace(settings, memory_reward_parts="losses"))
+    assert trainer._memory_rewards(rows).reward.tolist() == pytest.approx([(0 - 0.6) / 2], abs=1e-6)
     monkeypatch.setattr(trainer, "memory_settings", settings)
     joint = (0.9 * 0.9 * 0.2) ** (1 / 3) - (0.9 * 0.9 * 0.8) ** (1 / 3)
     assert trainer._memory_rewards(rows).reward.tolist() == pytest.approx([joint], abs=1e-6)

@@ -94,7 +94,9 @@ class MemPOConfig(GRPOConfig):
         memory_reward_parts (`str`, *optional*, defaults to `"joint"`):
             `"joint"`: P_mem and P_full over all gold tokens (paper). `"weakest"`: for a gold of several parts
             (`sub_answers`), the memory reward of each part on its own tokens, and the lowest of them: a memory that
-            lost one needed fact is scored by that fact.
+            lost one needed fact is scored by that fact. `"losses"`: where any part's reward is below 0, the mean of
+            `min(part reward, 0)` over the parts (a lost part is never paid for, two lost parts cost more than
+            one), else the joint reward.
         memory_length_penalty (`float`, *optional*, defaults to `0.0`):
             Variant: subtract `lambda * len(<mem> tokens) / max_completion_length` from the memory reward.
         memory_pooling (`str`, *optional*, defaults to `"question"`):

@@ -125,6 +125,36 @@ class MemoryScores(NamedTuple):
         return cls(*(torch.full((num_rows,), math.nan) for _ in cls._fields))
 
 
+def part_rewards(
+    full: tuple[torch.Tensor, torch.Tensor],
+    mem: tuple[torch.Tensor, torch.Tensor],
+    parts: torch.Tensor,
+    mode: str = "diff",
+    eps: float = 1e-6,
+    threshold: float | None = math.log(0.5),
+) -> torch.Tensor:
+    """The memory reward of each answer part on its own tokens, ``(N, K) x 2, (N, K) -> (N, P)``.
+
+    ``full`` and ``mem`` are the answer-token log-probs and masks under the full history and the memory; ``parts``
+    the part of each answer token (1, 2, ..., P; 0: in none, `mempo_trl.context.gold_answer_parts`). Column ``p - 1``
+    is part ``p``'s `memory_reward` from the `answer_probability` of its tokens; NaN where a row has no token of it.
+
+    >>> full = (torch.log(torch.tensor([[0.9, 0.9, 0.5]])), torch.tensor([[1, 1, 1]]))
+    >>> mem = (torch.log(torch.tensor([[0.95, 0.95, 0.1]])), torch.tensor([[1, 1, 1]]))
+    >>> part_rewards(full, mem, torch.tensor([[1, 1, 2]]), threshold=None)  # 0.95 - 0.9, 0.1 - 0.5
+    tensor([[ 0.0500, -0.4000]])
+    """
+    parts = parts.to(full[0].device)
+    columns = []
+    for part in range(1, int(parts.max()) + 1 if parts.numel() else 1):
+        where = parts == part
+        p_full = answer_probability(full[0], full[1].bool() & where, threshold)
+        p_mem = answer_probability(mem[0], mem[1].bool() & where, threshold)
+        reward = memory_reward(p_mem, p_full, mode, eps)
+        columns.append(torch.where(where.any(dim=-1), reward, torch.full_like(reward, math.nan)))
+    return torch.stack(columns, dim=-1) if columns else torch.empty(parts.shape[0], 0, device=parts.device)
+
+
 def weakest_part_reward(
     full: tuple[torch.Tensor, torch.Tensor],
     mem: tuple[torch.Tensor, torch.Tensor],
@@ -133,28 +163,51 @@ def weakest_part_reward(
     eps: float = 1e-6,
     threshold: float | None = math.log(0.5),
 ) -> torch.Tensor:
-    """The memory reward of each row's weakest answer part, ``(N, K) x 2, (N, K) -> (N,)``.
-
-    ``full`` and ``mem`` are the answer-token log-probs and masks under the full history and the memory; ``parts``
-    the part of each answer token (1, 2, ...; 0: in none, `mempo_trl.context.gold_answer_parts`). Each part's
-    `answer_probability` over its own tokens gives its `memory_reward`; a row's reward is the lowest over the parts
-    it has. A row with one part, or with no token in a part, gets the joint reward.
+    """The memory reward of each row's weakest answer part, ``(N, K) x 2, (N, K) -> (N,)``: the lowest of its
+    `part_rewards`. A row with one part, or with no token in a part, gets the joint reward.
 
     >>> full = (torch.log(torch.tensor([[0.9, 0.9, 0.5]])), torch.tensor([[1, 1, 1]]))
     >>> mem = (torch.log(torch.tensor([[0.95, 0.95, 0.1]])), torch.tensor([[1, 1, 1]]))
     >>> weakest_part_reward(full, mem, torch.tensor([[1, 1, 2]]), threshold=None)  # part 2: 0.1 - 0.5
     tensor([-0.4000])
     """
-    parts = parts.to(full[0].device)
     joint = memory_reward(answer_probability(*mem, threshold), answer_probability(*full, threshold), mode, eps)
-    weakest = torch.full_like(joint, math.inf)
-    for part in range(1, int(parts.max()) + 1 if parts.numel() else 1):
-        where = parts == part
-        p_full = answer_probability(full[0], full[1].bool() & where, threshold)
-        p_mem = answer_probability(mem[0], mem[1].bool() & where, threshold)
-        reward = memory_reward(p_mem, p_full, mode, eps)
-        weakest = torch.where(where.any(dim=-1), torch.minimum(weakest, reward), weakest)
+    per_part = part_rewards(full, mem, parts, mode, eps, threshold)
+    weakest = (
+        per_part.nan_to_num(math.inf).min(dim=-1).values if per_part.shape[-1] else torch.full_like(joint, math.inf)
+    )
     return torch.where(torch.isinf(weakest), joint, weakest)
+
+
+def losses_reward(
+    full: tuple[torch.Tensor, torch.Tensor],
+    mem: tuple[torch.Tensor, torch.Tensor],
+    parts: torch.Tensor,
+    mode: str = "diff",
+    eps: float = 1e-6,
+    threshold: float | None = math.log(0.5),
+) -> torch.Tensor:
+    """The memory reward that never pays for a lost part, ``(N, K) x 2, (N, K) -> (N,)``: where any of a row's
+    `part_rewards` is below 0, the mean of ``min(part reward, 0)`` over its parts (a memory that lost two parts
+    scores lower than one that lost one, and a gain on one part hides no loss on another); else the joint reward.
+
+    >>> full = (torch.log(torch.tensor([[0.9, 0.9, 0.5], [0.5, 0.5, 0.5]])), torch.ones(2, 3))
+    >>> mem = (torch.log(torch.tensor([[0.95, 0.95, 0.1], [0.6, 0.7, 0.8]])), torch.ones(2, 3))
+    >>> losses_reward(full, mem, torch.tensor([[1, 1, 2], [1, 1, 2]]), threshold=None)  # (0 - 0.4) / 2; 0.6952 - 0.5
+    tensor([-0.2000,  0.1952])
+    """
+    joint = memory_reward(answer_probability(*mem, threshold), answer_probability(*full, threshold), mode, eps)
+    per_part = part_rewards(full, mem, parts, mode, eps, threshold)
+    present = ~per_part.isnan()
+    losses = per_part.nan_to_num(0.0).clamp(max=0.0)
+    lost = (losses < 0).any(dim=-1)
+    mean_loss = losses.sum(dim=-1) / present.sum(dim=-1).clamp(min=1)
+    return torch.where(lost, mean_loss.to(joint.dtype), joint)
+
+
+PART_REWARDS = {"weakest": weakest_part_reward, "losses": losses_reward}
+"""The memory rewards of ``memory_reward_parts`` other than ``joint``, each ``(full, mem, parts, mode, eps,
+threshold) -> (N,)``."""
 
 
 def memory_scores(
@@ -172,15 +225,16 @@ def memory_scores(
     ``(len(scored), K)``, under the full history (``full``) and the memory (``mem``); ``settings`` is a
     `MemoryRewardSettings` (the variant, its eps, the answer parts, the length penalty), ``threshold`` the one
     `answer_probability` applies, ``parts`` ``(len(scored), K)`` the part of each answer token (for
-    ``memory_reward_parts="weakest"``: `weakest_part_reward`). P_full and P_mem are always over all gold tokens."""
+    ``memory_reward_parts`` other than ``joint``: `PART_REWARDS`). P_full and P_mem are always over all gold
+    tokens."""
     scores = MemoryScores.unscored(num_rows)
     if not scored:
         return scores
     p_full = answer_probability(*full, threshold).cpu()
     p_mem = answer_probability(*mem, threshold).cpu()
     mode, eps = settings.memory_reward_type, settings.memory_reward_eps
-    if settings.memory_reward_parts == "weakest" and parts is not None:
-        rewards = weakest_part_reward(full, mem, parts, mode, eps, threshold).cpu()
+    if settings.memory_reward_parts in PART_REWARDS and parts is not None:
+        rewards = PART_REWARDS[settings.memory_reward_parts](full, mem, parts, mode, eps, threshold).cpu()
     else:
         rewards = memory_reward(p_mem, p_full, mode, eps)
     lengths = [float(length) for length in mem_lengths]

@@ -91,7 +91,7 @@ class MemoryScoring:
             )
         lengths = [rows[i].mem_span[1] - rows[i].mem_span[0] + 1 for i in scored]
         parts, width = None, full_logps.shape[-1]
-        if settings.memory_reward_parts == "weakest" and pairs:  # the part of each answer token, padded like them
+        if settings.memory_reward_parts != "joint" and pairs:  # the part of each answer token, padded like them
             parts = torch.tensor([list(p.answer_parts) + [0] * (width - len(p.answer_parts)) for p in pairs])
         full, mem, budget = (full_logps, full_mask), (mem_logps, mem_mask), self.protocol.max_completion_length
         return memory_scores(len(rows), scored, full, mem, lengths, settings, threshold, budget, parts)

@@ -131,9 +131,10 @@ class MemoryRewardSettings(SettingsHome):
     memory_reward_eps: float = setting(1e-6, "eps of the log-ratio memory reward (> 0).")
     memory_reward_parts: str = setting(
         "joint",
-        "`joint`: one P over all gold tokens (paper). `weakest`: with multi-part golds (`sub_answers`), the reward of "
-        "the part it is lowest for.",
-        choices=("joint", "weakest"),
+        "`joint`: one P over all gold tokens (paper). With multi-part golds (`sub_answers`), `weakest`: the reward "
+        "of the part it is lowest for; `losses`: where a part's reward is below 0, the mean of min(part reward, 0) "
+        "over the parts.",
+        choices=("joint", "weakest", "losses"),
     )
     memory_length_penalty: float = setting(0.0, "lambda of the `<mem>` length penalty (0 = off).", minimum=0.0)
     memory_pooling: str = setting(
