@@ -118,14 +118,21 @@ VARIANTS = {
         "memory_reward_parts": "weakest",
         "memory_center_rewards": False,
     },
+    "diff_losses_uncentred": {
+        "memory_reward_type": "diff",
+        "memory_threshold": None,
+        "memory_reward_parts": "losses",
+        "memory_center_rewards": False,
+    },
 }
 """The reward variants, as `MemoryRewardSettings` fields: the library's default (``diff_filter``: the paper's
 ``P_mem - P_full`` with its filter, p > 0.5), without the filter, with the quantile filter (the q-quantile of the
 group's answer-token log-probs, full and memory, q = ``STUDY["quantile"]``), and ``log_ratio`` with and without the
 filter. ``log_ratio`` without the filter is the difference of the mean per-token log-probability of the gold. The
 ``_weakest`` ones score each part of the gold on its own tokens and take the lowest reward
-(``memory_reward_parts="weakest"``); the ``_uncentred`` ones take no pool mean off (``memory_center_rewards=False``),
-so an advantage keeps its reward's sign."""
+(``memory_reward_parts="weakest"``); ``_losses`` takes, where any part's reward is below 0, the mean of
+``min(part reward, 0)`` over the parts (``memory_reward_parts="losses"``); the ``_uncentred`` ones take no pool mean
+off (``memory_center_rewards=False``), so an advantage keeps its reward's sign."""
 
 DEFAULT_VARIANT = "diff_filter"
 SCRIPTED = ("all", "drop_first", "drop_half", "corrupt", "nothing")

@@ -4,6 +4,7 @@ import doctest
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,23 @@ def test_the_weakest_part_variants_by_hand(variant):
         assert rewards == pytest.approx([math.log((0.2 + eps) / (0.8 + eps)), math.log((0.5 + eps) / (0.8 + eps))])
     joint, _ = group_advantages(group, variant_settings("diff", 0.5), parts=[1, 2])
     assert joint[0] == pytest.approx(math.sqrt(0.9 * 0.2) - 0.8, abs=1e-6)
+
+
+def test_the_losses_variant_by_hand():
+    """Two-part golds, P_full 0.8 on both: A lost part 2 (0.9 / 0.2), B lost both (0.2 / 0.2), C kept both (0.9 /
+    0.9). Rewards (0 - 0.6) / 2, (-0.6 - 0.6) / 2 and the joint 0.9 - 0.8; uncentred and divided by the pool's std,
+    the advantages keep those signs and that order (the weakest part would tie A and B at -0.6)."""
+    group = {
+        "mem_logps": [[math.log(a), math.log(b)] for a, b in ((0.9, 0.2), (0.2, 0.2), (0.9, 0.9))],
+        "full_logps": [[math.log(0.8), math.log(0.8)]] * 3,
+        "outcomes": [0.0] * 3,
+    }
+    rewards, advantages = group_advantages(group, variant_settings("diff_losses_uncentred", 0.5), parts=[1, 2])
+    assert rewards == pytest.approx([-0.3, -0.6, 0.1], abs=1e-6)
+    std = statistics.stdev([-0.3, -0.6, 0.1])
+    assert advantages == pytest.approx([r / std for r in rewards], abs=1e-4)
+    weakest, _ = group_advantages(group, variant_settings("diff_weakest_uncentred", 0.5), parts=[1, 2])
+    assert weakest[:2] == pytest.approx([-0.6, -0.6], abs=1e-6)
 
 
 def test_gold_token_parts_align_with_the_cached_gold_logps(smollm2_tokenizer):
