@@ -19,8 +19,9 @@
 # call) and LIMIT_S (default 500: a call may run 600 s); a run cut by the limit resumes from its checkpoint on the next
 # call; PYTHON (default python) runs lab/long_horizon.py. It copies the summary, the figure and every run's run.json
 # (runs.tgz) to $OUT, which the device tool brings back. `credit` runs `lab/credit_study.py --device cuda` (its warm
-# start, gate and scoring resume from runs/credit_study_gpu on the next call) and copies its summary, figure, gate and
-# phase times to $OUT; results that come back go in bench/results/gpu/. `pipeline` runs the paper's pipeline on the
+# start, gate and scoring resume from runs/credit_study_gpu on the next call), then, once it passed its gate, the RL
+# smoke (`lab/rl_smoke.py --device cuda`, resumable) in what is left of LIMIT_S, and copies the study's summary, figure,
+# gate and phase times and the smoke's summary to $OUT; results that come back go in bench/results/gpu/. `pipeline` runs the paper's pipeline on the
 # learner's world with SmolLM2 as the student (compose -> distill with the kit learner as teacher -> LoRA SFT ->
 # merge-lora -> MemPO train -> eval over the number of objectives, README "Your data, the paper's pipeline") in
 # runs/pipeline_gpu, each step once (a step cut by LIMIT_S starts again on the next call), and copies the sweep,
@@ -72,11 +73,18 @@ credit | credit-dry-run)
     else
         out=${2:?credit-dry-run DIR} device=cpu quick=--quick results=${2}/collected
     fi
+    deadline=$((SECONDS + ${LIMIT_S:-500}))
     # shellcheck disable=SC2086
     timeout "${LIMIT_S:-500}" "${PYTHON:-python}" lab/credit_study.py $quick --device "$device" --out "$out" \
         || echo "credit_study: exit $? (a phase cut by LIMIT_S resumes next call)"
+    # the RL smoke, once the study passed its gate, in what is left of LIMIT_S (resumes next call)
+    if [ -f "$out/credit_study.json" ] && [ $((deadline - SECONDS)) -gt 30 ]; then
+        # shellcheck disable=SC2086
+        timeout $((deadline - SECONDS)) "${PYTHON:-python}" lab/rl_smoke.py $quick --device "$device" \
+            --study_out "$out" --out "$out/rl_smoke" || echo "rl_smoke: exit $? (an arm cut by LIMIT_S resumes next call)"
+    fi
     mkdir -p "$results"
-    for file in credit_study.json credit_study.png gate.json phases.json; do
+    for file in credit_study.json credit_study.png gate.json phases.json rl_smoke/rl_smoke.json; do
         [ -f "$out/$file" ] && cp "$out/$file" "$results/"
     done
     ls "$results"

@@ -130,7 +130,14 @@ def test_quick_run_end_to_end(tmp_path, monkeypatch, capsys):
     )
     assert finished.returncode == 0 and "exit" not in finished.stdout, finished.stdout + finished.stderr[-3000:]
     collected = sorted(path.name for path in (out / "collected").iterdir())
-    assert collected == ["credit_study.json", "credit_study.png", "gate.json", "phases.json"]
+    assert collected == ["credit_study.json", "credit_study.png", "gate.json", "phases.json", "rl_smoke.json"]
+    smoke = json.loads((out / "collected" / "rl_smoke.json").read_text())
+    assert sorted(smoke["arms"]) == ["mempo", "outcome_only_dynamic"]
+    for arm in smoke["arms"].values():
+        assert [step["step"] for step in arm["steps"]] == [1] and arm["steps"][0]["seconds"] > 0
+        assert arm["heldout"]["step_before"] == 0 and arm["heldout"]["step_after"] == 1
+        assert {"em_before", "em_after", "memory_recall_before", "memory_recall_after"} <= set(arm["heldout"])
+    assert smoke["arms"]["outcome_only_dynamic"]["steps"][0]["refill_rounds"] is not None
     summary = json.loads((out / "credit_study.json").read_text())
     assert (out / "credit_study.png").is_file()
     assert set(summary["figures"]) == {"2", "4"}
