@@ -397,6 +397,29 @@ def warm_rows_file(out: Path, paths: dict, study: dict, retriever) -> Path:
     return data_dir
 
 
+def mempo_command(subcommand: str, options: dict, *flags: str) -> list[str]:
+    """The command line of ``mempo-trl SUBCOMMAND`` run by this interpreter: each option as ``--key value``, then
+    the bare ``flags``.
+
+    >>> mempo_command("sft", {"max_steps": 3, "output_dir": Path("o")}, "--use_peft")[3:]
+    ['sft', '--max_steps', '3', '--output_dir', 'o', '--use_peft']
+    """
+    pairs = [x for key, value in options.items() for x in (f"--{key}", str(value))]
+    return [sys.executable, "-m", "mempo_trl", subcommand, *pairs, *flags]
+
+
+def run_options(device: str) -> dict:
+    """The options every training command of the lab's SmolLM2 runs takes on ``device``: the CPU in float32, or a GPU
+    in bf16; no activation checkpointing (a 135 M model), no report, no progress bar (the logs are files)."""
+    return {
+        "use_cpu": str(device == "cpu").lower(),
+        "bf16": str(device == "cuda").lower(),
+        "activation_checkpointing": "false",
+        "report_to": "none",
+        "disable_tqdm": "true",
+    }
+
+
 def warm_digest(study: dict) -> str:
     """The first 12 hex digits of the sha256 of what makes a warm start (its settings, the turn protocol, the world):
     the warm start's folder, its gate and its scored groups are kept under it, so a changed warm start is trained,
@@ -423,55 +446,25 @@ def warm_start(out: Path, base: Path, data_dir: Path, study: dict, log, device: 
     key = {"warm": warm, "protocol": study["protocol"], "world": study["world"]}
     if done.is_file() and json.loads(done.read_text())["key"] == key:
         return warm_dir, json.loads(done.read_text())["stats"]
-    command = [
-        sys.executable,
-        "-m",
-        "mempo_trl",
-        "sft",
-        "--model_name_or_path",
-        str(base),
-        "--dataset_name",
-        str(data_dir),
-        "--output_dir",
-        str(warm_dir),
-        "--use_peft",
-        "--lora_r",
-        str(warm["lora_r"]),
-        "--lora_alpha",
-        str(warm["lora_alpha"]),
-        "--lora_target_modules",
-        "all-linear",
-        "--max_steps",
-        str(warm["max_steps"]),
-        "--per_device_train_batch_size",
-        str(warm["batch_size"]),
-        "--learning_rate",
-        str(warm["learning_rate"]),
-        "--lr_scheduler_type",
-        "cosine",
-        "--warmup_steps",
-        "2",
-        "--seed",
-        str(warm["seed"]),
-        "--use_cpu",
-        str(device == "cpu").lower(),
-        "--bf16",
-        str(device == "cuda").lower(),
-        "--activation_checkpointing",
-        "false",
-        "--logging_steps",
-        "2",
-        "--save_steps",
-        "4",
-        "--save_total_limit",
-        "1",
-        "--report_to",
-        "none",
-        "--disable_tqdm",
-        "true",
-        "--max_length",
-        "2048",
-    ]
+    lora = {"lora_r": warm["lora_r"], "lora_alpha": warm["lora_alpha"], "lora_target_modules": "all-linear"}
+    options = {
+        "model_name_or_path": base,
+        "dataset_name": data_dir,
+        "output_dir": warm_dir,
+        **lora,
+        "max_steps": warm["max_steps"],
+        "per_device_train_batch_size": warm["batch_size"],
+        "learning_rate": warm["learning_rate"],
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 2,
+        "seed": warm["seed"],
+        "logging_steps": 2,
+        "save_steps": 4,
+        "save_total_limit": 1,
+        "max_length": 2048,
+        **run_options(device),
+    }
+    command = mempo_command("sft", options, "--use_peft")
     resume = newest_complete_checkpoint(warm_dir) if warm_dir.is_dir() else None
     if resume is not None:
         command += ["--resume_from_checkpoint", str(resume)]

@@ -103,77 +103,34 @@ def rows_dir(out: Path, study_out: Path, study: dict, smoke: dict) -> Path:
 def train_command(model: Path, data: Path, corpus: Path, arm_dir: Path, study: dict, smoke: dict, device: str):
     """The `mempo-trl train` command line of an arm (its own arguments appended by the caller)."""
     protocol = study["protocol"]
-    return [
-        sys.executable,
-        "-m",
-        "mempo_trl",
-        "train",
-        "--model_name_or_path",
-        str(model),
-        "--dataset_name",
-        str(data),
-        "--dataset_train_split",
-        "train",
-        "--dataset_test_split",
-        "validation",
-        "--corpus",
-        str(corpus),
-        "--output_dir",
-        str(arm_dir / "model"),
-        "--instruction",
-        protocol["instruction"],
-        "--max_turns",
-        str(protocol["max_turns"]),
-        "--retrieval_topk",
-        str(protocol["retrieval_topk"]),
-        "--max_completion_length",
-        str(protocol["max_completion_length"]),
-        "--use_peft",
-        "--lora_r",
-        str(smoke["lora_r"]),
-        "--lora_alpha",
-        str(smoke["lora_alpha"]),
-        "--lora_target_modules",
-        "all-linear",
-        "--learning_rate",
-        str(smoke["learning_rate"]),
-        "--max_steps",
-        str(smoke["max_steps"]),
-        "--per_device_train_batch_size",
-        str(smoke["episodes"]),
-        "--num_generations",
-        str(smoke["num_generations"]),
-        "--temperature",
-        str(smoke["temperature"]),
-        "--beta",
-        "0",
-        "--loss_type",
-        "dapo",
-        "--seed",
-        str(smoke["seed"]),
-        "--heldout_questions",
-        str(smoke["heldout_questions"]),
-        "--heldout_row_metric",
-        "mempo_trl.kit.learner.memory_recall_metric",
-        "--use_cpu",
-        str(device == "cpu").lower(),
-        "--bf16",
-        str(device == "cuda").lower(),
-        "--activation_checkpointing",
-        "false",
-        "--logging_steps",
-        "1",
-        "--save_strategy",
-        "steps",
-        "--save_steps",
-        "1",
-        "--save_total_limit",
-        "1",
-        "--report_to",
-        "none",
-        "--disable_tqdm",
-        "true",
-    ]
+    options = {
+        "model_name_or_path": model,
+        "dataset_name": data,
+        "dataset_train_split": "train",
+        "dataset_test_split": "validation",
+        "corpus": corpus,
+        "output_dir": arm_dir / "model",
+        **{key: protocol[key] for key in ("instruction", "max_turns", "retrieval_topk", "max_completion_length")},
+        "lora_r": smoke["lora_r"],
+        "lora_alpha": smoke["lora_alpha"],
+        "lora_target_modules": "all-linear",
+        "learning_rate": smoke["learning_rate"],
+        "max_steps": smoke["max_steps"],
+        "per_device_train_batch_size": smoke["episodes"],
+        "num_generations": smoke["num_generations"],
+        "temperature": smoke["temperature"],
+        "beta": 0,
+        "loss_type": "dapo",
+        "seed": smoke["seed"],
+        "heldout_questions": smoke["heldout_questions"],
+        "heldout_row_metric": "mempo_trl.kit.learner.memory_recall_metric",
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": 1,
+        "save_total_limit": 1,
+        **credit_study.run_options(device),
+    }
+    return credit_study.mempo_command("train", options, "--use_peft")
 
 
 def step_rows(log_history: list[dict]) -> list[dict]:
@@ -252,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     merged_dir = out / f"merged_{digest}"
     if not (merged_dir / "config.json").is_file():
         adapter = study_out / f"warm_{digest}"
-        merge = [sys.executable, "-m", "mempo_trl", "merge-lora", "--model_name_or_path", str(adapter)]
+        merge = credit_study.mempo_command("merge-lora", {"model_name_or_path": adapter, "output_dir": merged_dir})
         log(f"merging {adapter} into {merged_dir}")
-        finished = subprocess.run([*merge, "--output_dir", str(merged_dir)], capture_output=True, text=True)
+        finished = subprocess.run(merge, capture_output=True, text=True)
         if finished.returncode != 0:
             print(
                 f"error: mempo-trl merge-lora of {adapter} failed: {finished.stderr.strip()[-500:]}", file=sys.stderr
