@@ -84,6 +84,7 @@ unchanged):
 """
 
 import argparse
+import collections
 import json
 import math
 import multiprocessing
@@ -1143,10 +1144,15 @@ def publishable(records: list[dict], arms: list[str], seeds: list[int]) -> bool:
     return {(a, s) for a in ARMS for s in PUBLISHED_SEEDS} <= {(r["arm"], r["seed"]) for r in records}
 
 
+PER_SEED = ("em", "all_parts_em", "searches", "turns", "format_valid", "tokens_per_question")
+"""The final evaluation's fields a summary lists per seed, for each context mode and for the arm's own mode."""
+
+
 def summarize(records: list[dict], command: str) -> dict:
     """Per K and arm: seeds, warm and final EM/F1 (mean/std over seeds), tokens, peak context, memory recall,
-    failure kinds (and, with a context budget, the share of episodes it ended); ``targets`` checks the issue's
-    targets at every reported K >= 4."""
+    failure kinds (and, with a context budget, the share of episodes it ended), `PER_SEED` fields and each run's CPU
+    per seed; ``machine`` is the summary writer's, ``run_machines`` counts the runs each CPU made; ``targets``
+    checks the issue's targets at every reported K >= 4."""
     horizons: dict[str, dict] = {}
     for k in records[0]["after"] if records else []:
         horizons[k] = {}
@@ -1174,12 +1180,16 @@ def summarize(records: list[dict], command: str) -> dict:
                 "final_all_parts_em_per_seed": [f.get("all_parts_em") for f in finals],
                 "by_context_mode": {
                     mode: {
-                        "em_per_seed": [r["after_by_mode"][mode][k]["em"] for r in runs],
-                        "all_parts_em_per_seed": [r["after_by_mode"][mode][k]["all_parts_em"] for r in runs],
+                        field + "_per_seed": [r["after_by_mode"][mode][k].get(field) for r in runs]
+                        for field in PER_SEED
                     }
                     for mode in CONTEXT_MODES
                     if all("after_by_mode" in r for r in runs)
                 },
+                **{field + "_per_seed": [f.get(field) for f in finals] for field in PER_SEED[2:]},
+                "machine_per_seed": [r.get("machine", {}).get("cpu") for r in runs],
+                "searches": _mean_std([f.get("searches") for f in finals])[0],
+                "format_valid": _mean_std([f.get("format_valid") for f in finals])[0],
                 "tokens_per_question": _mean_std([f["tokens_per_question"] for f in finals])[0],
                 "peak_context_tokens": _mean_std([f["peak_context_tokens"] for f in finals])[0],
                 "turns": _mean_std([f["turns"] for f in finals])[0],
@@ -1202,6 +1212,7 @@ def summarize(records: list[dict], command: str) -> dict:
         "command": command,
         "versions": _versions(),
         "machine": _machine(),
+        "run_machines": dict(collections.Counter(r.get("machine", {}).get("cpu") for r in records)),
     }
 
 

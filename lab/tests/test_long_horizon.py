@@ -127,6 +127,11 @@ def test_quick_mode_runs_every_arm_and_resumes(tmp_path, capsys, monkeypatch):
             assert len(cell["final_em_per_seed"]) == len(cell["final_all_parts_em_per_seed"]) == 1
             assert 0.0 <= cell["final_all_parts_em_mean"] <= cell["final_em_mean"] <= 1.0
             assert sorted(cell["by_context_mode"]) == ["full_history", "memory"]
+            for mode in cell["by_context_mode"].values():  # searches, turns and tokens too
+                assert set(mode) == {field + "_per_seed" for field in module.PER_SEED}
+                assert len(mode["searches_per_seed"]) == len(mode["tokens_per_question_per_seed"]) == 1
+            assert cell["searches_per_seed"] == [cell["searches"]] and len(cell["machine_per_seed"]) == 1
+    assert sum(summary["run_machines"].values()) == 4
     assert summary["arms"]["outcome_only_dynamic"] == {"memory_coef": 0.0, "dynamic_sampling": "refill"}
     assert summary["settings"]["rl_corpus"] == module.RL_CORPUS
     dynamic = json.loads((out / "runs" / "test" / "outcome_only_dynamic_s0" / "run.json").read_text())
