@@ -135,6 +135,8 @@ filter. ``log_ratio`` without the filter is the difference of the mean per-token
 off (``memory_center_rewards=False``), so an advantage keeps its reward's sign."""
 
 DEFAULT_VARIANT = "diff_filter"
+TARGETS = {"auc": 0.9, "false_positive": 0.1}
+"""The issue's targets on the sampled groups at every K: AUC at least this, a false-positive share at most this."""
 SCRIPTED = ("all", "drop_first", "drop_half", "corrupt", "nothing")
 RESULTS = Path("lab/results")
 PHASES_FILE = "phases.json"
@@ -739,7 +741,7 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     variants = list(VARIANTS)
     series = [(k, kind) for k in summary["figures"] for kind in ("scripted", "sampled")]
     width = 0.8 / len(series)
@@ -758,11 +760,11 @@ def plot(summary: dict, path: Path) -> None:
                 errs[0].append(cell["value"] - (cell["low"] if cell["low"] is not None else cell["value"]))
                 errs[1].append((cell["high"] if cell["high"] is not None else cell["value"]) - cell["value"])
             ax.bar(xs, ys, width, yerr=errs, capsize=2, label=f"K={k} {kind}")
-        ax.set_xticks(range(len(variants)), variants, rotation=15)
+        ax.set_xticks(range(len(variants)), variants, rotation=35, ha="right", fontsize=8)
         ax.set_title(title)
         ax.set_ylim(0, 1)
-    axes[0].axhline(0.9, color="k", lw=0.8, ls="--")
-    axes[1].axhline(0.1, color="k", lw=0.8, ls="--")
+    axes[0].axhline(TARGETS["auc"], color="k", lw=0.8, ls="--")
+    axes[1].axhline(TARGETS["false_positive"], color="k", lw=0.8, ls="--")
     axes[0].legend(fontsize=8, loc="lower left")
     counts = ", ".join(f"K={k}: {cell['questions']['scripted']}" for k, cell in summary["figures"].items())
     status = "" if summary["complete"] else f" of {summary['questions_per_k']} (partial)"
@@ -895,6 +897,8 @@ def main(argv: list[str] | None = None) -> int:
         "study": study,
         "variants": {name: {k: v for k, v in fields.items()} for name, fields in VARIANTS.items()},
         "default_variant": DEFAULT_VARIANT,
+        "targets": TARGETS,
+        "best_variant": best_variant(figures),
         "questions_per_k": study["questions"],
         "complete": complete,
         "warm_start": warm_stats,
@@ -913,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "credit_study" if checked["passed"] else "credit_study_ungated"
     (target / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, target / f"{name}.png")
-    best = max(VARIANTS, key=lambda v: min(_auc(figures[k]["variants"][v]) for k in figures))
+    best = best_variant(figures)
     line = " | ".join(
         f"K={k}: {v} AUC {_auc(figures[k]['variants'][v]):.3f} FP {_fp(figures[k]['variants'][v]):.3f}"
         for k in figures
@@ -921,6 +925,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     log(f"credit study (sampled groups): {line}; {sum(phases.values()) / 60:.1f} min; wrote {target}/{name}.*")
     return 0
+
+
+def best_variant(figures: dict) -> str:
+    """The variant that credits best: of those meeting both `TARGETS` at every K, the lowest worst-K false-positive
+    share (then the highest worst-K AUC); the highest worst-K AUC when none meets them.
+
+    >>> cell = lambda auc, fp: {"sampled": {"auc": {"value": auc}, "false_positive": {"value": fp}}}
+    >>> best_variant({"2": {"variants": {"a": cell(1.0, 0.4), "b": cell(0.95, 0.02), "c": cell(0.8, 0.0)}}})
+    'b'
+    >>> best_variant({"2": {"variants": {"a": cell(1.0, 0.4), "c": cell(0.8, 0.4)}}})
+    'a'
+    """
+    names = list(next(iter(figures.values()))["variants"])
+
+    def worst(v: str) -> tuple[float, float]:
+        cells = [figures[k]["variants"][v] for k in figures]
+        return max(_fp(c) for c in cells), min(_auc(c) for c in cells)
+
+    meeting = [v for v in names if worst(v)[0] <= TARGETS["false_positive"] and worst(v)[1] >= TARGETS["auc"]]
+    if meeting:
+        return min(meeting, key=lambda v: (worst(v)[0], -worst(v)[1]))
+    return max(names, key=lambda v: worst(v)[1])
 
 
 def _auc(cell: dict) -> float:
