@@ -46,6 +46,8 @@ import sys
 import time
 from pathlib import Path
 
+from learning import _machine
+
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
 
 
@@ -906,8 +908,7 @@ def main(argv: list[str] | None = None) -> int:
         "figures": figures,
         "seconds": phases,
         "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
+            **_machine(),
             "python": platform.python_version(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),

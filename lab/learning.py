@@ -37,6 +37,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -94,6 +95,19 @@ QUICK = {
     "budget": {"max_steps": 2, "per_device_train_batch_size": 4, "num_generations": 2},
     "eval_every": 1,
 }
+
+
+def _machine() -> dict:
+    """Where a result was made: results repeat on the CPU model that made them (a warm start built on an AMD EPYC and
+    on an Intel Xeon of this workplace differ: float kernels), so the model name is recorded too."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M) if cpuinfo.is_file() else []
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu": names[0] if names else None,
+        "cpus": os.cpu_count(),
+    }
 
 
 def _versions() -> dict:

@@ -89,7 +89,6 @@ import json
 import math
 import multiprocessing
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -98,7 +97,7 @@ import time
 from pathlib import Path
 
 import learning
-from learning import _versions, parse_overrides
+from learning import _machine, _versions, parse_overrides
 
 from mempo_trl.context import CONTEXT_MODES
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
@@ -1232,19 +1231,6 @@ def print_oracle_tokens(out: Path, paths: dict, tokenizer_dir: Path, budget: dic
             flush=True,
         )
     return cells
-
-
-def _machine() -> dict:
-    """Where a result was made: results repeat on the CPU model that made them (a warm start built on an AMD EPYC and
-    on an Intel Xeon of this workplace differ: float kernels), so the model name is recorded too."""
-    cpuinfo = Path("/proc/cpuinfo")
-    names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M) if cpuinfo.is_file() else []
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu": names[0] if names else None,
-        "cpus": os.cpu_count(),
-    }
 
 
 def targets(horizons: dict) -> dict:

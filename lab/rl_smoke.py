@@ -30,12 +30,14 @@ import time
 from pathlib import Path
 
 import credit_study
+from learning import _machine
 
 
 SMOKE = {
     "k": 2,
     "max_steps": 3,
     "episodes": 16,
+    "micro_batch": 4,
     "num_generations": 4,
     "learning_rate": 5e-5,
     "lora_r": 16,
@@ -44,11 +46,13 @@ SMOKE = {
     "heldout_questions": 8,
     "seed": 0,
 }
-"""The published smoke: K, steps per arm, episodes per step (``per_device_train_batch_size``), G, the LoRA learning
+"""The published smoke: K, steps per arm, episodes per optimizer step, the episodes of one forward and backward
+(``per_device_train_batch_size``; ``gradient_accumulation_steps`` = episodes / micro_batch: all 16 episodes' rounds
+in one forward took over 22 GB of RSS with SmolLM2's 49,152-token vocabulary and were OOM-killed), G, the LoRA learning
 rate and rank, the sampling temperature, held-out validation questions and the seed."""
 
-QUICK = {"max_steps": 1, "episodes": 4, "num_generations": 2, "heldout_questions": 1}
-"""``--quick``: one step of 4 episodes per arm, one held-out question."""
+QUICK = {"max_steps": 1, "episodes": 4, "micro_batch": 2, "num_generations": 2, "heldout_questions": 1}
+"""``--quick``: one step of 4 episodes (two micro-batches of 2) per arm, one held-out question."""
 
 ARMS = {"mempo": [], "outcome_only_dynamic": ["--memory_coef", "0", "--dynamic_sampling", "refill"]}
 """Each arm's `mempo-trl train` arguments on top of the shared ones: MemPO at the library's defaults, and outcome-only
@@ -116,7 +120,8 @@ def train_command(model: Path, data: Path, corpus: Path, arm_dir: Path, study: d
         "lora_target_modules": "all-linear",
         "learning_rate": smoke["learning_rate"],
         "max_steps": smoke["max_steps"],
-        "per_device_train_batch_size": smoke["episodes"],
+        "per_device_train_batch_size": smoke["micro_batch"],
+        "gradient_accumulation_steps": smoke["episodes"] // smoke["micro_batch"],
         "num_generations": smoke["num_generations"],
         "temperature": smoke["temperature"],
         "beta": 0,
@@ -237,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "arms": arms,
         "warm_start": {"digest": digest, "gate": gate},
         "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
+            **_machine(),
             "python": platform.python_version(),
             "torch": torch.__version__,
         },
