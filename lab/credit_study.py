@@ -49,6 +49,7 @@ from pathlib import Path
 from learning import _machine
 
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
+from mempo_trl.processes import child_env
 
 
 STUDY = {
@@ -476,7 +477,7 @@ def warm_start(out: Path, base: Path, data_dir: Path, study: dict, log, device: 
     start = time.perf_counter()
     log_path = out / "warm_sft.log"
     with log_path.open("a") as sink:
-        code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=child_env()).returncode
     lines = log_path.read_text().splitlines()
     if code != 0:
         raise SystemExit(f"error: the warm start (mempo-trl sft) failed with exit code {code}; see {log_path}")

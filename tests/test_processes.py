@@ -38,6 +38,30 @@ def test_a_process_whose_parent_is_already_gone_ends_at_once():
     assert process.wait(timeout=60) == -signal.SIGTERM
 
 
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_the_training_commands_end_when_the_process_that_started_them_is_gone(command, tmp_path):
+    """`mempo-trl train` and `mempo-trl sft` arm the signal first thing (a lab script or a user's wrapper starts them
+    with `child_env`): named a parent that is gone, each ends by SIGTERM instead of going on (here: to the error
+    about the missing model directory, exit 2)."""
+    missing = tmp_path / "no_model"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mempo_trl",
+            command,
+            "--model_name_or_path",
+            str(missing),
+            "--output_dir",
+            str(tmp_path),
+        ],
+        env={**ENV, PARENT_PID_ENV: str(os.getpid() + 1_000_000)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    assert process.wait(timeout=300) == -signal.SIGTERM
+
+
 def test_a_child_ends_with_its_parent_killed_by_sigkill():
     child = (
         "from mempo_trl.processes import end_with_parent; end_with_parent(); import time; print('ready', flush=True); "

@@ -3,6 +3,8 @@ in `test_credit_study.py::test_quick_run_end_to_end`, through the GPU script's C
 
 import doctest
 import json
+import os
+import subprocess
 
 import credit_study
 import pytest
@@ -60,3 +62,20 @@ def test_each_arm_trains_with_the_shared_command_and_its_own_arguments(tmp_path)
         "--dynamic_sampling",
         "refill",
     ]
+
+
+def test_an_arms_training_ends_with_the_smoke(tmp_path, monkeypatch):
+    """`mempo-trl train` is started naming the smoke as the parent it ends with (`child_env`): a smoke killed, even
+    by SIGKILL, leaves no training behind."""
+    from mempo_trl.processes import PARENT_PID_ENV
+
+    started = []
+
+    def run(command, **kwargs):
+        started.append(kwargs["env"])
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(rl_smoke.subprocess, "run", run)
+    with pytest.raises(SystemExit, match="exit code 1"):
+        rl_smoke.run_arm("mempo", ["mempo-trl", "train"], tmp_path / "mempo", lambda line: None)
+    assert started[0][PARENT_PID_ENV] == str(os.getpid())

@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from mempo_trl.agent import load_chat_tokenizer
     from mempo_trl.loading import check_model_path
+    from mempo_trl.processes import end_with_parent
 
+    end_with_parent()  # started by a run's process (`child_env`): it ends when that one dies
     data_args, training_args, model_args = parse("mempo-trl sft", [SFTDataArguments, SFTConfig, ModelConfig], argv)
     if not model_args.model_name_or_path:
         raise ValueError("no model: pass --model_name_or_path (the student: a model directory or a Hub id).")
