@@ -425,6 +425,12 @@ def run_options(device: str) -> dict:
     }
 
 
+def child_process_env() -> dict[str, str]:
+    """The environment of a training command the lab starts: it ends with this process (`child_env`) and writes its
+    log lines as they come (unbuffered), so that its log file shows each step."""
+    return child_env({**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
 def warm_digest(study: dict) -> str:
     """The first 12 hex digits of the sha256 of what makes a warm start (its settings, the turn protocol, the world):
     the warm start's folder, its gate and its scored groups are kept under it, so a changed warm start is trained,
@@ -477,7 +483,7 @@ def warm_start(out: Path, base: Path, data_dir: Path, study: dict, log, device: 
     start = time.perf_counter()
     log_path = out / "warm_sft.log"
     with log_path.open("a") as sink:
-        code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=child_env()).returncode
+        code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=child_process_env()).returncode
     lines = log_path.read_text().splitlines()
     if code != 0:
         raise SystemExit(f"error: the warm start (mempo-trl sft) failed with exit code {code}; see {log_path}")

@@ -154,7 +154,6 @@ def run_arm(arm: str, command: list[str], arm_dir: Path, log) -> dict:
     """One arm's training (resumed from its newest checkpoint; skipped when ``arm.json`` says it finished with the
     same command), then its steps and held-out evaluation from the saved run."""
     from mempo_trl.checkpoints import newest_complete_checkpoint
-    from mempo_trl.processes import child_env
 
     done = arm_dir / "arm.json"
     if done.is_file() and json.loads(done.read_text())["command"] == command:
@@ -168,7 +167,9 @@ def run_arm(arm: str, command: list[str], arm_dir: Path, log) -> dict:
     log(f"{arm}: training{f' from {resume}' if resume else ''}; its steps go to {log_path}")
     start = time.perf_counter()
     with log_path.open("a") as sink:
-        code = subprocess.run(full, stdout=sink, stderr=subprocess.STDOUT, env=child_env()).returncode
+        code = subprocess.run(
+            full, stdout=sink, stderr=subprocess.STDOUT, env=credit_study.child_process_env()
+        ).returncode
     if code != 0:
         raise SystemExit(f"error: {arm}: mempo-trl train failed with exit code {code}; see {log_path}")
     state = json.loads((newest_complete_checkpoint(model_dir) / "trainer_state.json").read_text())

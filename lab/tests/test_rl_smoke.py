@@ -78,4 +78,4 @@ def test_an_arms_training_ends_with_the_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(rl_smoke.subprocess, "run", run)
     with pytest.raises(SystemExit, match="exit code 1"):
         rl_smoke.run_arm("mempo", ["mempo-trl", "train"], tmp_path / "mempo", lambda line: None)
-    assert started[0][PARENT_PID_ENV] == str(os.getpid())
+    assert started[0][PARENT_PID_ENV] == str(os.getpid()) and started[0]["PYTHONUNBUFFERED"] == "1"
