@@ -945,16 +945,14 @@ def best_variant(figures: dict) -> str:
     >>> best_variant({"2": {"variants": {"a": cell(1.0, 0.4), "c": cell(0.8, 0.4)}}})
     'a'
     """
-    names = list(next(iter(figures.values()))["variants"])
-
-    def worst(v: str) -> tuple[float, float]:
+    worst = {}  # variant -> (worst-K false-positive share, worst-K AUC)
+    for v in next(iter(figures.values()))["variants"]:
         cells = [figures[k]["variants"][v] for k in figures]
-        return max(_fp(c) for c in cells), min(_auc(c) for c in cells)
-
-    meeting = [v for v in names if worst(v)[0] <= TARGETS["false_positive"] and worst(v)[1] >= TARGETS["auc"]]
+        worst[v] = max(_fp(c) for c in cells), min(_auc(c) for c in cells)
+    meeting = [v for v, (fp, auc) in worst.items() if fp <= TARGETS["false_positive"] and auc >= TARGETS["auc"]]
     if meeting:
-        return min(meeting, key=lambda v: (worst(v)[0], -worst(v)[1]))
-    return max(names, key=lambda v: worst(v)[1])
+        return min(meeting, key=lambda v: (worst[v][0], -worst[v][1]))
+    return max(worst, key=lambda v: worst[v][1])
 
 
 def _auc(cell: dict) -> float:
