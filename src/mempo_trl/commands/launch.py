@@ -231,13 +231,54 @@ def reported_by_ranks(exitcodes: list[int]) -> bool:
     return USAGE_EXIT in exitcodes and all(code == USAGE_EXIT or code in stopped for code in exitcodes)
 
 
+def lost_exit_barrier(record) -> bool:
+    """Whether a log record is torchrun's agent saying its exit barrier lost the store (`DistNetworkError`): the
+    barrier every machine's agent passes once all of its processes have ended well, where the agent of the main
+    machine, which serves the store, may leave and close it before another machine's agent reads its answer. Nothing
+    is lost then: every process of this machine had finished; a barrier that times out (a machine never came) is a
+    `DistStoreError` and stays reported.
+
+    Example:
+        >>> import logging, sys
+        >>> from torch.distributed import DistNetworkError, DistStoreError
+        >>> def record(error):
+        ...     try:
+        ...         raise error
+        ...     except Exception:
+        ...         return logging.LogRecord("a", 40, "", 0, "Error waiting on exit barrier. Elapsed: 0.1 seconds",
+        ...                                  (), sys.exc_info())
+        >>> lost_exit_barrier(record(DistNetworkError("Failed to recv"))), lost_exit_barrier(record(DistStoreError("")))
+        (True, False)
+    """
+    from torch.distributed import DistNetworkError
+
+    return (
+        record.getMessage().startswith("Error waiting on exit barrier")
+        and record.exc_info is not None
+        and isinstance(record.exc_info[1], DistNetworkError)
+    )
+
+
+def quiet_launcher_logs() -> None:
+    """Leave out of torchrun's logs what a run's own lines already say: a process's failure with exit code 2 (it
+    printed its `error:` line) and the agent's `lost_exit_barrier` record (the run ended well)."""
+    import logging
+
+    from mempo_trl.commands import USAGE_EXIT
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: not record.getMessage().startswith(f"failed (exitcode: {USAGE_EXIT})")
+    )
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        lambda record: not lost_exit_barrier(record)
+    )
+
+
 def run_launcher(argv: list[str]) -> int:
     """`accelerate launch argv`, run in this process with stop signals forwarded to the processes it starts (and not
     handled by torchrun's agent, which would end them after 30 s, mid-save). A run whose processes end as
     `reported_by_ranks` exits 2 quietly: they printed the `error:` line (rank 0 only, for a stop). Anything else keeps
-    the launcher's report."""
-    import logging
-
+    the launcher's report (`quiet_launcher_logs`)."""
     import psutil
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -248,9 +289,7 @@ def run_launcher(argv: list[str]) -> int:
     end_with_parent()  # `mempo-trl train` killed: SIGTERM, forwarded below
     os.environ[PARENT_PID_ENV] = str(os.getpid())  # the processes it starts end with it
     os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGQUIT"  # torchrun's `--signals_to_handle`: the stop signals are ours
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
-        lambda record: not record.getMessage().startswith(f"failed (exitcode: {USAGE_EXIT})")
-    )
+    quiet_launcher_logs()
     args = launch_command_parser().parse_args(argv)
     with forwarded_stop_signals(psutil.Process().children):
         try:
