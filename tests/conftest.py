@@ -15,6 +15,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# One torch thread per process, in this one and in every process a test starts (set before torch is imported): on 2
+# cores, torch's thread per core made the tiny models' tests 2-3x slower alone and 6-8x slower in CI, and made the
+# two-process launches oversubscribe. Set OMP_NUM_THREADS to choose otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
 
 @pytest.fixture(scope="session")
