@@ -28,6 +28,9 @@ PARENT_PID_ENV = "MEMPO_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 """`prctl` option: the signal this process receives when its parent dies (linux/prctl.h)."""
 
+PR_SET_CHILD_SUBREAPER = 36
+"""`prctl` option: orphaned descendants of this process become its children, not init's (linux/prctl.h)."""
+
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's environment) naming this process as the parent that children end with."""
@@ -83,6 +86,27 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def adopt_orphans() -> bool:
+    """Make this process the one its orphaned descendants are handed to (Linux only): when a process it started
+    dies, that one's children become this process's, so `wait_adopted` can wait for them and read their exit codes.
+    Returns whether it holds."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def wait_adopted() -> list[int]:
+    """Wait until every child of this process (those `adopt_orphans` handed to it included) has ended; their exit
+    codes, negative for a signal, as `subprocess` reports them."""
+    codes = []
+    while True:
+        try:
+            _, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return codes
+        codes.append(os.waitstatus_to_exitcode(status))
 
 
 def bound_collectives(seconds: int) -> None:
