@@ -114,6 +114,26 @@ def test_a_reply_without_text_is_named_and_not_cached(server, tmp_path):
     assert len(cache.read_text().splitlines()) == 1
 
 
+def test_distill_stops_on_a_reply_without_text_and_its_rerun_asks_again(
+    server, demo_paths, tiny_model_dir, tmp_path, capsys
+):
+    """H13 through the CLI: `distill` used to keep 0 episodes ("format_invalid"), exit 0 and cache the empty answers,
+    so its rerun never asked again."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"id": "q1", "question": QUESTION, "golden_answers": ["Ulm"]}) + "\n")
+    out = tmp_path / "distilled"
+    args = ["distill", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data), "--corpus"]
+    args += [str(demo_paths.corpus), "--output_dir", str(out), "--openai_base_url", server.url]
+    args += ["--openai_model", "teacher", "--max_turns", "2"]
+    server.faults.append("null_content")
+    assert main(args) == 2
+    assert "answered 200 with content: null: the endpoint sent no text" in one_error_line(capsys)
+    assert not (out / "requests.jsonl").exists() or (out / "requests.jsonl").read_text() == ""
+    assert main(args) == 0
+    assert len(server.requests) == 3  # the null reply, then the search and the answer
+    assert len((out / "requests.jsonl").read_text().splitlines()) == 2
+
+
 def test_a_redirect_names_its_target(server):
     """H15: a 307 is not followed (it would send the key elsewhere) and not blamed on --openai_model."""
     server.faults.append("redirect")
