@@ -3,6 +3,7 @@ the output-directory refusal that comes before torch and TRL are imported."""
 
 import doctest
 import logging
+import os
 import subprocess
 import sys
 from dataclasses import fields
@@ -212,3 +213,52 @@ def test_the_lost_exit_barrier_of_a_run_that_ended_well_is_not_logged(monkeypatc
         except Exception:
             api.logger.exception("Error waiting on exit barrier. Elapsed: %s seconds", 0.2)
     assert [type(record.exc_info[1]) for record in seen] == [DistStoreError]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="open files are read from /proc")
+def test_a_build_lock_no_process_holds_is_stale(tmp_path):
+    """torch's op build holds its `lock` file open while it builds; one no process holds was left by a build that
+    was killed."""
+    from mempo_trl.commands.launch import stale_extension_locks
+
+    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "build.ninja").touch()  # a finished build: no lock
+    code = f"import time; f = open({str(lock)!r}); print('ready', flush=True); time.sleep(60)"
+    builder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline().strip() == "ready"
+        assert stale_extension_locks(tmp_path) == []  # a build in progress
+    finally:
+        builder.kill()
+        builder.wait()
+    assert stale_extension_locks(tmp_path) == [lock]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="open files are read from /proc")
+def test_a_deepspeed_launch_refuses_a_stale_build_lock_in_one_line(tmp_path, tiny_model_dir):
+    """An op build interrupted once (a timeout, a kill) left its lock: the next DeepSpeed launch would wait on it for
+    ever, printing nothing. It stops before any process starts, naming the file and the fix."""
+    from helpers import cpu_recipe
+
+    lock = tmp_path / "extensions" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    recipe = cpu_recipe(tmp_path, tiny_model_dir)
+    argv = ["--config", str(recipe), "--accelerate_config", "cpu_zero2", "--num_processes", "2"]
+    result = subprocess.run(
+        [sys.executable, "-m", "mempo_trl", "train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")},
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert [line for line in result.stderr.splitlines() if line.startswith("error: ")] == [
+        f"error: {lock} is the lock of a DeepSpeed op build that was interrupted (no process holds it): every "
+        f"DeepSpeed launch would wait on it for ever, printing nothing. Remove it (`rm {lock}`) and launch again: "
+        "the op is built once more."
+    ]
+    assert "launching" not in result.stdout and "Traceback" not in result.stderr

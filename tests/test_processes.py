@@ -31,35 +31,55 @@ def _wait_ready(process: subprocess.Popen) -> None:
     assert process.stdout.readline().strip() == "ready", process.poll()
 
 
-def test_a_process_whose_parent_is_already_gone_ends_at_once():
-    code = "from mempo_trl.processes import end_with_parent; end_with_parent(); import time; time.sleep(60)"
-    # It names a parent that is not its parent: that one died before it could ask for the signal.
-    process = _start(code, **{PARENT_PID_ENV: str(os.getpid() + 1_000_000)})
-    assert process.wait(timeout=60) == -signal.SIGTERM
-
-
-@pytest.mark.parametrize("command", ["train", "sft"])
-def test_the_training_commands_end_when_the_process_that_started_them_is_gone(command, tmp_path):
-    """`mempo-trl train` and `mempo-trl sft` arm the signal first thing (a lab script or a user's wrapper starts them
-    with `child_env`): named a parent that is gone, each ends by SIGTERM instead of going on (here: to the error
-    about the missing model directory, exit 2)."""
-    missing = tmp_path / "no_model"
+def test_a_process_whose_parent_died_before_it_asked_ends_at_once():
+    """The run's process dies before its child asks for the signal (the child waits until it is orphaned): the child
+    ends at once by SIGTERM, saying why."""
+    child = (
+        "import os, time; from mempo_trl.processes import PARENT_PID_ENV, end_with_parent\n"
+        "while os.getppid() == int(os.environ[PARENT_PID_ENV]): time.sleep(0.01)\n"
+        "end_with_parent(); print('not ended', flush=True); time.sleep(60)"
+    )
+    parent = (
+        "import os, subprocess, sys; from mempo_trl.processes import child_env; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}], env=child_env()); os._exit(0)"
+    )
     process = subprocess.Popen(
+        [sys.executable, "-c", parent], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = process.communicate(timeout=60)  # EOF: the orphaned child, which holds the pipes, has ended too
+    assert out == ""
+    assert f"{PARENT_PID_ENV}=" in err and "is gone and this process was orphaned: ending" in err
+
+
+@pytest.mark.parametrize(("command", "named"), [("train", "init"), ("sft", "gone")])
+def test_a_stray_parent_pid_does_not_stop_the_training_commands(command, named, tmp_path):
+    """`mempo-trl train` and `mempo-trl sft` arm the signal first thing (a lab script starts them with `child_env`).
+    A variable naming another process than their parent (a wrapper sits between, or it was copied from a run's
+    environment) is ignored in one line, whether that process runs (init) or is gone: the command goes on (here: to
+    the error about the missing model directory, exit 2) instead of ending silently by SIGTERM."""
+    pid = 1 if named == "init" else os.getpid() + 1_000_000
+    process = subprocess.run(
         [
             sys.executable,
             "-m",
             "mempo_trl",
             command,
             "--model_name_or_path",
-            str(missing),
+            str(tmp_path / "no_model"),
             "--output_dir",
-            str(tmp_path),
+            str(tmp_path / "out"),
         ],
-        env={**ENV, PARENT_PID_ENV: str(os.getpid() + 1_000_000)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        env={**ENV, PARENT_PID_ENV: str(pid)},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    assert process.wait(timeout=300) == -signal.SIGTERM
+    assert process.returncode == 2, process.stderr[-3000:]
+    assert (
+        f"mempo-trl: {PARENT_PID_ENV}={pid} names the run's process that started this one, but that process is not "
+        f"this process's parent: not ending with it (unset {PARENT_PID_ENV} if it was not meant for this command)."
+    ) in process.stderr
+    assert "error: " in process.stdout + process.stderr
 
 
 def test_a_child_ends_with_its_parent_killed_by_sigkill():

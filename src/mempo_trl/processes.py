@@ -28,6 +28,9 @@ PARENT_PID_ENV = "MEMPO_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 """`prctl` option: the signal this process receives when its parent dies (linux/prctl.h)."""
 
+PR_SET_CHILD_SUBREAPER = 36
+"""`prctl` option: orphaned descendants of this process become its children, not init's (linux/prctl.h)."""
+
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's environment) naming this process as the parent that children end with."""
@@ -35,22 +38,75 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def end_with_parent(signum: int = signal.SIGTERM) -> bool:
-    """If a run's process started this one (`PARENT_PID_ENV`), receive ``signum`` when it dies (Linux only); a parent
-    that is already gone sends it at once. The variable is removed, so that it names no one to this process's own
-    children. Returns whether the signal is armed.
+    """If a run's process started this one (`PARENT_PID_ENV` names this process's parent), receive ``signum`` when it
+    dies (Linux only). The variable is removed, so that it names no one to this process's own children. Returns
+    whether the signal is armed.
 
-    The kernel sends the signal when the thread that started this process ends: the run's processes start theirs from
-    their main thread.
+    A variable naming another process (a wrapper such as ``timeout`` or ``uv run`` sits between, or the variable was
+    copied from a run's environment) is ignored, in one line. So is one naming a process that is gone, unless this
+    process was orphaned (its parent is now init): the run's process died before this one could ask for the signal,
+    and it is sent at once, with a line naming the variable. The kernel sends the signal when the thread that started
+    this process ends: the run's processes start theirs from their main thread.
     """
     parent = os.environ.pop(PARENT_PID_ENV, "")
     if not parent.isdigit() or not sys.platform.startswith("linux"):
         return False
+    if os.getppid() != int(parent):
+        return _parent_gone(int(parent), signum)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
         return False
     if os.getppid() != int(parent):  # it died before the request: nothing will send the signal
-        os.kill(os.getpid(), signum)
+        return _parent_gone(int(parent), signum)
     return True
+
+
+def _parent_gone(parent: int, signum: int) -> bool:
+    """`end_with_parent` for a ``parent`` that is not this process's parent: ``signum`` to this process if it was
+    orphaned and ``parent`` is gone, else nothing; one line either way. Returns False."""
+    orphaned = os.getppid() == 1 and not _alive(parent)
+    action = "ending, as it does when that process dies" if orphaned else "not ending with it"
+    what = "is gone and this process was orphaned" if orphaned else "is not this process's parent"
+    print(
+        f"mempo-trl: {PARENT_PID_ENV}={parent} names the run's process that started this one, but that process "
+        f"{what}: {action} (unset {PARENT_PID_ENV} if it was not meant for this command).",
+        file=sys.stderr,
+        flush=True,
+    )
+    if orphaned:
+        os.kill(os.getpid(), signum)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs (whoever owns it; a zombie, dead but not yet reaped, does not)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def adopt_orphans() -> bool:
+    """Make this process the one its orphaned descendants are handed to (Linux only): when a process it started
+    dies, that one's children become this process's, so `wait_adopted` can wait for them and read their exit codes.
+    Returns whether it holds."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def wait_adopted() -> list[int]:
+    """Wait until every child of this process (those `adopt_orphans` handed to it included) has ended; their exit
+    codes, negative for a signal, as `subprocess` reports them."""
+    codes = []
+    while True:
+        try:
+            _, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return codes
+        codes.append(os.waitstatus_to_exitcode(status))
 
 
 def bound_collectives(seconds: int) -> None:

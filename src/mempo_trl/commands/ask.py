@@ -69,10 +69,18 @@ class AgentArguments:
     )
     openai_model: str | None = field(default=None, metadata={"help": "The model name the API serves."})
     openai_timeout: float = field(
-        default=120.0, metadata={"help": "Seconds an API attempt waits for the server (to connect, for each read)."}
+        default=120.0,
+        metadata={"help": "Seconds one API attempt may take, from connecting to the answer's last byte."},
     )
     openai_max_retries: int = field(
         default=5, metadata={"help": "Retries of an API request after a timeout, 429, 5xx or dropped connection."}
+    )
+    openai_total_timeout: float = field(
+        default=900.0,
+        metadata={
+            "help": "Seconds one API request may take over all its attempts and the waits between them (a "
+            "Retry-After beyond it ends the run at once; a rerun resumes)."
+        },
     )
     openai_max_concurrency: int = field(default=8, metadata={"help": "API requests in flight at once."})
     openai_tool_role: str = field(
@@ -92,6 +100,9 @@ class AgentArguments:
             problems.append("--openai_base_url and --use_vllm are two generation backends: give one.")
         if self.openai_base_url and not self.openai_model:
             problems.append("--openai_base_url needs --openai_model NAME, the model name the API serves.")
+        for name in ("openai_timeout", "openai_total_timeout"):
+            if not getattr(self, name) > 0:
+                problems.append(f"--{name} must be a number of seconds > 0, got {getattr(self, name)}.")
         if self.per_device_eval_batch_size < 1:
             problems.append(f"per_device_eval_batch_size must be >= 1, got {self.per_device_eval_batch_size}.")
         if problems:
@@ -110,6 +121,7 @@ def endpoint_settings(args: AgentArguments, **more) -> dict | None:
         base_url=args.openai_base_url,
         model=args.openai_model,
         timeout=args.openai_timeout,
+        total_timeout=args.openai_total_timeout,
         max_retries=args.openai_max_retries,
         max_concurrency=args.openai_max_concurrency,
         tool_role=args.openai_tool_role,

@@ -137,6 +137,41 @@ def check_deepspeed_installed(config: Path) -> None:
         )
 
 
+def stale_extension_locks(root: Path) -> list[Path]:
+    """The `lock` files of torch's extension builds under ``root`` (``$TORCH_EXTENSIONS_DIR``: ``root/NAME/lock``,
+    or torch's default root: ``root/py311_cpu/NAME/lock``) that no process on this machine holds open (Linux's /proc;
+    elsewhere none is reported). torch creates one while it builds an op and removes it after: a build that was
+    killed leaves it, and every later build of that op waits on it for ever."""
+    locks = sorted({*root.glob("*/lock"), *root.glob("*/*/lock")})
+    if not locks or not Path("/proc/self/fd").is_dir():
+        return []
+    held = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):  # a process that ended, or one of another user
+            held |= {os.path.realpath(fd) for fd in fd_dir.iterdir()}
+    return [lock for lock in locks if os.path.realpath(lock) not in held]
+
+
+def check_extension_locks(config: Path) -> None:
+    """A DeepSpeed config builds its ops with torch's extension builder: refuse a stale lock of that build
+    (`stale_extension_locks`), which would hold every process at its first op, silently, for ever."""
+    import yaml
+
+    settings = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
+    if not (isinstance(settings, dict) and settings.get("distributed_type") == "DEEPSPEED"):
+        return
+    from torch.utils.cpp_extension import get_default_build_root
+
+    stale = stale_extension_locks(Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()))
+    if stale:
+        raise ValueError(
+            f"{stale[0]} is the lock of a DeepSpeed op build that was interrupted (no process holds it"
+            f"{f'; {len(stale) - 1} more like it' if len(stale) > 1 else ''}): every DeepSpeed launch would wait on "
+            f"it for ever, printing nothing. Remove it (`rm {' '.join(str(lock) for lock in stale)}`) and launch "
+            "again: the op is built once more."
+        )
+
+
 def launch_setting(launch: dict[str, str], config: Path, name: str, default=None):
     """An `accelerate launch` setting: `--name` given, else the accelerate config's `name`, else ``default``."""
     import yaml

@@ -89,18 +89,25 @@ def _train(argv: list[str]) -> int:
 
 
 def launch_training(argv: list[str]) -> int:
-    """Check the recipe and the output directory here, then start the processes; returns the launcher's exit code."""
+    """Check the recipe and the output directory here, then start the processes; returns the launcher's exit code.
+    A launcher killed by a signal leaves its processes to this one (`adopt_orphans`): they stop as on SIGTERM, and
+    once they have ended this one exits 2 if they reported it (`reported_by_ranks`), else 128 + the signal."""
+    import psutil
+
+    from mempo_trl.commands import USAGE_EXIT
     from mempo_trl.commands.launch import (
         check_cpu_config,
         check_deepspeed_installed,
+        check_extension_locks,
         check_machines,
         forwarded_stop_signals,
         launch_command,
         machine_rank,
+        reported_by_ranks,
         split_launch_args,
     )
     from mempo_trl.commands.recipe import check_before_training
-    from mempo_trl.processes import child_env
+    from mempo_trl.processes import adopt_orphans, child_env, wait_adopted
 
     launch, train_argv = split_launch_args(argv)
     script_args, training_args, model_args, retriever_args = parse_args(train_argv)
@@ -110,14 +117,21 @@ def launch_training(argv: list[str]) -> int:
     check_machines(launch, Path(cmd[4]))
     main_machine = machine_rank(launch, Path(cmd[4])) == 0  # the others' first process is not the run's first
     check_before_training(script_args, training_args, model_args, retriever_args, first=main_machine)
+    check_extension_locks(Path(cmd[4]))
     # torchrun sets OMP_NUM_THREADS=1 in every process anyway (and warns that it did); say it once here instead.
     env = {"OMP_NUM_THREADS": "1", **os.environ}
     if Path(cmd[4]).name.startswith("cpu_"):  # DeepSpeed's accelerator, named: no "Setting accelerator to CPU" warning
         env.setdefault("DS_ACCELERATOR", "cpu")
     print(f"mempo-trl: launching {' '.join(cmd[3:])}", flush=True)
+    adopt_orphans()  # a killed launcher's processes become this one's: their exit codes make this one's
     process = subprocess.Popen(cmd, env=child_env(env))
-    with forwarded_stop_signals(lambda: [process]):
-        return process.wait()
+    with forwarded_stop_signals(lambda: [process] if process.returncode is None else psutil.Process().children()):
+        rc = process.wait()
+        if rc >= 0:
+            return rc
+        # The launcher was killed (SIGKILL: it forwarded nothing); its processes received the parent-death signal.
+        codes = [code for code in wait_adopted() if code]
+        return USAGE_EXIT if reported_by_ranks(codes) else 128 - rc
 
 
 def leave_launched_process(rc: int) -> None:

@@ -10,19 +10,16 @@ too deeply nested answers) is a `RetrievalError`. Both name the URL, what went w
 never silently empty.
 """
 
-import email.utils
 import json
 import logging
-import math
 import os
-import threading
 import time
 import urllib.parse
 from typing import Any
 
-import httpcore
 import httpx
 
+from mempo_trl.http_limits import attempt_deadline, deadline_transport, retry_after_seconds
 from mempo_trl.retrieval.base import Passage, RetrievalError, RetrieverOutage, check_search_args
 from mempo_trl.retrieval.corpus import parse_contents
 
@@ -69,87 +66,6 @@ MAX_RETRIES = 3
 """Retries after a failed request; `None` retries until `RETRY_BUDGET` runs out (training)."""
 RETRY_BUDGET = 600.0
 """Seconds an unreachable server is retried before `RetrieverOutage`."""
-
-_deadline = threading.local()
-
-
-class _DeadlineStream(httpcore.NetworkStream):
-    """A socket stream whose every read and write waits at most until the calling thread's attempt deadline, so a
-    server trickling header bytes cannot stretch an attempt (httpx's timeouts bound each read, not their sum)."""
-
-    def __init__(self, stream: httpcore.NetworkStream):
-        self._stream = stream
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._stream.read(max_bytes, _until_deadline(timeout, httpcore.ReadTimeout))
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._stream.write(buffer, _until_deadline(timeout, httpcore.WriteTimeout))
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> "_DeadlineStream":
-        timeout = _until_deadline(timeout, httpcore.ConnectTimeout)
-        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, timeout))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
-
-
-class _DeadlineBackend(httpcore.SyncBackend):
-    """httpcore's socket backend with `_DeadlineStream` connections."""
-
-    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        timeout = _until_deadline(timeout, httpcore.ConnectTimeout)
-        return _DeadlineStream(super().connect_tcp(host, port, timeout, local_address, socket_options))
-
-
-def _until_deadline(timeout: float | None, error: type[Exception]) -> float | None:
-    """`timeout` shortened to the time left before this thread's attempt deadline; `error` once it has passed."""
-    deadline = getattr(_deadline, "value", None)
-    if deadline is None:
-        return timeout
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise error("the attempt's deadline passed")
-    return left if timeout is None else min(timeout, left)
-
-
-def _deadline_transport(limits: httpx.Limits) -> httpx.HTTPTransport:
-    """httpx's transport over `_DeadlineBackend`. httpx takes no network backend, so this replaces the connection
-    pool it builds (`HTTPTransport._pool`) by the same pool with that backend."""
-    transport = httpx.HTTPTransport(limits=limits)
-    transport._pool = httpcore.ConnectionPool(
-        ssl_context=httpx.create_ssl_context(),
-        max_connections=limits.max_connections,
-        max_keepalive_connections=limits.max_keepalive_connections,
-        keepalive_expiry=limits.keepalive_expiry,
-        network_backend=_DeadlineBackend(),
-    )
-    return transport
-
-
-def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
-    """Seconds to wait from a `Retry-After` header (delay in seconds or an HTTP date); None if absent or unreadable.
-
-    Example:
-        >>> retry_after_seconds("3"), retry_after_seconds("soon")
-        (3.0, None)
-        >>> retry_after_seconds("Wed, 21 Oct 2015 07:28:10 GMT", now=1445412480.0)
-        10.0
-    """
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    seconds = when.timestamp() - (time.time() if now is None else now)
-    return max(seconds, 0.0) if math.isfinite(seconds) else None
 
 
 class HttpRetriever:
@@ -204,7 +120,7 @@ class HttpRetriever:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         limits = httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size)
         self._client = httpx.Client(
-            timeout=timeout, headers=headers, follow_redirects=False, transport=_deadline_transport(limits)
+            timeout=timeout, headers=headers, follow_redirects=False, transport=deadline_transport(limits)
         )
 
     def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
@@ -320,9 +236,8 @@ class HttpRetriever:
     def _attempt(self, method: str, url: str, payload: dict | None) -> Any:
         """One request: the parsed JSON answer, `_Retryable` for an outage, `RetrievalError` for anything else."""
         deadline = time.monotonic() + self.timeout
-        _deadline.value = deadline
         try:
-            with self._client.stream(method, url, json=payload) as response:
+            with attempt_deadline(self.timeout), self._client.stream(method, url, json=payload) as response:
                 declared = response.headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > self.max_response_bytes:
                     raise self._too_large(method, url, f"announced {int(declared)} bytes")
@@ -348,8 +263,6 @@ class HttpRetriever:
             raise _Retryable(f"refused the connection ({e}). Is the server running? {START_HINT}") from None
         except httpx.TransportError as e:
             raise _Retryable(f"dropped the connection ({type(e).__name__}: {e}). Check the server's log.") from None
-        finally:
-            _deadline.value = None
         text = content[:300].decode("utf-8", "replace")
         if status >= 500 or status == 429:
             retry_after = retry_after_seconds(headers.get("retry-after"))
