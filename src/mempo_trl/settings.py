@@ -207,6 +207,28 @@ class DynamicSamplingSettings(SettingsHome):
     )
 
 
+@dataclass(frozen=True)
+class RolloutLogSettings(SettingsHome):
+    """Which training episodes are written to the rollout log (`mempo_trl.rollout_log`, docs/viewer.md), and how
+    many; an invalid value raises `ValueError`.
+
+    Example:
+        >>> RolloutLogSettings(rollout_log_steps=10).rollout_log_episodes
+        16
+    """
+
+    rollout_log_steps: int = setting(
+        0,
+        "Write the episodes of every N-th training step, every round with its memory, action, result, rewards, "
+        "P_mem, P_full and advantages, to output_dir/rollouts/step-NNNNNN.jsonl (`mempo-trl view` shows them); "
+        "0: off.",
+        minimum=0,
+    )
+    rollout_log_episodes: int = setting(
+        16, "Episodes written per logged step at most (the main process's first ones).", minimum=1
+    )
+
+
 def field_type_problems(config, strict: bool = False) -> list[str]:
     """One sentence per field of `config` whose value does not fit its declared `int` or `float` type.
 

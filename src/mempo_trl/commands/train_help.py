@@ -10,7 +10,7 @@ usually sets are listed by name. `--help_all` prints TRL's full parser help (eve
 from dataclasses import MISSING, fields
 
 from mempo_trl.protocol import TurnProtocol
-from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings
+from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings, RolloutLogSettings
 
 
 COMMON_TRL_FIELDS = (
@@ -43,6 +43,7 @@ SETTINGS_HOMES = (
     (TurnProtocol, ("action", "max_completion_length", "chat_template_kwargs")),
     (MemoryRewardSettings, ()),
     (DynamicSamplingSettings, ()),
+    (RolloutLogSettings, ()),
 )
 """The classes whose fields `MemPOConfig` re-exposes flat (`flat_field`), each with the fields it keeps to itself:
 the turn protocol's ``action`` follows the retriever or environment, and ``max_completion_length`` and
