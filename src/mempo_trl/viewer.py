@@ -104,32 +104,32 @@ def read_trajectories(path: Path, notices: list[str]) -> list[dict]:
 
 def load_episodes(source: str | Path) -> Loaded:
     """The episodes of ``source``: a run directory (``rollouts/step-*.jsonl``), a ``rollouts/`` folder, one step
-    file, an ``eval`` output directory or its ``trajectories.jsonl``."""
+    file, an ``eval`` output directory or its ``trajectories.jsonl``; `ViewerError` when it holds none."""
     path, notices = Path(source), []
     if not path.exists():
         raise ViewerError(f"{path}: no such file or directory; pass a run directory, a rollout log or an eval output.")
-    if path.is_file():
-        if STEP_FILES.fullmatch(path.name):
-            return Loaded("training", read_step_log(path, notices), notices)
-        return Loaded("eval", read_trajectories(path, notices), notices)
-    if (path / TRAJECTORIES_FILE).is_file():
-        return Loaded("eval", read_trajectories(path / TRAJECTORIES_FILE, notices), notices)
-    folder = path / ROLLOUTS_DIR if (path / ROLLOUTS_DIR).is_dir() else path
-    steps = sorted((p for p in folder.iterdir() if STEP_FILES.fullmatch(p.name)), key=lambda p: p.name)
-    if not steps:
-        if folder == path and not any(path.glob(".step-*")):
+    if path.is_file() and STEP_FILES.fullmatch(path.name):
+        loaded = Loaded("training", read_step_log(path, notices), notices)
+    elif path.is_file() or (path / TRAJECTORIES_FILE).is_file():
+        found = path if path.is_file() else path / TRAJECTORIES_FILE
+        loaded = Loaded("eval", read_trajectories(found, notices), notices)
+    else:
+        folder = path / ROLLOUTS_DIR if (path / ROLLOUTS_DIR).is_dir() else path
+        steps = sorted(p for p in folder.iterdir() if STEP_FILES.fullmatch(p.name))
+        if not steps and folder == path:
             raise ViewerError(
                 f"{path}: neither a run directory with a {ROLLOUTS_DIR}/ folder nor an eval output (no "
                 f"{TRAJECTORIES_FILE}): train with --rollout_log_steps N to log rollouts, or pass a rollout log."
             )
-        raise ViewerError(
-            f"{folder}: no logged steps (no step-NNNNNN.jsonl): the run ended before its first logged step "
-            "(rollout_log_steps), or logged none."
-        )
-    episodes = [episode for step in steps for episode in read_step_log(step, notices)]
-    if not episodes:
-        raise ViewerError(f"{folder}: its {len(steps)} step file(s) hold no episodes.")
-    return Loaded("training", episodes, notices)
+        if not steps:
+            raise ViewerError(
+                f"{folder}: no logged steps (no step-NNNNNN.jsonl): the run ended before its first logged step "
+                "(rollout_log_steps), or logged none."
+            )
+        loaded = Loaded("training", [e for step in steps for e in read_step_log(step, notices)], notices)
+    if not loaded.episodes:
+        raise ViewerError(f"{path}: its logs hold no episodes. {' '.join(notices)}".strip())
+    return loaded
 
 
 def split_passages(information: str | None) -> list[str]:
