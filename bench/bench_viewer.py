@@ -89,7 +89,7 @@ def synthetic_log(real: list[dict], folder: Path, episodes: int, per_step: int =
             record.update(step=step, question=f"{record['question']} (#{n})")
             for r in record["rounds"]:
                 r["mem"] = r["mem"] and f"{r['mem']} #{n}"
-                if r["information"]:
+                if r.get("information"):
                     r["information"] = re.sub(r"\)", f") #{n}", r["information"])
             records.append(record)
         write_step_log(folder, step, {"context_mode": "memory", "num_generations": 4}, records)
