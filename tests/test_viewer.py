@@ -197,18 +197,22 @@ def test_a_cut_last_line_and_missing_episodes_are_said_on_the_page(tmp_path, cap
 # ---------------------------------------------------------------- a real run and a real eval, in a real browser
 
 
-@pytest.fixture(scope="module")
-def real_outputs(tmp_path_factory):
-    """A 2-step training run of the shipped learner (8 episodes a step, rollout log on every step, 6 episodes kept)
-    and an eval of it in both context modes on 5 held-out questions."""
-    root = tmp_path_factory.mktemp("viewer_run")
-    kit, run, evaluation = root / "kit", root / "run", root / "eval"
-    assert main(["kit", "learner", "--output_dir", str(kit)]) == 0
+def _train_argv(kit: Path, run: Path) -> list[str]:
+    """A 2-step training run of the shipped learner: 8 episodes a step, a checkpoint after each, the rollout log on
+    every step with 6 episodes kept."""
     world = kit / "world"
     argv = ["train", "--config", str(QUICKSTART), "--model_name_or_path", str(kit / "model"), "--output_dir", str(run)]
     argv += ["--dataset_name", str(world), "--corpus", str(world / "corpus.jsonl"), "--heldout_questions", "0"]
-    argv += ["--max_steps", "2", "--per_device_train_batch_size", "8", "--rollout_log_steps", "1"]
-    assert main([*argv, "--rollout_log_episodes", "6"]) == 0
+    argv += ["--max_steps", "2", "--per_device_train_batch_size", "8", "--save_strategy", "steps", "--save_steps", "1"]
+    return [*argv, "--rollout_log_steps", "1", "--rollout_log_episodes", "6"]
+
+
+def _real_outputs(root: Path) -> tuple[Path, Path]:
+    """The training run of `_train_argv` and an eval of its model in both context modes on 5 held-out questions."""
+    kit, run, evaluation = root / "kit", root / "run", root / "eval"
+    assert main(["kit", "learner", "--output_dir", str(kit)]) == 0
+    world = kit / "world"
+    assert main(_train_argv(kit, run)) == 0
     argv = ["eval", "--model_name_or_path", str(run), "--dataset_name", str(world / "test.jsonl"), "--corpus"]
     argv += [str(world / "corpus.jsonl"), "--output_dir", str(evaluation), "--max_eval_samples", "5"]
     assert main([*argv, "--context_mode", "both", "--disable_tqdm", "true"]) == 0
@@ -221,11 +225,9 @@ def _pool_advantages(values: list[float], eps: float) -> list[float]:
     return [(v - mean) / (std + eps) if std > 0 else v - mean for v in values]
 
 
-@pytest.mark.slow
-def test_the_log_of_a_real_run_holds_the_values_the_trainer_used(real_outputs):
+def _check_log(run: Path) -> None:
     """Per step: the header, 6 of the 8 episodes, every round; the first group's outcome advantages and memory
     advantages recomputed by hand from its logged rewards, the advantage on `<mem>` = outcome + coef x memory."""
-    run, _ = real_outputs
     assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step-000001.jsonl", "step-000002.jsonl"]
     scored = 0
     for step in (1, 2):
@@ -266,16 +268,20 @@ def _attribute(card: str, name: str) -> str:
     return re.search(rf'data-{name}="([^"]*)"', card).group(1)
 
 
-@pytest.fixture(scope="module")
-def browser():
-    if find_chromium() is None:
-        pytest.skip("no Chromium found (apt-get install chromium): the viewer's browser test needs one")
+def _check_resume(run: Path, kit: Path) -> None:
+    """Resumed from its step-1 checkpoint, the run plays step 2 again: step 2's file is replaced whole (a new file
+    renamed over it), step 1's is left as it was, and no temporary file is left."""
+    files = {step: step_file(run / "rollouts", step) for step in (1, 2)}
+    before = {step: path.stat().st_ino for step, path in files.items()}
+    assert main([*_train_argv(kit, run), "--resume_from_checkpoint", str(run / "checkpoint-1")]) == 0
+    assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["step-000001.jsonl", "step-000002.jsonl"]
+    assert files[1].stat().st_ino == before[1] and files[2].stat().st_ino != before[2]
+    head, *episodes = [json.loads(line) for line in files[2].read_text().splitlines()]
+    assert head["step"] == 2 and len(episodes) == head["episodes"] == 6
 
 
-@pytest.mark.slow
-def test_the_page_of_a_real_run_in_a_real_browser(real_outputs, browser, tmp_path, capsys):
+def _check_run_page(run: Path, tmp_path: Path, capsys) -> None:
     """The rounds, the numbers, the memory diff, the gold passages and the filters, as Chromium draws them."""
-    run, _ = real_outputs
     page = tmp_path / "run.html"
     assert main(["view", str(run), "--output", str(page)]) == 0
     assert "(12 episodes" in capsys.readouterr().out
@@ -323,9 +329,8 @@ def test_the_page_of_a_real_run_in_a_real_browser(real_outputs, browser, tmp_pat
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
 
 
-@pytest.mark.slow
-def test_the_page_of_a_real_eval_in_both_modes_sets_them_side_by_side(real_outputs, browser, tmp_path):
-    _, evaluation = real_outputs
+def _check_eval_page(evaluation: Path, tmp_path: Path) -> None:
+    """Each question's two context modes side by side, their context sizes and shown rounds; the outcome filter."""
     page = tmp_path / "eval.html"
     assert main(["view", str(evaluation), "--output", str(page)]) == 0
     records = [json.loads(line) for line in (evaluation / "trajectories.jsonl").read_text().splitlines()]
@@ -346,3 +351,16 @@ def test_the_page_of_a_real_eval_in_both_modes_sets_them_side_by_side(real_outpu
                 assert f"question + rounds {', '.join(map(str, searched))}, full_history" in card
     right = sum(any(by_mode[mode][i]["em"] == 1 for mode in by_mode) for i in range(5))
     assert len(re.split(r'(?=<div class="group)', dump_dom(page, "outcome=right"))[1:]) == right
+
+
+@pytest.mark.slow
+def test_a_real_run_and_its_eval_logged_resumed_and_seen_in_chromium(tmp_path, capsys):
+    """One test (the run is trained once, whatever the test workers): the log of a real run, its resume, and the
+    pages of the run and of its eval in headless Chromium, with a screenshot."""
+    run, evaluation = _real_outputs(tmp_path)
+    _check_log(run)
+    _check_resume(run, tmp_path / "kit")
+    if find_chromium() is None:
+        pytest.skip("no Chromium found (apt-get install chromium): the viewer's browser checks need one")
+    _check_run_page(run, tmp_path, capsys)
+    _check_eval_page(evaluation, tmp_path)
