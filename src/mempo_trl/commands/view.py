@@ -19,7 +19,13 @@ from mempo_trl.commands import CommandError, add_command, parse
 class ViewArguments:
     """Where the page goes."""
 
-    output: str = field(default="view.html", metadata={"help": "The HTML file to write (one file, no other)."})
+    output: str = field(
+        default="view.html",
+        metadata={
+            "help": "The HTML file to write (one file, no other) of SOURCE: a run directory (its rollouts/), a "
+            "rollouts/step-NNNNNN.jsonl file, an eval output directory or its trajectories.jsonl."
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
