@@ -1,7 +1,7 @@
 """Where a MemPO setting is declared once: its default, help, choices and bounds, as dataclass field metadata.
 
-`TurnProtocol` (`mempo_trl.protocol`), `MemoryRewardSettings` and `DynamicSamplingSettings` (here) declare their
-fields with `setting`;
+`TurnProtocol` (`mempo_trl.protocol`), `MemoryRewardSettings`, `DynamicSamplingSettings` and `RolloutLogSettings`
+(here) declare their fields with `setting`;
 `MemPOConfig` re-exposes them as flat fields (`flat_field`: the names recipes and TRL's parser use), the agent's
 override arguments are generated from them (`override_field`), `mempo-trl train --help` prints their help, and
 `setting_problems` is their one validation. No torch and no TRL are imported here, so that the CLI's help stays fast.

@@ -1,8 +1,8 @@
 """`mempo-trl train --help`: the fields a MemPO run is about, first and short, printed without importing torch.
 
 Every section is generated from the dataclasses that declare the fields, with their own help: MemPO's fields from
-their homes (`TurnProtocol`, `MemoryRewardSettings`, `DynamicSamplingSettings`, whose fields `MemPOConfig` re-exposes
-flat), the recipe's `ScriptArguments` (TRL's, with MemPO's additions), the retrieval options; the TRL fields a recipe
+their homes (`TurnProtocol`, `MemoryRewardSettings`, `DynamicSamplingSettings`, `RolloutLogSettings`, whose fields
+`MemPOConfig` re-exposes flat), the recipe's `ScriptArguments` (TRL's, with MemPO's additions), the retrieval options; the TRL fields a recipe
 usually sets are listed by name. `--help_all` prints TRL's full parser help (every field of `GRPOConfig`,
 `TrainingArguments` and `ModelConfig`).
 """
