@@ -364,3 +364,10 @@ def test_a_real_run_and_its_eval_logged_resumed_and_seen_in_chromium(tmp_path, c
         pytest.skip("no Chromium found (apt-get install chromium): the viewer's browser checks need one")
     _check_run_page(run, tmp_path, capsys)
     _check_eval_page(evaluation, tmp_path)
+
+
+def test_a_rollout_log_under_another_name_is_read_as_one(tmp_path):
+    """Found by its header, not its name: its episodes are training episodes, each its own (not paired by question)."""
+    path = _write_lines(tmp_path / "copy.jsonl", [{**HEADER, "episodes": 2}, _episode(step=1), _episode(step=1)])
+    loaded = viewer.load_episodes(path)
+    assert loaded.kind == "training" and [e["step"] for e in loaded.episodes] == [1, 1]

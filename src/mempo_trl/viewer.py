@@ -111,8 +111,8 @@ def load_episodes(source: str | Path) -> Loaded:
     if path.is_file() and STEP_FILES.fullmatch(path.name):
         loaded = Loaded("training", read_step_log(path, notices), notices)
     elif path.is_file() or (path / TRAJECTORIES_FILE).is_file():
-        found = path if path.is_file() else path / TRAJECTORIES_FILE
-        loaded = Loaded("eval", read_trajectories(found, notices), notices)
+        episodes = read_trajectories(path if path.is_file() else path / TRAJECTORIES_FILE, notices)
+        loaded = Loaded("training" if any("step" in e for e in episodes) else "eval", episodes, notices)
     else:
         folder = path / ROLLOUTS_DIR if (path / ROLLOUTS_DIR).is_dir() else path
         steps = sorted(p for p in folder.iterdir() if STEP_FILES.fullmatch(p.name))
