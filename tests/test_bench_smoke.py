@@ -135,3 +135,17 @@ def test_train_step_bench_realistic_batch_options(tiny_model_dir, one_thread):
     # wiki-length passages: MemPO's round-2 prompts hold three ~100-word passages
     assert shared["prefill_tokens"] > 4 * 3 * 100
     bench.print_tables(results)
+
+
+def test_the_viewer_bench_writes_distinct_synthetic_episodes_that_make_a_page(tmp_path):
+    from mempo_trl.viewer import load_episodes, page_data
+
+    bench = _load("bench_viewer")
+    information = "<information>Doc 1(Title: Ada) Ada was born in Ulm.</information>"
+    rounds = [{"prompt_tokens": 9, "mem": "m", "information": information}, {"prompt_tokens": 20, "mem": None}]
+    real = [{"question": "Where?", "golden_answers": ["Ulm"], "em": 1.0, "rounds": rounds}]
+    bench.synthetic_log(real, tmp_path / "rollouts", episodes=200)
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step-000001.jsonl", "step-000002.jsonl"]
+    data = page_data(load_episodes(tmp_path), "bench")
+    assert len(data["episodes"]) == 200 and len(data["passages"]) == 200
+    assert len({e["question"] for e in data["episodes"]}) == 200 and data["episodes"][7]["rounds"][0]["gold"]

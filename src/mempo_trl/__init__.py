@@ -58,6 +58,7 @@ _EXPORTS = {
     "check_adapter_files": "mempo_trl.loading",
     "evaluate": "mempo_trl.evaluation",
     "evaluate_objectives": "mempo_trl.sweep",
+    "build_page": "mempo_trl.viewer",
     "MemPOAgent": "mempo_trl.agent",
     "TurnProtocol": "mempo_trl.protocol",
     "AgentResult": "mempo_trl.agent",

@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from mempo_trl.protocol import TurnProtocol
-from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings, field_type_problems, flat_field
+from mempo_trl.settings import (
+    DynamicSamplingSettings,
+    MemoryRewardSettings,
+    RolloutLogSettings,
+    field_type_problems,
+    flat_field,
+)
 
 
 ROW_LEVEL_LOSSES = ("grpo", "dr_grpo", "sapo", "luspo")
@@ -150,6 +156,18 @@ class MemPOConfig(GRPOConfig):
         dynamic_sampling_max_rounds (`int`, *optional*, defaults to `3`):
             With `"refill"`: extra generation rounds per batch at most.
 
+        > Parameters that control the rollout log (docs/viewer.md)
+
+        rollout_log_steps (`int`, *optional*, defaults to `0`):
+            Every N-th training step, write its episodes, every round with its context length, `<mem>`, action,
+            result, answer, outcome reward, P_mem, P_full, memory reward and advantages, to
+            `output_dir/rollouts/step-NNNNNN.jsonl` (one file per step, written whole when the step ends; with
+            `report_to` wandb or trackio also as the table `rollouts`, one row per round). `mempo-trl view` turns
+            them into a page. `0`: off.
+        rollout_log_episodes (`int`, *optional*, defaults to `16`):
+            Episodes written per logged step at most: the main process's first ones (groups of `num_generations`
+            stay whole when it is a multiple).
+
     Every `loss_type` of TRL works, with one row per turn: a round is a sequence. Episodes have different numbers
     of turns, so the rows are padded with fully masked placeholder rows to keep every process in step. `"dapo"` (the
     default), `"bnpo"`, `"cispo"` and `"vespo"` normalise over real completion tokens, so placeholders change
@@ -186,6 +204,9 @@ class MemPOConfig(GRPOConfig):
     dynamic_sampling_tolerance: float = flat_field(DynamicSamplingSettings, "dynamic_sampling_tolerance")
     dynamic_sampling_max_rounds: int = flat_field(DynamicSamplingSettings, "dynamic_sampling_max_rounds")
 
+    rollout_log_steps: int = flat_field(RolloutLogSettings, "rollout_log_steps")
+    rollout_log_episodes: int = flat_field(RolloutLogSettings, "rollout_log_episodes")
+
     # TRL's GRPOConfig turns checkpointing on through `gradient_checkpointing`, a name transformers 5 deprecates (a
     # FutureWarning on every run); the same default under the current name, and an explicit old name still wins.
     activation_checkpointing: bool | None = field(
@@ -205,7 +226,7 @@ class MemPOConfig(GRPOConfig):
             raise ValueError("Invalid MemPOConfig:\n- " + "\n- ".join(problems))
         super().__post_init__()
         problems += TurnProtocol.problems(self) + MemoryRewardSettings.problems(self)
-        problems += DynamicSamplingSettings.problems(self)
+        problems += DynamicSamplingSettings.problems(self) + RolloutLogSettings.problems(self)
         if self.remove_unused_columns:
             problems.append(
                 "remove_unused_columns must be False: MemPOTrainer reads the dataset's own columns (`question`, "

@@ -43,7 +43,7 @@ RUN_NAMES = re.compile(
     r"README\.md|config\.json|generation_config\.json|(model|adapter_model)(-\d+-of-\d+)?\.safetensors|"
     r"(model|adapter_model)\.safetensors\.index\.json|pytorch_model.*\.bin|adapter_config\.json|"
     r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|vocab\.json|"
-    r"merges\.txt|chat_template\.(jinja|json)|training_args\.bin|base_model|runs|context_tokens\.png"
+    r"merges\.txt|chat_template\.(jinja|json)|training_args\.bin|base_model|runs|rollouts|context_tokens\.png"
 )
 """Names a run writes (many used by other things too: a project's README.md). One that no run recorded is never
 deleted, and never written over: a directory holding one is refused."""

@@ -1,7 +1,7 @@
 """Where a MemPO setting is declared once: its default, help, choices and bounds, as dataclass field metadata.
 
-`TurnProtocol` (`mempo_trl.protocol`), `MemoryRewardSettings` and `DynamicSamplingSettings` (here) declare their
-fields with `setting`;
+`TurnProtocol` (`mempo_trl.protocol`), `MemoryRewardSettings`, `DynamicSamplingSettings` and `RolloutLogSettings`
+(here) declare their fields with `setting`;
 `MemPOConfig` re-exposes them as flat fields (`flat_field`: the names recipes and TRL's parser use), the agent's
 override arguments are generated from them (`override_field`), `mempo-trl train --help` prints their help, and
 `setting_problems` is their one validation. No torch and no TRL are imported here, so that the CLI's help stays fast.
@@ -204,6 +204,28 @@ class DynamicSamplingSettings(SettingsHome):
     )
     dynamic_sampling_max_rounds: int = setting(
         3, "With `refill`: extra generation rounds per batch at most.", minimum=1
+    )
+
+
+@dataclass(frozen=True)
+class RolloutLogSettings(SettingsHome):
+    """Which training episodes are written to the rollout log (`mempo_trl.rollout_log`, docs/viewer.md), and how
+    many; an invalid value raises `ValueError`.
+
+    Example:
+        >>> RolloutLogSettings(rollout_log_steps=10).rollout_log_episodes
+        16
+    """
+
+    rollout_log_steps: int = setting(
+        0,
+        "Write the episodes of every N-th training step, every round with its memory, action, result, rewards, "
+        "P_mem, P_full and advantages, to output_dir/rollouts/step-NNNNNN.jsonl (`mempo-trl view` shows them); "
+        "0: off.",
+        minimum=0,
+    )
+    rollout_log_episodes: int = setting(
+        16, "Episodes written per logged step at most (the main process's first ones).", minimum=1
     )
 
 

@@ -32,6 +32,7 @@ from mempo_trl.rewards import (
     reward_inputs,
 )
 from mempo_trl.rollout import Episode, Rollout, RolloutEngine, TrainingRow
+from mempo_trl.rollout_log import ROLLOUTS_DIR, RolloutLog
 from mempo_trl.tasks import Task, make_task
 
 
@@ -150,6 +151,18 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
                 self.rollout_engine.check_first_contexts(rows, name)
         self._warned_no_target = self._warned_all_dropped = False
         self._step_account = StepAccount()
+        self.rollout_log = None
+        if args.rollout_log_steps:
+            header = {
+                "context_mode": protocol.context_mode,
+                "num_generations": self.num_generations,
+                "memory_coef": args.memory_coef,
+            }
+            directory = Path(args.output_dir) / ROLLOUTS_DIR
+            self.rollout_log = RolloutLog(
+                directory, args.rollout_log_steps, args.rollout_log_episodes, header, args.report_to
+            )
+            self.add_callback(self.rollout_log)
 
     @staticmethod
     def _check_arguments(model, retriever, args, environment_factory, task, kwargs: dict) -> tuple[MemPOConfig, Task]:
@@ -360,7 +373,8 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
     def _log_step(self, batch: RoundBatch, step: ScoredStep, advantages, scores: MemoryScores, scoring_seconds):
         """What `GRPOTrainer` logs (`_log_grpo_metrics`: the trajectories as completions), then MemPO's metrics
         (`mempo_trl.metrics`, each averaged over all processes; ``time/*``: the slowest process), and in training the
-        step's account (tokens and seconds, `training_step`)."""
+        step's account (tokens and seconds, `training_step`) and, with ``rollout_log_steps``, the main process's
+        episodes for the rollout log (`mempo_trl.rollout_log.RolloutLog`)."""
         trajectories = [
             "\n".join(
                 r.text + ("\n" + ep.cut_information.get(t, r.information) if r.information else "")
@@ -385,6 +399,9 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
             metrics[f"time/{name}"].append(value)
         if batch.mode == "train":
             self._step_account.add(batch.rows, timings, scoring_seconds)
+        if batch.mode == "train" and self.rollout_log is not None and self.accelerator.is_main_process:
+            step_number = self.state.global_step + 1
+            self.rollout_log.record(step_number, batch, step, advantages, scores, self.reward_func_names)
 
     # ------------------------------------------------------------------ TRL's loss and step
 
