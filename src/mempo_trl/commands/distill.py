@@ -108,6 +108,14 @@ def _check_same_run(out: Path, settings: dict, save: bool = False) -> None:
         path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def saved_group(out: Path, done: int, total: int) -> None:
+    """After a group of episodes is saved: the run has results of its own (`drop_set_aside`); say how far it is."""
+    from mempo_trl.outputs import drop_set_aside
+
+    drop_set_aside(out)
+    print(f"distill: {done}/{total} rows played", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     from mempo_trl.commands.eval import _versions
     from mempo_trl.distill import distill
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         keep=args.keep,
         min_share=args.min_share,
         save_every=args.save_every,
-        on_group=lambda done, total: print(f"distill: {done}/{total} rows played", flush=True),
+        on_group=lambda done, total: saved_group(out, done, total),
     )
     report = {
         **counts,
