@@ -312,6 +312,12 @@ def fingerprint(path: Path, times: bool = False, content: bool = True) -> str:
     return digest.hexdigest()[:16]
 
 
+def fingerprint_forms(path: Path, legacy: bool) -> tuple[str, ...]:
+    """The fingerprints of `path` a record can hold: by content, and in a record of an older version (`legacy`, no
+    `RECORD_VERSION`) also by size alone."""
+    return (fingerprint(path), fingerprint(path, content=False)) if legacy else (fingerprint(path),)
+
+
 def fingerprints(path: Path, times: bool = False) -> dict[str, str]:
     """`fingerprint` of each entry of `path` but the `RECORDS` (entries that vanish meanwhile are left out)."""
     found = {}
@@ -371,7 +377,7 @@ def run_outputs(directory: str | os.PathLike) -> list[str]:
     path = Path(directory)
     written = read_record(path) if path.is_dir() else None
     kept = read_json(path / RUN_GOING, "kept", list) if path.is_dir() else None
-    hashed = path.is_dir() and (read_json(path / RUN_RECORD, "version", int) or 1) >= RECORD_VERSION
+    legacy = path.is_dir() and (read_json(path / RUN_RECORD, "version", int) or 1) < RECORD_VERSION
     ours = [RUN_RECORD] * (written is not None) + [RUN_GOING] * (kept is not None)
     for name in entries(path) if ours else []:
         if name in RECORDS:
@@ -379,9 +385,7 @@ def run_outputs(directory: str | os.PathLike) -> list[str]:
         if name in (written or {}):
             try:
                 recorded = written[name]
-                proven = (
-                    fingerprint(path / name, content=hashed) == recorded if recorded else RUN_NAMES.fullmatch(name)
-                )
+                proven = recorded in fingerprint_forms(path / name, legacy) if recorded else RUN_NAMES.fullmatch(name)
             except OSError:
                 proven = False
         else:
