@@ -225,6 +225,18 @@ def test_h4_a_resume_never_deletes_a_checkpoint_no_run_recorded(tmp_path, capsys
     assert tree(out) == before
 
 
+def test_r_a_a_resume_never_rewrites_a_hard_linked_snapshot(tmp_path, capsys, finished):
+    """R-a: `cp -al run snapshot`, then resume the run: the snapshot keeps every byte."""
+    run, recipe = finished
+    out, snapshot = Path(shutil.copytree(run, tmp_path / "runH")), tmp_path / "snapshot"
+    shutil.copytree(out, snapshot, copy_function=os.link)
+    before = tree(snapshot)
+    argv = ["train", "--config", str(recipe), "--output_dir", str(out), "--max_steps", "2"]
+    assert main([*argv, "--resume_from_checkpoint", "true"]) == 0
+    assert "step 2/2" in capsys.readouterr().out and (out / "checkpoint-2").is_dir()
+    assert tree(snapshot) == before
+
+
 # ------------------------------------------------------------------------------------------ H5, H6
 
 

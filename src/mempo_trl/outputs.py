@@ -629,8 +629,33 @@ def claim_output_dir(
         what = "the later {names} of the run it continued before (a branch this resume abandons)"
         set_aside(path, later, f"resuming from {resume}", what)
     claim.earlier = set(run_outputs(path)) - set(RECORDS)
+    unshare_hard_links(path, sorted(claim.earlier))
     claim.before = fingerprints(path, times=True)
     return path
+
+
+UNSHARED_SIZE = 64 << 20
+"""Hard-linked files up to this size (bytes) are copied before a run writes beside them (`unshare_hard_links`)."""
+
+
+def unshare_hard_links(path: Path, names: list[str]) -> list[str]:
+    """Replace each regular file of `names` in `path` (a previous run's outputs a run going on there may rewrite)
+    that has other hard links (a `cp -al` or `rsync --link-dest` snapshot) and at most `UNSHARED_SIZE` bytes by a
+    copy of its own, so that the snapshot is never rewritten in place (transformers writes the weights to new files,
+    and a run never writes into a finished checkpoint). Returns the names copied (and says how many)."""
+    copied = []
+    for name in names:
+        info = (path / name).lstat()
+        if stat.S_ISREG(info.st_mode) and info.st_nlink > 1 and info.st_size <= UNSHARED_SIZE:
+            copy = path / f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+            shutil.copy2(path / name, copy)
+            os.replace(copy, path / name)
+            copied.append(name)
+    if copied:
+        print(
+            f"mempo-trl: {path}: copied {shown(copied)}, hard-linked elsewhere, so that this run writes none through"
+        )
+    return copied
 
 
 def release_output_dirs(ok: bool = False) -> None:
