@@ -99,8 +99,9 @@ class OutputArguments:
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
-            "help": "Replace the results of an earlier run in `output_dir` (they are deleted first; other files "
-            "there are kept), or write into a directory that holds other files."
+            "help": "Replace the results of an earlier run in `output_dir` (set aside, deleted once this run has "
+            "results of its own and put back if it ends without; other files there are kept), or write into a "
+            "directory that holds other files."
         },
     )
 

@@ -10,8 +10,8 @@ The teacher runs with transformers, vLLM (`--use_vllm`) or behind an OpenAI-comp
 `model_name_or_path` then gives only the tokenizer the contexts are measured with). Writes ``train.jsonl`` (one
 prompt-completion row per round of every kept episode, for `mempo-trl sft`), ``episodes.jsonl`` (every episode
 played), ``requests.jsonl`` (the API's answers), ``mempo_agent.json`` (the turn protocol played) and
-``distill_report.json``. Rerun the same command after a stop: it continues where it stopped and sends no request
-twice.
+``distill_report.json``. Rerun the same command after a stop: it continues where it stopped and sends no answered
+request again (one in flight when the run was killed is sent again).
 """
 
 import argparse

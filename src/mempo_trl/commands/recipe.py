@@ -51,9 +51,9 @@ class ScriptArguments(trl.ScriptArguments):
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
-            "help": "Replace the results of an earlier run in `output_dir` (deleted when training starts, once "
-            "the inputs are loaded; other files there are kept), or write into a directory that holds other "
-            "files. Without it (or `resume_from_checkpoint` of that run) such a directory is refused before "
+            "help": "Replace the results of an earlier run in `output_dir` (set aside, deleted once this run saves a "
+            "checkpoint or its model and put back if it ends without; other files there are kept), or write into a "
+            "directory that holds other files. Without it (or `resume_from_checkpoint` of that run) such a directory is refused before "
             "anything is loaded."
         },
     )
