@@ -506,7 +506,12 @@ def finish_interrupted(path: Path) -> None:
 
 
 def finish_interrupted_unless_held(path: Path) -> None:
-    """`finish_interrupted` of `path` unless a run (this process's included) holds it now (`claim_output_dir`)."""
+    """`finish_interrupted` of `path` unless a run (this process's included) holds it now (`claim_output_dir`) or
+    may: the run that set things aside there (`RUN_GOING`) ran on another machine (a lock may not reach across a
+    network file system), or its process is alive."""
+    host, pid = read_json(path / RUN_GOING, "host", str), read_json(path / RUN_GOING, "pid", int)
+    if (path / PREVIOUS_RUN).exists() and (host != socket.gethostname() or pid is None or process_alive(pid)):
+        return  # the next claim, which holds the lock, finishes it
     fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -518,10 +523,24 @@ def finish_interrupted_unless_held(path: Path) -> None:
         os.close(fd)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this machine (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def write_json(path: Path, value: dict) -> None:
     """Write `value` as the JSON file `path` at once (a temporary file renamed), unless it holds `value` already."""
-    if path.is_file() and read_json(path, next(iter(value)), object) == next(iter(value.values())):
-        return
+    try:
+        if json.loads(path.read_text(encoding="utf-8")) == value:
+            return
+    except (OSError, ValueError):
+        pass
     temporary = path.parent / f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     temporary.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
     os.replace(temporary, path)
@@ -622,7 +641,8 @@ def claim_output_dir(
     earlier = set(run_outputs(path)) - set(RECORDS)
     CLAIMS[key] = claim = OutputClaim(path, fd, {}, earlier, created)
     os.environ[HELD_ENV] = str(key)
-    write_json(path / RUN_GOING, {"kept": sorted(set(entries(path)) - set(RECORDS) - earlier)})
+    kept = sorted(set(entries(path)) - set(RECORDS) - earlier)
+    write_json(path / RUN_GOING, {"kept": kept, "host": socket.gethostname(), "pid": os.getpid()})
     if overwrite and not resumes_inside(path, resume):
         set_aside(path, sorted(earlier), "--overwrite_output_dir", "the previous run's {names}")
     else:
