@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_openai import FakeOpenAI
 from helpers import cpu_recipe, one_error_line, record_as_run
 
 from mempo_trl.cli import main
+from mempo_trl.data import read_jsonl
 from mempo_trl.outputs import PREVIOUS_RUN
 from mempo_trl.protocol import TurnProtocol
 
@@ -99,12 +101,25 @@ def test_h1_distill_overwrite_keeps_the_paid_distillation_when_the_dataset_is_a_
     out = tmp_path / "dk4"
     names = ("distill_report.json", "distill_settings.json", "episodes.jsonl", "requests.jsonl", "train.jsonl")
     before = previous_run(out, "mempo_agent.json", *names)
+    rows = read_jsonl(demo_paths.test)[:2]
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    teacher = FakeOpenAI({row["question"]: row["golden_answers"][0] for row in rows})
     argv = ["distill", "--model_name_or_path", str(tiny_model_dir), "--corpus", str(demo_paths.corpus)]
-    argv += ["--openai_base_url", "http://127.0.0.1:9/v1", "--openai_model", "teacher", "--keep", "format_valid"]
-    argv += ["--dataset_name", str(tmp_path / "nosuch.jsonl"), "--output_dir", str(out), "--overwrite_output_dir"]
-    assert main(argv) == 2
-    assert one_error_line(capsys) == f"error: {tmp_path / 'nosuch.jsonl'}: file not found."
-    assert tree(out) == before
+    argv += ["--openai_base_url", teacher.url, "--openai_model", "teacher", "--output_dir", str(out)]
+    argv += ["--overwrite_output_dir", "true", "--dataset_name"]
+    try:
+        assert main([*argv, str(tmp_path / "nosuch.jsonl")]) == 2
+        assert one_error_line(capsys) == f"error: {tmp_path / 'nosuch.jsonl'}: file not found."
+        assert tree(out) == before and not teacher.requests
+        # The right file: the previous distillation goes once the first group of episodes is saved.
+        assert main([*argv, str(tmp_path / "qa.jsonl")]) == 0
+    finally:
+        teacher.close()
+    printed = capsys.readouterr().out
+    removed = f"--overwrite_output_dir: removed the previous run's {', '.join(sorted(['mempo_agent.json', *names]))}"
+    assert printed.index(removed) < printed.index("distill: 2/2 rows played")
+    assert [row["id"] for row in read_jsonl(out / "episodes.jsonl")] == [row["id"] for row in rows]
+    assert (out / "notes.txt").read_text() == "mine" and not (out / PREVIOUS_RUN).exists()
 
 
 def test_h1_compose_overwrite_keeps_the_previous_rows_until_new_ones_are_written(tmp_path, capsys, demo_paths):
