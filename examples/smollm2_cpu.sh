@@ -4,8 +4,8 @@
 #   [RL_STEPS (1)] [EVAL_QUESTIONS (20)]; --model: the folder `mempo-trl kit smollm2` wrote (default: convert into
 #   RUN_DIR/model); $TRAIN_ARGS adds flags to `mempo-trl train`. A finished stage is skipped when run again (a
 #   stage whose final save was cut short is not finished), the SFT resumes from its checkpoint, and the RL from its
-#   newest complete checkpoint (`python3` must import mempo_trl). Each stage's output, the numbers included, is in
-#   RUN_DIR/*.log; RUN_DIR/summary.json has them all.
+#   newest complete checkpoint (found by the Python that runs $MEMPO; $PYTHON overrides). Each stage's output, the
+#   numbers included, is in RUN_DIR/*.log; RUN_DIR/summary.json has them all.
 # Cost with the defaults: ~34 min and ~3.2 GB on a loaded 2-core CPU (docs/training.md).
 set -euo pipefail
 COMMAND="$0 $*"
@@ -20,6 +20,15 @@ SFT_STEPS=${2:-24}
 RL_STEPS=${3:-1}
 EVAL_QUESTIONS=${4:-20}
 MEMPO=${MEMPO:-mempo-trl}
+if [ -z "${PYTHON:-}" ]; then  # the Python that runs $MEMPO (a venv's, activated or not): its script's #! line
+    PYTHON=${MEMPO%% *}
+    found=$(command -v "$PYTHON" || true)
+    if [ -n "$found" ] && [ "$(head -c 2 "$found")" = "#!" ]; then PYTHON=$(head -n 1 "$found" | cut -c 3- | cut -d " " -f 1); fi
+fi
+if ! "$PYTHON" -c 'import mempo_trl' 2>/dev/null; then
+    echo "error: $PYTHON (the Python of MEMPO=$MEMPO) cannot import mempo_trl: set PYTHON to one that can" >&2
+    exit 2
+fi
 WORLD=$RUN/learner/world
 mkdir -p "$RUN"
 
@@ -58,7 +67,7 @@ stage sft "$RUN/sft/warm_start.json" $MEMPO kit warm-start --model_name_or_path 
     --per_device_train_batch_size 2 --learning_rate 1e-4 --checkpoint_every 8
 evaluate after_sft "$RUN/sft" both
 RESUME=()  # the newest checkpoint that a kill did not cut short
-LAST=$(python3 -c 'import sys; from mempo_trl.checkpoints import newest_complete_checkpoint as n; print(n(sys.argv[1]) or "")' "$RUN/rl")
+LAST=$("$PYTHON" -c 'import sys; from mempo_trl.checkpoints import newest_complete_checkpoint as n; print(n(sys.argv[1]) or "")' "$RUN/rl")
 if [ -n "$LAST" ]; then RESUME=(--resume_from_checkpoint "$LAST"); fi
 stage rl "$RUN/rl/mempo_metrics.json" $MEMPO train --config "$(dirname "$0")/configs/smollm2_cpu.yaml" \
     --model_name_or_path "$RUN/sft" --output_dir "$RUN/rl" --max_steps "$RL_STEPS" --dataset_name "$WORLD" \
@@ -68,7 +77,7 @@ stage merge "$RUN/rl_merged/model.safetensors" $MEMPO merge-lora --model_name_or
 evaluate after_rl "$RUN/rl_merged" both
 # One summary of the run: EM, F1 and format-valid rate of every evaluation, the SFT and RL costs, machine and threads,
 # the command, and a note with the RL step's parts, the recipe's total time and its disk use.
-python3 - "$RUN" "$COMMAND" <<'PY'
+"$PYTHON" - "$RUN" "$COMMAND" <<'PY'
 import json, os, platform, re, sys
 from pathlib import Path
 run, command = Path(sys.argv[1]), sys.argv[2]

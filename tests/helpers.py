@@ -260,12 +260,9 @@ class ProcessTree:
 
 def record_as_run(directory: Path, *names: str) -> None:
     """Write ``directory/_mempo_outputs.json`` as a run that wrote `names` there records them (with fingerprints)."""
-    import json
+    from mempo_trl.outputs import fingerprint, write_record
 
-    from mempo_trl.outputs import RUN_RECORD, fingerprint
-
-    record = {"written": {name: fingerprint(directory / name) for name in names}}
-    (directory / RUN_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    write_record(directory, {name: fingerprint(directory / name) for name in names})
 
 
 def turn(mem: str, action: str, content: str) -> str:

@@ -102,7 +102,7 @@ def test_a_tampered_or_edited_record_never_deletes_a_users_file(tmp_path, capsys
     (out / "_mempo_outputs.json").write_text(json.dumps(tampered))
     argv = ["train", "--config", str(finished[1]), "--output_dir", str(out), "--max_steps", "1"]
     assert main([*argv, "--save_strategy", "no", "--overwrite_output_dir", "true"]) == 0
-    removed = next(line for line in capsys.readouterr().out.splitlines() if "--overwrite_output_dir" in line)
+    removed = next(line for line in capsys.readouterr().out.splitlines() if "removed the previous run" in line)
     assert removed == (
         "--overwrite_output_dir: removed the previous run's README.md, chat_template.jinja, checkpoint-1, "
         f"checkpoint-2, config.json, generation_config.json, mempo_agent.json, mempo_metrics.json, model.safetensors, "

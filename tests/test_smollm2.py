@@ -242,12 +242,12 @@ else:  # kit smollm2, merge-lora
 """
 
 
-def _recipe(tmp_path, *args: str) -> subprocess.CompletedProcess:
+def _recipe(tmp_path, *args: str, path: str = PYTHON_FIRST) -> subprocess.CompletedProcess:
     """examples/smollm2_cpu.sh with every `mempo-trl` command replaced by `FAKE_MEMPO` (it writes what each stage
     leaves and logs its arguments to calls.txt): the script's own wiring, in a second."""
     (tmp_path / "fake_mempo.py").write_text(FAKE_MEMPO)
     fake = f"{sys.executable} {tmp_path / 'fake_mempo.py'}"
-    env = {**os.environ, "PATH": PYTHON_FIRST, "MEMPO": fake, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PATH": path, "MEMPO": fake, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         ["bash", str(REPO / "examples" / "smollm2_cpu.sh"), *args],
         capture_output=True,
@@ -281,6 +281,19 @@ def test_smollm2_recipe_reuses_a_converted_model_and_summarises_like_the_committ
         done.stdout.strip().splitlines()[-1]
         == "after_rl: memory EM 0.200 format 0.400 | full_history EM 0.200 format 0.400"
     )
+
+
+def test_smollm2_recipe_runs_its_python_with_the_interpreter_of_mempo_not_a_bare_python3(tmp_path):
+    """R-g: with a `python3` first on PATH that has no mempo_trl (no venv activated), the RL stage still finds its
+    checkpoint and the summary is written: the script runs the Python of `$MEMPO` (here, this interpreter)."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text("#!/bin/sh\necho 'a python3 without mempo_trl' >&2\nexit 3\n")
+    (stub / "python3").chmod(0o755)
+    done = _recipe(tmp_path, "runs/smollm2", "2", "1", "5", path=f"{stub}{os.pathsep}{os.environ['PATH']}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "a python3 without mempo_trl" not in done.stderr
+    assert (tmp_path / "runs" / "smollm2" / "summary.json").is_file()
 
 
 @pytest.mark.parametrize("model", ["empty", None])

@@ -310,21 +310,13 @@ def format_heldout_result(point: Mapping[str, float]) -> str:
     return f"held-out evaluation at step {point['step']}: {' | '.join(parts)}{seconds}"
 
 
-class ReplaceAtFirstStep(TrainerCallback):
-    """Delete what a run replaces only when its first step begins, once data, corpus, model and the checkpoint it
-    resumes are loaded (a failed load deletes nothing): with `overwrite`, the previous run's outputs
-    (`mempo_trl.outputs.remove_run_outputs`), and, resuming an earlier checkpoint of `output_dir`, the later ones
-    (`drop_abandoned_checkpoints`)."""
+class DropSetAsideOnSave(TrainerCallback):
+    """Once a checkpoint is saved, the run has results of its own in place: delete what it set aside when it claimed
+    `output_dir` (`mempo_trl.outputs.drop_set_aside`: the previous run's outputs with `--overwrite_output_dir`, or
+    the later checkpoints a resume abandons), which until then is put back if the run ends without."""
 
-    def __init__(self, overwrite: bool):
-        self.overwrite, self.done = overwrite, False
+    def on_save(self, args, state, control, **kwargs):
+        from mempo_trl.outputs import drop_set_aside
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        from mempo_trl.outputs import drop_abandoned_checkpoints, remove_run_outputs, resumes_inside
-
-        if self.done or not state.is_world_process_zero:
-            return
-        self.done = True
-        if self.overwrite and not resumes_inside(args.output_dir, args.resume_from_checkpoint):
-            remove_run_outputs(args.output_dir)
-        drop_abandoned_checkpoints(args.output_dir, args.resume_from_checkpoint)
+        if state.is_world_process_zero:
+            drop_set_aside(args.output_dir)

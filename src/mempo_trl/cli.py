@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     from mempo_trl.outputs import release_output_dirs
 
     quiet_upstream_noise()
+    rc = None
     try:
-        return run(_dispatch, sys.argv[1:] if argv is None else argv)
+        rc = run(_dispatch, sys.argv[1:] if argv is None else argv)
+        return rc
     finally:
-        release_output_dirs()
+        release_output_dirs(ok=rc == 0)

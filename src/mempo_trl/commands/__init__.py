@@ -144,7 +144,7 @@ def add_command(subparsers: argparse._SubParsersAction, name: str, help: str, ma
     return parser
 
 
-def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None, replace_later: bool = False) -> tuple:
+def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None) -> tuple:
     """Parse `argv` (and `--config file.yaml`) into instances of `dataclass_types`, TRL-style.
 
     A bad argument raises `CommandError` (one `error:` line). A command with an `output_dir` also gets
@@ -152,8 +152,8 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None, re
     apart from the `INPUT_FIELDS` inputs and the recipe) here, before the command does any work, by the first process
     of a launched run; a ``resume_from_checkpoint``, or arguments whose ``resumes_output_dir`` is true
     (`mempo-trl distill`), continue the results there. With `--overwrite_output_dir` the previous run's outputs are
-    deleted here too, or with `replace_later` when the command calls `mempo_trl.outputs.replace_run_outputs` once its
-    inputs are checked.
+    set aside, deleted only once the command has results of its own and put back if it ends without
+    (`mempo_trl.outputs.claim_output_dir`): no command deletes anything before its inputs are read and checked.
 
     Example:
         >>> from mempo_trl.commands.retrieval import IndexArguments
@@ -162,7 +162,7 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None, re
     """
     from trl import TrlParser
 
-    from mempo_trl.outputs import OutputArguments, claim_output_dir, prepare_output_dir, replace_run_outputs
+    from mempo_trl.outputs import OutputArguments, claim_output_dir, prepare_output_dir
 
     names = {f.name for t in dataclass_types for f in fields(t)}
     writes = "output_dir" in names and "overwrite_output_dir" not in names
@@ -189,14 +189,13 @@ def parse(prog: str, dataclass_types: Sequence[type], argv: list[str] | None, re
             getattr(args, "resumes_output_dir", False) and not output.overwrite_output_dir
         )
         claim_output_dir(args.output_dir, overwrite=output.overwrite_output_dir, resume=resume, inputs=inputs)
-        if not replace_later:
-            replace_run_outputs(args.output_dir)
     return tuple(parsed)
 
 
 INPUT_FIELDS = {
     "model_name_or_path": "model",
     "base_model_name_or_path": "base model",
+    "adapter_base_model": "adapter's base model",
     "dataset_name": "dataset",
     "corpus": "corpus",
 }

@@ -67,6 +67,32 @@ def load_pool(sources: list[str], split: str, config: str | None) -> list[dict]:
     return rows
 
 
+def check_splits(sources: list[str], splits: list[str], pools: dict[str, list[dict]]) -> None:
+    """`DataError` when several ``splits`` are asked of a source without splits (one file), or two of them resolve to
+    the same rows (``pools``: the rows of each split): a composed test set would hold the training questions."""
+    from mempo_trl.data import DataError
+
+    if len(set(splits)) < len(splits):
+        raise DataError(f"--dataset_split {' '.join(splits)} names a split twice: name each once.")
+    if len(splits) > 1:
+        for source in sources:
+            if Path(source).is_file():
+                raise DataError(
+                    f"{source} is one file, which has no splits: --dataset_split {' '.join(splits)} would compose "
+                    f"its rows {len(splits)} times. Pass a directory holding {splits[0]}.jsonl and {splits[1]}.jsonl "
+                    "(FlashRAG-style), or compose each split from a file of its own."
+                )
+    seen: dict[tuple, str] = {}
+    for split, pool in pools.items():
+        rows = tuple((row["id"], row["question"]) for row in pool)
+        if rows in seen:
+            raise DataError(
+                f"{', '.join(sources)}: splits {seen[rows]} and {split} hold the same {len(pool)} rows, so one would "
+                "test on the other's questions. Pass sources whose splits differ."
+            )
+        seen[rows] = split
+
+
 def main(argv: list[str] | None = None) -> int:
     """`mempo-trl compose`: load and check every split, compose every K, write the rows and the report."""
     from mempo_trl.compose import compose_objectives, composition_report
@@ -74,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     (args,) = parse("mempo-trl compose", [ComposeArguments], argv)
     composed: dict[tuple[int, str], list[dict]] = {}
     report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "output_dir"}, "objectives": {}}
-    for split in args.dataset_split:  # everything is composed (and every error raised) before anything is written
-        pool = load_pool(args.dataset_name, split, args.dataset_config)
+    check_splits(args.dataset_name, args.dataset_split, {})
+    pools = {split: load_pool(args.dataset_name, split, args.dataset_config) for split in args.dataset_split}
+    check_splits(args.dataset_name, args.dataset_split, pools)
+    for split, pool in pools.items():  # everything is composed (and every error raised) before anything is written
         where = f"{', '.join(args.dataset_name)} [{split}]"
         for k in args.objectives:
             rows = compose_objectives(pool, k, seed=args.seed, max_rows=args.max_rows, source_name=where)

@@ -10,8 +10,8 @@ The teacher runs with transformers, vLLM (`--use_vllm`) or behind an OpenAI-comp
 `model_name_or_path` then gives only the tokenizer the contexts are measured with). Writes ``train.jsonl`` (one
 prompt-completion row per round of every kept episode, for `mempo-trl sft`), ``episodes.jsonl`` (every episode
 played), ``requests.jsonl`` (the API's answers), ``mempo_agent.json`` (the turn protocol played) and
-``distill_report.json``. Rerun the same command after a stop: it continues where it stopped and sends no request
-twice.
+``distill_report.json``. Rerun the same command after a stop: it continues where it stopped and sends no answered
+request again (one in flight when the run was killed is sent again).
 """
 
 import argparse
@@ -108,6 +108,14 @@ def _check_same_run(out: Path, settings: dict, save: bool = False) -> None:
         path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def saved_group(out: Path, done: int, total: int) -> None:
+    """After a group of episodes is saved: the run has results of its own (`drop_set_aside`); say how far it is."""
+    from mempo_trl.outputs import drop_set_aside
+
+    drop_set_aside(out)
+    print(f"distill: {done}/{total} rows played", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     from mempo_trl.commands.eval import _versions
     from mempo_trl.distill import distill
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         keep=args.keep,
         min_share=args.min_share,
         save_every=args.save_every,
-        on_group=lambda done, total: print(f"distill: {done}/{total} rows played", flush=True),
+        on_group=lambda done, total: saved_group(out, done, total),
     )
     report = {
         **counts,

@@ -30,7 +30,6 @@ from mempo_trl.commands import add_command, parse
 from mempo_trl.commands.ask import AgentArguments, load_agent
 from mempo_trl.context import CONTEXT_MODES
 from mempo_trl.evaluation import EvalResult, compare_modes, evaluate, plot_context_tokens
-from mempo_trl.outputs import replace_run_outputs
 from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 
 
@@ -225,7 +224,6 @@ def _sweep(agent, rows: list[list[dict]], modes: list[str], out: Path, settings:
     rows_by_k = dict(zip(settings["objectives"], rows))
     results = evaluate_objectives(agent, rows_by_k, modes, progress=progress)
     table = objectives_table(results)
-    replace_run_outputs(out)  # with --overwrite_output_dir: the previous results go once the new ones are ready
     with (out / TRAJECTORIES_FILE).open("w", encoding="utf-8") as f:
         for k, by_mode in results.items():
             for mode, result in by_mode.items():
@@ -261,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
         raise ImportError("mempo-trl eval draws context_tokens.png with matplotlib: pip install 'mempo_trl[eval]'.")
     agent_args, eval_args, retriever_args = parse(
-        "mempo-trl eval", [AgentArguments, EvalArguments, RetrieverArguments], argv, replace_later=True
+        "mempo-trl eval", [AgentArguments, EvalArguments, RetrieverArguments], argv
     )
     context_mode = None if agent_args.context_mode == "both" else agent_args.context_mode
     if eval_args.environment:
@@ -309,7 +307,6 @@ def main(argv: list[str] | None = None) -> int:
         start = time.time()
         results = [evaluate(agent, rows, context_mode=m, progress=not eval_args.disable_tqdm) for m in modes]
     comparison = compare_modes(*results) if len(results) == 2 else None
-    replace_run_outputs(out)  # with --overwrite_output_dir: the previous results go once the new ones are ready
     with (out / TRAJECTORIES_FILE).open("w", encoding="utf-8") as f:
         for result in results:
             for record in result.records:

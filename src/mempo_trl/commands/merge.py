@@ -24,6 +24,20 @@ class MergeArguments:
         },
     )
 
+    @property
+    def adapter_base_model(self) -> str | None:
+        """The base model the adapter's `adapter_config.json` names, where it resolves to a directory
+        (`resolve_base_model`): an input `output_dir` must stay apart from (`mempo_trl.commands.INPUT_FIELDS`)."""
+        import json
+
+        if self.base_model_name_or_path:
+            return None
+        try:
+            recorded = json.loads(Path(self.model_name_or_path, "adapter_config.json").read_text(encoding="utf-8"))
+            return resolve_base_model(self.model_name_or_path, recorded["base_model_name_or_path"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # no adapter, or not one: the command says so once the output directory is checked
+
 
 def resolve_base_model(adapter: str | Path, recorded: str) -> str:
     """The base model of ``adapter``: ``recorded`` (its `adapter_config.json`) when that is a directory or a Hub id,

@@ -51,9 +51,9 @@ class ScriptArguments(trl.ScriptArguments):
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
-            "help": "Replace the results of an earlier run in `output_dir` (deleted when training starts, once "
-            "the inputs are loaded; other files there are kept), or write into a directory that holds other "
-            "files. Without it (or `resume_from_checkpoint` of that run) such a directory is refused before "
+            "help": "Replace the results of an earlier run in `output_dir` (set aside, deleted once this run saves a "
+            "checkpoint or its model and put back if it ends without; other files there are kept), or write into a "
+            "directory that holds other files. Without it (or `resume_from_checkpoint` of that run) such a directory is refused before "
             "anything is loaded."
         },
     )
@@ -330,6 +330,7 @@ def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> d
     from mempo_trl.commands import error_message
     from mempo_trl.interruptions import NonFiniteError, PeerLost, TrainingStopped, is_peer_lost, peer_lost_message
     from mempo_trl.model_card import heldout_summary
+    from mempo_trl.outputs import drop_set_aside
     from mempo_trl.retrieval import RetrievalError, RetrieverOutage
 
     check_room_to_save(trainer)
@@ -338,6 +339,7 @@ def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> d
     try:
         result = trainer.train(resume_from_checkpoint=resume)
     except (RetrievalError, NonFiniteError) as err:
+        end_progress_bar(trainer)  # the error's line starts a line of its own
         when = "once the server answers again" if isinstance(err, RetrieverOutage) else "once that is fixed"
         if trainer.state.global_step <= start:  # no step ran here: nothing to save (and never over `resume`)
             message = f"training stopped: {str(err).rstrip('.')}. No step had finished; {when}, rerun."
@@ -379,6 +381,8 @@ def _train_and_save(trainer, training_args, dataset_name: str | None, stop) -> d
     if trainer.is_world_process_zero():
         begin_final_save(training_args.output_dir, trainer.state.global_step)
     save_model_or_rescue(trainer, training_args.output_dir)
+    if trainer.is_world_process_zero():
+        drop_set_aside(training_args.output_dir)  # the trained model is in place
     stopped_by = evaluate_after_training(trainer, stop)
     metrics = {**result.metrics, **trainer.final_metrics()}
     metrics.update(heldout_summary(trainer.callback_handler.callbacks) or {})
@@ -441,8 +445,11 @@ def save_checkpoint_and_release(trainer) -> Path:
     """Save a checkpoint of the last finished step, then `release_process_groups` (no process exits, and gets the
     others killed, before all saved)."""
     from mempo_trl.checkpoints import save_checkpoint_now
+    from mempo_trl.outputs import drop_set_aside
 
     checkpoint = save_checkpoint_now(trainer)
+    if trainer.is_world_process_zero():
+        drop_set_aside(trainer.args.output_dir)  # the run has a checkpoint of its own now
     release_process_groups(trainer)
     return checkpoint
 
@@ -549,9 +556,9 @@ def main(script_args: ScriptArguments, training_args, model_args, retriever_args
     if changes and int(os.environ.get("RANK", "0")) == 0:
         print(changes)
     trainer = build_trainer(script_args, training_args, model_args, retriever_args)
-    from mempo_trl.callbacks import ReplaceAtFirstStep
+    from mempo_trl.callbacks import DropSetAsideOnSave
 
-    trainer.add_callback(ReplaceAtFirstStep(script_args.overwrite_output_dir))
+    trainer.add_callback(DropSetAsideOnSave())
     metrics = train(trainer, training_args, script_args.dataset_name)
     if int(os.environ.get("RANK", "0")) == 0:
         print(end_of_run(trainer, training_args.output_dir, metrics))

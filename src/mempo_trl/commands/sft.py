@@ -30,9 +30,14 @@ class SFTDataArguments:
     )
 
 
+ROW_EXAMPLE = '{"prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", ...}]}'
+"""What a row of a distill output's train.jsonl looks like (shown by errors)."""
+
+
 def distilled_rows(dataset_name: str):
-    """``(rows path, TurnProtocol)`` of a distill output; `DataError` when either is missing."""
-    from mempo_trl.data import DataError
+    """``(rows path, TurnProtocol)`` of a distill output; `DataError` when either is missing, or when the rows file
+    holds no row or a line that is not a JSON object (a cut last line), naming the line."""
+    from mempo_trl.data import DataError, iter_jsonl
     from mempo_trl.distill import ROWS_FILE
     from mempo_trl.protocol import PROTOCOL_FILE, TurnProtocol
 
@@ -46,6 +51,8 @@ def distilled_rows(dataset_name: str):
             f"{rows.parent} has no {PROTOCOL_FILE}: sft saves the turn protocol its rows were played with; pass a "
             "`mempo-trl distill` output directory."
         )
+    if not sum(1 for _ in iter_jsonl(rows, expected=ROW_EXAMPLE)):  # every line read: a cut one is named
+        raise DataError(f"{rows} holds no rows: distill kept no episode (see distill_report.json).")
     return rows, protocol
 
 
@@ -86,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config
 
     from mempo_trl.agent import load_chat_tokenizer
+    from mempo_trl.callbacks import DropSetAsideOnSave
     from mempo_trl.loading import check_model_path
+    from mempo_trl.outputs import drop_set_aside
     from mempo_trl.processes import end_with_parent
 
     end_with_parent()  # started by a run's process (`child_env`): it ends when that one dies
@@ -110,11 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         train_dataset=dataset.select_columns(["prompt", "completion"]),
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
+        callbacks=[DropSetAsideOnSave()],
     )
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     if int(os.environ.get("RANK", "0")) == 0:
         protocol.save(training_args.output_dir)
+        drop_set_aside(training_args.output_dir)  # the model is in place
         losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
         print(
             json.dumps(

@@ -289,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: python -m mempo_trl.kit {{{','.join(commands)}}} ... (see `mempo-trl kit --help`)")
         return 0 if argv and argv[0] in ("-h", "--help") else USAGE_EXIT
     quiet_upstream_noise()
+    rc = None
     try:
-        return run(commands[argv[0]][1], argv[1:])
+        rc = run(commands[argv[0]][1], argv[1:])
+        return rc
     finally:
-        release_output_dirs()
+        release_output_dirs(ok=rc == 0)
