@@ -67,7 +67,8 @@ class MemPOConfig(GRPOConfig):
             `vllm_max_model_length` (with vLLM, when set) or the model's `max_position_embeddings`, minus
             `max_completion_length` (vLLM rejects such prompts). `"end_episode"`: the episode ends before that round
             (no answer, so outcome 0), counted in the `episode/context_overflow` metric. `"truncate_information"`:
-            the tail of the `<information>` blocks in the context is cut first (oldest first in `full_history` mode),
+            the tail of the results in the context (`<information>` blocks, tool results) is cut first (oldest
+            first in `full_history` mode; the task renders what is left, `Task.render_result`),
             and the episode ends only if that is not enough. A first-round context that does not fit is an error.
             The same applies to `max_context_tokens` when it is the smaller limit.
         max_context_tokens (`int` or `None`, *optional*, defaults to `None`):

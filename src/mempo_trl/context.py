@@ -105,16 +105,33 @@ def _field(passage: Any, key: str) -> str:
     return str(value).strip()
 
 
-def render_information(passages: Sequence[Any]) -> str:
-    """Search-R1 style result message; passages have ``.title``/``.text`` or are dicts with those keys.
+def passages_text(passages: Sequence[Any]) -> str:
+    """The text of a search result, Search-R1 style; passages have ``.title``/``.text`` or are dicts with those keys.
+    An empty result list is ``No results.``.
 
-    An empty result list renders as ``<information>No results.</information>``.
-
-    >>> render_information([{"title": "Ulm", "text": "A city."}, {"title": "B", "text": "C."}])
-    '<information>Doc 1(Title: Ulm) A city.\\nDoc 2(Title: B) C.</information>'
+    >>> passages_text([{"title": "Ulm", "text": "A city."}, {"title": "B", "text": "C."}])
+    'Doc 1(Title: Ulm) A city.\\nDoc 2(Title: B) C.'
     """
     docs = [f"Doc {i}(Title: {_field(p, 'title')}) {_field(p, 'text')}" for i, p in enumerate(passages, start=1)]
-    return "<information>" + ("\n".join(docs) if docs else NO_RESULTS) + "</information>"
+    return "\n".join(docs) if docs else NO_RESULTS
+
+
+def information_block(text: str) -> str:
+    """The message a search result's ``text`` is shown as: ``<information>text</information>``.
+
+    >>> information_block("No results.")
+    '<information>No results.</information>'
+    """
+    return f"<information>{text}</information>"
+
+
+def render_information(passages: Sequence[Any]) -> str:
+    """Search-R1 style result message of ``passages``: `information_block` of their `passages_text`.
+
+    >>> render_information([{"title": "Ulm", "text": "A city."}])
+    '<information>Doc 1(Title: Ulm) A city.</information>'
+    """
+    return information_block(passages_text(passages))
 
 
 def render_gold_answer(

@@ -1,8 +1,9 @@
 """The task an agent acts in, behind one seam (`Task`): the search task (a retriever) and a TRL-style environment.
 
 `RolloutEngine`, `MemPOTrainer` and `MemPOAgent` play any `Task`: the task starts an episode from a dataset row, runs
-one round's actions (all of them at once: the search task answers them with one retriever call), names its action
-tags, checks its rows and sets the default reward functions before training, and says whether dynamic sampling may
+one round's actions (all of them at once: the search task answers them with one retriever call), renders their results
+as the messages contexts show (`render_result`: the rollout shortens a result's text, never its message), names its
+action tags, checks its rows and sets the default reward functions before training, and says whether dynamic sampling may
 play further rows (``can_refill``). For `mempo-trl train` it also reads its rows (`read_rows`), says whether the
 held-out evaluation plays it (``heldout``) and writes the model card's quick start (`usage`). A new kind of task is one
 class with these members (docs/environments.md, "Changing MemPO").
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mempo_trl.context import render_information
+from mempo_trl.context import information_block, passages_text
 from mempo_trl.data import load_qa, read_jsonl, validate_datasets
 from mempo_trl.environments import (
     EnvironmentFactory,
@@ -78,8 +79,12 @@ class Task(Protocol):
         """One `TaskStart` per row of a batch."""
 
     def act(self, environments: Sequence[Any], contents: Sequence[str], topk: int) -> list[str]:
-        """The result message of each action (``contents``: the text of each action block, ``environments`` those of
-        the episodes that wrote them), all of a round at once. A lost retriever raises `RetrieverOutage`."""
+        """The result of each action, as text (``contents``: the text of each action block, ``environments`` those
+        of the episodes that wrote them), all of a round at once. A lost retriever raises `RetrieverOutage`."""
+
+    def render_result(self, result: str) -> str:
+        """The message a context shows for the text of a result (`act`'s, or its shortened form ending ``" ..."``
+        when ``context_overflow="truncate_information"`` cut it)."""
 
     def action_problem(self, content: str) -> str | None:
         """Why an action block of a valid turn cannot be run (the turn is then invalid), or None."""
@@ -133,8 +138,12 @@ class SearchTask:
         return [TaskStart(row["question"]) for row in rows]
 
     def act(self, environments: Sequence[Any], contents: Sequence[str], topk: int) -> list[str]:
-        """One retriever call for all the round's queries; each result rendered as an ``<information>`` block."""
-        return [render_information(passages) for passages in self.retriever.search(list(contents), topk)]
+        """One retriever call for all the round's queries; each result's passages as text (`passages_text`)."""
+        return [passages_text(passages) for passages in self.retriever.search(list(contents), topk)]
+
+    def render_result(self, result: str) -> str:
+        """An ``<information>`` block (`information_block`)."""
+        return information_block(result)
 
     def action_problem(self, content: str) -> None:
         """Any query can be searched."""
@@ -208,6 +217,10 @@ class EnvironmentTask:
     def act(self, environments: Sequence[Any], contents: Sequence[str], topk: int) -> list[str]:
         """Each tool call run on its episode's instance (`call_tool`)."""
         return [call_tool(env, *parse_tool_call(content)) for env, content in zip(environments, contents)]
+
+    def render_result(self, result: str) -> str:
+        """The tool's result as it is (TRL's tool message)."""
+        return result
 
     def action_problem(self, content: str) -> str | None:
         """A ``<tool_call>`` that is not a JSON call."""
