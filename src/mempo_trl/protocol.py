@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from mempo_trl.context import (
     CONTEXT_MODES,
+    CONTEXT_RULES,
     DEFAULT_INSTRUCTION,
     DEFAULT_SYSTEM_PROMPT,
     ENVIRONMENT_INSTRUCTION,
@@ -55,7 +56,7 @@ class TurnProtocol:
     max_turns: int = setting(8, "Rounds per episode at most.", minimum=1)
     retrieval_topk: int = setting(3, "Passages returned for each search.", minimum=1)
     context_mode: ContextMode = setting(
-        "memory", "`memory` (MemPO) or `full_history` (Search-R1 baseline).", choices=CONTEXT_MODES
+        "memory", CONTEXT_RULES.help_text("Which earlier rounds a context shows:"), choices=CONTEXT_MODES
     )
     max_completion_length: int = setting(512, "Tokens per turn at most.", minimum=1)
     max_context_tokens: int | None = setting(
