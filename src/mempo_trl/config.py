@@ -4,7 +4,8 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
-from trl import GRPOConfig
+from transformers.utils import is_torch_bf16_gpu_available
+from trl import GRPOConfig, SFTConfig
 
 from mempo_trl.protocol import TurnProtocol
 from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings, field_type_problems, flat_field
@@ -256,3 +257,23 @@ class MemPOConfig(GRPOConfig):
             True
         """
         return {**self.__dict__, "hub_token": None}
+
+
+@dataclass
+class MemPOSFTConfig(SFTConfig):
+    """TRL's `SFTConfig` (for `mempo-trl sft`) with two defaults a CPU run needs: ``bf16`` only where the accelerator
+    supports it (TRL's default, bf16 on, stops a CPU run with transformers' "doesn't support bf16/gpu" error; a CPU
+    run trains in float32, as `mempo-trl train`'s CPU recipes), and checkpointing under its current name
+    ``activation_checkpointing`` (TRL's ``gradient_checkpointing=True`` warns on every run); an explicit value of
+    either still wins."""
+
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Deprecated alias of `activation_checkpointing`."}
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None and not self.fp16 and (self.use_cpu or not is_torch_bf16_gpu_available()):
+            self.bf16 = False
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True
+        super().__post_init__()

@@ -6,6 +6,7 @@ offline engine with the tags as stop strings. Both are given the same token ids 
 exactly the same prompts, and `mempo_trl.rollout.cut_after_action` cuts what they return by the same policy.
 """
 
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -79,6 +80,7 @@ class HFGenerator:
         self.top_p = top_p
         self.batch_size = batch_size
         self.on_batch: Callable[[int], None] | None = None  # called with each finished batch's size (progress bars)
+        self.on_turns: Callable[[int], None] | None = None  # during a batch: how many of its turns are written
         self.eos_token_ids = stop_token_ids(tokenizer, model.generation_config.eos_token_id, stops)
         self.stopping_criteria = action_stopping_criteria(tokenizer, stops)
         pad = tokenizer.pad_token_id
@@ -98,6 +100,7 @@ class HFGenerator:
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
         )
+        pad = self.pad_token_id
         # Similar lengths in one batch waste less padding; the order is restored at the end.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         completions: list[list[int]] = [[] for _ in prompts]
@@ -109,11 +112,14 @@ class HFGenerator:
                     batch = order[start : start + self.batch_size]
                     input_ids, attention_mask = pad_ids([prompts[i] for i in batch], self.pad_token_id)
                     width = input_ids.size(1)
+                    criteria = self.stopping_criteria
+                    if self.on_turns is not None:
+                        criteria = [*criteria, FinishedRows(self.on_turns, width, {*self.eos_token_ids, pad})]
                     output = self.model.generate(
                         input_ids=input_ids.to(self.model.device),
                         attention_mask=attention_mask.to(self.model.device),
                         generation_config=config,
-                        stopping_criteria=self.stopping_criteria,
+                        stopping_criteria=criteria,
                     )
                     for row, i in enumerate(batch):
                         completions[i] = strip_completion(output[row, width:].tolist(), self.eos_token_ids)
@@ -122,6 +128,22 @@ class HFGenerator:
         finally:
             self.model.train(was_training)
         return completions, None
+
+
+class FinishedRows:
+    """A stopping criterion that stops nothing: after each generated token it calls ``report`` with how many rows of
+    the batch have ended (their last token is an eos or the pad id that `generate` writes after the end), so that a
+    progress bar counts the turns written within one batch."""
+
+    def __init__(self, report: Callable[[int], None], width: int, end_ids: set[int]):
+        self.report, self.width, self.end_ids = report, width, sorted(end_ids)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        ended = torch.isin(input_ids[:, -1], torch.tensor(self.end_ids, device=input_ids.device))
+        self.report(int(ended.sum()) if input_ids.shape[1] > self.width else 0)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class VLLMGenerator:
@@ -167,6 +189,11 @@ class VLLMGenerator:
 
         self._tokens_prompt = TokensPrompt
         before = {p.pid for p in psutil.Process().children(recursive=True)}
+        print(
+            f"mempo-trl: starting vLLM's engine for {model_path} (minutes on a CPU; the first start compiles) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         self.llm = LLM(model=str(model_path), seed=seed, **llm_kwargs)
         self._reaper = Reaper(new_children(before))
         atexit.register(self.close)
