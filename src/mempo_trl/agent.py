@@ -72,7 +72,7 @@ class AgentResult:
 
     @classmethod
     def from_episode(cls, episode: Episode) -> "AgentResult":
-        turns = [
+        turns: list[dict[str, Any]] = [
             {
                 "mem": r.turn.mem,
                 "think": r.turn.think,
@@ -119,13 +119,13 @@ class MemPOAgent:
 
     def __init__(
         self,
-        tokenizer,
-        retriever,
+        tokenizer: Any,
+        retriever: Any,
         generator: GenerateFn,
         protocol: TurnProtocol | None = None,
         environment_factory: EnvironmentFactory | None = None,
         task: Task | None = None,
-    ):
+    ) -> None:
         try:
             self.task = make_task(retriever, environment_factory, task)
         except ValueError as err:
@@ -140,7 +140,7 @@ class MemPOAgent:
     def from_pretrained(
         cls,
         path_or_hub_id: str | Path,
-        retriever=None,
+        retriever: Any = None,
         *,
         environment_factory: EnvironmentFactory | None = None,
         task: Task | None = None,
@@ -194,6 +194,7 @@ class MemPOAgent:
             logger.warning("%s (%s of %s)", message, PROTOCOL_FILE, path)
         protocol = task.protocol(protocol)
         tokenizer = load_chat_tokenizer(path, revision=revision)
+        generator: Any  # a `GenerateFn` of one of the three backends
         if openai is not None:
             from mempo_trl.endpoint import OpenAIChatGenerator
 
@@ -283,11 +284,11 @@ class MemPOAgent:
     def __enter__(self) -> "MemPOAgent":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def load_chat_tokenizer(path: str, revision: str | None = None):
+def load_chat_tokenizer(path: str, revision: str | None = None) -> Any:
     """The tokenizer of a model (`mempo_trl.loading.load_tokenizer`); `AgentError` when it has no chat template."""
     from mempo_trl.loading import load_tokenizer
 
@@ -297,7 +298,7 @@ def load_chat_tokenizer(path: str, revision: str | None = None):
     return tokenizer
 
 
-def load_model(path: str, device: str | None = None, dtype: str = "auto", revision: str | None = None):
+def load_model(path: str, device: str | None = None, dtype: str = "auto", revision: str | None = None) -> Any:
     """A causal LM in eval mode on `device` (default: cuda when available)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -306,4 +307,4 @@ def load_model(path: str, device: str | None = None, dtype: str = "auto", revisi
         path, dtype=dtype if dtype == "auto" else getattr(torch, dtype), revision=revision
     )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers types `to`'s decorator without self

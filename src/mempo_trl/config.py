@@ -3,6 +3,7 @@
 import os
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig, SFTConfig
@@ -15,7 +16,7 @@ ROW_LEVEL_LOSSES = ("grpo", "dr_grpo", "sapo", "luspo")
 """TRL's loss types whose normaliser counts rows: `MemPOTrainer` leaves its placeholder rows out of it."""
 
 
-def truncated_sampling(config) -> list[str]:
+def truncated_sampling(config: Any) -> list[str]:
     """The sampling settings of ``config`` that truncate the distribution (``top_p < 1``, ``top_k > 0``,
     ``min_p > 0``), as ``name=value``.
 
@@ -193,11 +194,11 @@ class MemPOConfig(GRPOConfig):
     activation_checkpointing: bool | None = field(
         default=None, metadata={"help": "Recompute activations in the backward pass to save memory (default: on)."}
     )
-    gradient_checkpointing: bool | None = field(
+    gradient_checkpointing: bool | None = field(  # type: ignore[assignment]  # None: unset (TRL types it bool)
         default=None, metadata={"help": "Deprecated alias of `activation_checkpointing`."}
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True
         problems = field_type_problems(self)  # before GRPOConfig's own checks, which divide by num_generations
@@ -267,11 +268,11 @@ class MemPOSFTConfig(SFTConfig):
     ``activation_checkpointing`` (TRL's ``gradient_checkpointing=True`` warns on every run); an explicit value of
     either still wins."""
 
-    gradient_checkpointing: bool | None = field(
+    gradient_checkpointing: bool | None = field(  # type: ignore[assignment]  # None: unset (TRL types it bool)
         default=None, metadata={"help": "Deprecated alias of `activation_checkpointing`."}
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.bf16 is None and not self.fp16 and (self.use_cpu or not is_torch_bf16_gpu_available()):
             self.bf16 = False
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from mempo_trl.context import information_block, passages_text
 from mempo_trl.data import load_qa, read_jsonl, validate_datasets
@@ -64,14 +64,14 @@ class Task(Protocol):
         """The protocol this task is played with, from the one the settings give."""
 
     @staticmethod
-    def read_rows(path: str, split: str, config: str | None = None):
+    def read_rows(path: str, split: str, config: str | None = None) -> Any:
         """The rows of ``split`` of the data at ``path`` (a `datasets.Dataset`), as `mempo-trl train` reads them."""
 
-    def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
+    def prepare(self, reward_funcs: list | None, train_dataset: Any, eval_dataset: Any) -> tuple[list, Any, Any]:
         """Check the rows before any model is loaded; return the reward functions (``reward_funcs`` or the task's
         default) and the datasets."""
 
-    def questions(self, rows) -> list[str] | None:
+    def questions(self, rows: Any) -> list[str] | None:
         """The questions of the rows' first contexts, checked against the context limit when the data is loaded;
         None when they are only known at the start of an episode."""
 
@@ -105,7 +105,7 @@ class SearchTask:
     passes_environments = False
     heldout = True
 
-    def __init__(self, retriever):
+    def __init__(self, retriever: Any) -> None:
         if isinstance(retriever, str):  # a `load_retriever` spec
             from mempo_trl.retrieval import load_retriever
 
@@ -118,18 +118,18 @@ class SearchTask:
         return protocol
 
     @staticmethod
-    def read_rows(path: str, split: str, config: str | None = None):
+    def read_rows(path: str, split: str, config: str | None = None) -> Any:
         """Validated QA rows (`load_qa`); a ``split`` that is a file is read as its own QA file."""
         return load_qa(split) if Path(split).is_file() else load_qa(path, split=split, config=config)
 
-    def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
+    def prepare(self, reward_funcs: list | None, train_dataset: Any, eval_dataset: Any) -> tuple[list, Any, Any]:
         """Every row checked (`validate_qa_rows`); the default reward is `mempo_outcome_reward`."""
         from mempo_trl.rewards import mempo_outcome_reward
 
         train_dataset, eval_dataset = validate_datasets(train_dataset, eval_dataset)
         return (reward_funcs if reward_funcs is not None else [mempo_outcome_reward]), train_dataset, eval_dataset
 
-    def questions(self, rows) -> list[str]:
+    def questions(self, rows: Any) -> list[str]:
         """The rows' ``question`` column."""
         return list(rows["question"]) if hasattr(rows, "column_names") else [row["question"] for row in rows]
 
@@ -181,13 +181,13 @@ class EnvironmentTask:
         return protocol.for_environment()
 
     @staticmethod
-    def read_rows(path: str, split: str, config: str | None = None):
+    def read_rows(path: str, split: str, config: str | None = None) -> Any:
         """The reset rows of the .jsonl at ``path`` (one file: no splits)."""
         from datasets import Dataset
 
         return Dataset.from_list(read_jsonl(path))
 
-    def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
+    def prepare(self, reward_funcs: list | None, train_dataset: Any, eval_dataset: Any) -> tuple[list, Any, Any]:
         """`environment_reward_funcs`: the environments and the first row of each checked, ``get_reward`` added."""
         return (
             environment_reward_funcs(self.environment_factory, reward_funcs, train_dataset),
@@ -195,14 +195,15 @@ class EnvironmentTask:
             eval_dataset,
         )
 
-    def questions(self, rows) -> None:
+    def questions(self, rows: Any) -> None:
         """Known only from ``reset``."""
         return None
 
     def start(self, rows: Sequence[dict]) -> list[TaskStart]:
         """Instance k of the pool of each row's environment (`environment_name`) reset with the row: the question is
         the row's ``question`` and what ``reset`` returned (`task_text`)."""
-        starts, handed_out = [], defaultdict(int)
+        starts: list[TaskStart] = []
+        handed_out: defaultdict[str | None, int] = defaultdict(int)
         for row in rows:
             name = environment_name(row, self.factories)
             pool = self.pool[name]
@@ -216,7 +217,8 @@ class EnvironmentTask:
 
     def act(self, environments: Sequence[Any], contents: Sequence[str], topk: int) -> list[str]:
         """Each tool call run on its episode's instance (`call_tool`)."""
-        return [call_tool(env, *parse_tool_call(content)) for env, content in zip(environments, contents)]
+        calls = [cast(tuple[str, dict], parse_tool_call(content)) for content in contents]  # valid: `action_problem`
+        return [call_tool(env, *call) for env, call in zip(environments, calls)]
 
     def render_result(self, result: str) -> str:
         """The tool's result as it is (TRL's tool message)."""
@@ -235,7 +237,7 @@ class EnvironmentTask:
         return environment_usage(model_id, self.environment_factory)
 
 
-def make_task(retriever=None, environment_factory=None, task: Task | None = None) -> Task:
+def make_task(retriever: Any = None, environment_factory: Any = None, task: Task | None = None) -> Task:
     """The task of exactly one of ``task``, ``retriever`` (`SearchTask`) and ``environment_factory``
     (`EnvironmentTask`); `ValueError` otherwise."""
     given = [value is not None for value in (task, retriever, environment_factory)]
