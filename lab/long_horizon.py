@@ -99,7 +99,7 @@ from pathlib import Path
 import learning
 from learning import _machine, _versions, parse_overrides
 
-from mempo_trl.context import CONTEXT_MODES
+from mempo_trl.context import COMPARED_CONTEXT_MODES as CONTEXT_MODES  # the two reference rules
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
 
 
