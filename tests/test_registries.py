@@ -72,3 +72,20 @@ def test_a_taken_name_or_an_unknown_one_is_refused_naming_the_choices():
         registry.register("red", 2, "hot")
     with pytest.raises(ValueError, match=r"colour must be one of \('red',\), got 'blue'"):
         registry.resolve("blue")
+
+
+def test_the_generation_backends_are_a_registry(tiny_model_dir):
+    """`MemPOAgent.from_pretrained` builds its generator by name (`make_generator`); an unknown name is refused naming
+    the registered ones."""
+    from mempo_trl.generation import GENERATORS, GeneratorOptions, HFGenerator, make_generator
+    from mempo_trl.kit.tiny import load_tiny
+
+    assert tuple(GENERATORS) == ("transformers", "vllm", "openai")
+    tokenizer = load_tiny(tiny_model_dir)[1]
+    protocol = TurnProtocol(max_completion_length=7)
+    generator = make_generator(
+        "transformers", str(tiny_model_dir), tokenizer, protocol, GeneratorOptions(device="cpu")
+    )
+    assert isinstance(generator, HFGenerator) and generator.max_new_tokens == 7
+    with pytest.raises(ValueError, match=r"generation backend must be one of \('transformers', 'vllm', 'openai'\)"):
+        make_generator("tgi", str(tiny_model_dir), tokenizer, protocol, GeneratorOptions())

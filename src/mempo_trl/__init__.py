@@ -25,6 +25,7 @@ _EXPORTS = {
     "register_context_rule": "mempo_trl.context",
     "register_memory_reward": "mempo_trl.memory_rewards",
     "register_part_reward": "mempo_trl.memory_rewards",
+    "register_generator": "mempo_trl.generation",
     "parse_turn": "mempo_trl.turns",
     "Turn": "mempo_trl.turns",
     "render_information": "mempo_trl.context",

@@ -4,13 +4,19 @@
 tags as strings (`mempo_trl.stopping.action_stopping_criteria`, as the trainer's HF generation); `VLLMGenerator` runs vLLM's
 offline engine with the tags as stop strings. Both are given the same token ids by the rollout engine, so they see
 exactly the same prompts, and `mempo_trl.rollout.cut_after_action` cuts what they return by the same policy.
+
+The backends are a registry (`GENERATORS`: ``transformers``, ``vllm`` and ``openai``, the OpenAI-compatible chat
+API of `mempo_trl.endpoint`); `make_generator` builds one by name for `MemPOAgent.from_pretrained`.
 """
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mempo_trl.padding import pad_ids
+from mempo_trl.registry import Registry
 from mempo_trl.stopping import action_stopping_criteria
 from mempo_trl.turns import ACTION_STOPS, stop_token_ids
 
@@ -231,3 +237,99 @@ class VLLMGenerator:
         if engine_core is not None:
             engine_core.shutdown()
         self._reaper.close()
+
+
+@dataclass(frozen=True)
+class GeneratorOptions:
+    """What a generation backend is built with besides the model path, its tokenizer and the turn protocol (the
+    arguments of `MemPOAgent.from_pretrained` of the same names; ``openai``: `OpenAIChatGenerator`'s)."""
+
+    device: str | None = None
+    dtype: str = "auto"
+    revision: str | None = None
+    temperature: float = 0.0
+    batch_size: int = 16
+    seed: int = 0
+    vllm_kwargs: dict | None = None
+    openai: dict | None = None
+
+
+GENERATORS = Registry("generation backend")
+"""The generation backends by name (`register_generator`), each ``build(path, tokenizer, protocol, options)`` to a
+`GenerateFn`; `MemPOAgent.from_pretrained` picks one (``use_vllm``, ``openai``)."""
+
+
+def register_generator(name: str, build: Callable, help: str) -> Callable:
+    """Add a generation backend: ``build(path, tokenizer, protocol, options: GeneratorOptions)`` returns its
+    `GenerateFn`; ``help`` is its line in `GENERATORS.help_text`."""
+    return GENERATORS.register(name, build, help)
+
+
+def make_generator(backend: str, path: str, tokenizer: Any, protocol: Any, options: GeneratorOptions) -> Any:
+    """The `GenerateFn` of the backend ``backend`` names (`GENERATORS`) for the model at ``path``."""
+    return GENERATORS.resolve(backend)(path, tokenizer, protocol, options)
+
+
+def load_model(path: str, device: str | None = None, dtype: str = "auto", revision: str | None = None) -> Any:
+    """A causal LM in eval mode on `device` (default: cuda when available)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype if dtype == "auto" else getattr(torch, dtype), revision=revision
+    )
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device).eval()
+
+
+def transformers_generator(path: str, tokenizer: Any, protocol: Any, options: GeneratorOptions) -> HFGenerator:
+    """`HFGenerator` over the model at ``path`` (`load_model`), torch seeded with ``options.seed``."""
+    import torch
+
+    torch.manual_seed(options.seed)
+    model = load_model(path, device=options.device, dtype=options.dtype, revision=options.revision)
+    return HFGenerator(
+        model,
+        tokenizer,
+        protocol.max_completion_length,
+        options.temperature,
+        batch_size=options.batch_size,
+        stops=protocol.stops,
+    )
+
+
+def vllm_generator(path: str, tokenizer: Any, protocol: Any, options: GeneratorOptions) -> VLLMGenerator:
+    """`VLLMGenerator` over the model at ``path``; ``options.dtype`` (unless "auto") and ``vllm_kwargs`` go to
+    `vllm.LLM`."""
+    # vLLM's "auto" runs a float32 checkpoint in bfloat16 (fp16 on some GPUs): an explicit dtype holds for it too.
+    llm_kwargs = {"dtype": options.dtype} if options.dtype != "auto" else {}
+    return VLLMGenerator(
+        path,
+        tokenizer,
+        protocol.max_completion_length,
+        options.temperature,
+        seed=options.seed,
+        stops=protocol.stops,
+        **{**llm_kwargs, **(options.vllm_kwargs or {})},
+    )
+
+
+def openai_generator(path: str, tokenizer: Any, protocol: Any, options: GeneratorOptions) -> Any:
+    """`mempo_trl.endpoint.OpenAIChatGenerator` with ``options.openai``; ``path`` gave only the tokenizer."""
+    from mempo_trl.endpoint import OpenAIChatGenerator
+
+    return OpenAIChatGenerator(
+        tokenizer=tokenizer,
+        max_new_tokens=protocol.max_completion_length,
+        temperature=options.temperature,
+        seed=options.seed,
+        stops=protocol.stops,
+        **(options.openai or {}),
+    )
+
+
+register_generator("transformers", transformers_generator, "transformers' `model.generate` (the default)")
+register_generator("vllm", vllm_generator, "vLLM's offline engine (`use_vllm`)")
+register_generator(
+    "openai", openai_generator, "an OpenAI-compatible chat API (`openai`: the model path gives the tokenizer only)"
+)
