@@ -328,7 +328,7 @@ def write_world(out: Path, study: dict) -> dict[str, Path]:
     """The horizon world's corpus, warm and validation rows under ``out/world`` (reused when the settings match)."""
     from horizon_world import generate_horizon_world
 
-    from mempo_trl.kit.demo_world import _write_jsonl
+    from mempo_trl.kit.demo_world import write_jsonl
 
     world_dir = out / "world"
     paths = {name: world_dir / f"{name}.jsonl" for name in ("corpus", "warm", "validation")}
@@ -340,9 +340,9 @@ def write_world(out: Path, study: dict) -> dict[str, Path]:
         settings["seed"], settings["num_entities"], settings["rows_per_horizon"], tuple(settings["horizons"])
     )
     world_dir.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(paths["corpus"], world.passages)
+    write_jsonl(paths["corpus"], world.passages)
     for name in ("warm", "validation"):
-        _write_jsonl(paths[name], world.splits[name])
+        write_jsonl(paths[name], world.splits[name])
     marker.write_text(json.dumps({"world": settings}, indent=1))
     return paths
 
@@ -362,7 +362,7 @@ def warm_rows_file(out: Path, paths: dict, study: dict, retriever) -> Path:
     """The oracle's episodes of ``rows_per_k`` warm rows of each K as `mempo-trl distill` writes its rows
     (``train.jsonl``: one conversational prompt-completion row per round, ``mempo_agent.json`` beside it)."""
     from mempo_trl.data import read_jsonl
-    from mempo_trl.kit.demo_world import _write_jsonl
+    from mempo_trl.kit.demo_world import write_jsonl
     from mempo_trl.kit.warmstart import oracle_episode_turns
 
     warm = study["warm"]
@@ -397,7 +397,7 @@ def warm_rows_file(out: Path, paths: dict, study: dict, retriever) -> Path:
                 if information is not None:
                     history.append((text, information))
     random.Random(warm["seed"]).shuffle(examples)
-    _write_jsonl(data_dir / "train.jsonl", examples)
+    write_jsonl(data_dir / "train.jsonl", examples)
     protocol.save(data_dir)
     return data_dir
 

@@ -3,7 +3,7 @@ the demo world (`mempo_trl.kit.demo_world`), in splits that share no question an
 
 from dataclasses import dataclass, field
 
-from mempo_trl.kit.demo_world import _Builder
+from mempo_trl.kit.demo_world import WorldBuilder
 
 
 HORIZON_ATTRIBUTES = {
@@ -34,7 +34,7 @@ class HorizonWorld:
     words: list[str] = field(default_factory=list)
 
 
-def _horizon_row(builder: _Builder, keys: list[tuple[int, str]]) -> dict:
+def _horizon_row(builder: WorldBuilder, keys: list[tuple[int, str]]) -> dict:
     """A K-objective row: K single-hop questions, each about another entity, answered as ``v1; v2; ...; vK``."""
     facts = [builder.facts[key] for key in keys]
     row = builder._row(
@@ -76,7 +76,7 @@ def generate_horizon_world(
     if num_entities < 30:
         raise ValueError(f"num_entities must be at least 30 (two entities of every kind), got {num_entities}")
     counts = {"warm": 300, "rl": 120, "validation": 30, "test": 50, **(rows_per_horizon or {})}
-    builder = _Builder(seed, num_entities, distractor_rate)
+    builder = WorldBuilder(seed, num_entities, distractor_rate)
     builder.make_entities()
     builder.write_passages()
     builder.write_distractors()

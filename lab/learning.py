@@ -45,8 +45,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from mempo_trl.kit.learner import LEARNER_INSTRUCTION, LEARNER_SIZE, LEARNER_WARM, LearnerPaths
+from mempo_trl.kit.learner import LEARNER_INSTRUCTION, LEARNER_SIZE, MEM_DROP, LearnerPaths
 from mempo_trl.kit.warmstart import WARM_START_FILE, WarmSettings
+
+
+LEARNER_WARM = WarmSettings(steps=3000, batch_size=16, lr=3e-3, mem_drop=MEM_DROP, instruction=LEARNER_INSTRUCTION)
+"""The SFT warm start of the learner, the base of the shipped learner (`mempo_trl.kit.learner.shipped_learner`)."""
 
 
 ARMS = {
@@ -452,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # small tensors: one thread is fastest, and the machine is shared
     out = Path(args.out)
-    budget, warm = dict(BUDGET), asdict(learner.LEARNER_WARM)
+    budget, warm = dict(BUDGET), asdict(LEARNER_WARM)
     world, sizes = learner.LEARNER_WORLD, learner.SPLIT_SIZES
     if args.quick:
         budget.update(QUICK["budget"])

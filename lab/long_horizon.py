@@ -99,7 +99,7 @@ from pathlib import Path
 import learning
 from learning import _machine, _versions, parse_overrides
 
-from mempo_trl.context import CONTEXT_MODES
+from mempo_trl.context import COMPARED_CONTEXT_MODES as CONTEXT_MODES  # the two reference rules
 from mempo_trl.kit.learner import LEARNER_INSTRUCTION
 
 
@@ -378,12 +378,12 @@ def name_copy_nll(model, tokenizer, rows: list[dict], retriever, instruction: st
     """Does the model copy a name from the question? Teacher-forced NLL (nats) of the asked entity's name in the first
     search of each row's oracle episode: ``first`` (the name's first token: which entity) and ``later`` (the rest,
     given the first); a model that copies scores near 0, one that guesses a made-up word ~3-4."""
-    from mempo_trl.kit.warmstart import _subject, sft_examples
+    from mempo_trl.kit.warmstart import query_subject, sft_examples
 
     first, later = [], []
     for row in rows:
         prompt, completion = sft_examples([row], retriever, tokenizer, instruction=instruction, max_turns=99)[0]
-        name = tokenizer(" " + _subject(row["hop_queries"][0]), add_special_tokens=False)["input_ids"]
+        name = tokenizer(" " + query_subject(row["hop_queries"][0]), add_special_tokens=False)["input_ids"]
         start = _find(completion, name)
         nll = _completion_nll(model, prompt, completion)
         first.append(nll[start])
@@ -423,7 +423,7 @@ def prepare(out: Path, world: dict, warm: dict, device: str, learner: str = "kit
     into ``out/warm_model`` (cached: same size, settings and data), SmolLM2's by `smollm2_warm_starts`. Returns the
     world's paths and the warm model each context mode's arms start from."""
     from mempo_trl.data import read_jsonl
-    from mempo_trl.kit.demo_world import _write_jsonl
+    from mempo_trl.kit.demo_world import write_jsonl
 
     paths = write_world(out, world)
     if learner == "smollm2":
@@ -435,7 +435,7 @@ def prepare(out: Path, world: dict, warm: dict, device: str, learner: str = "kit
     pools = json.loads((out / "world" / "world.json").read_text())["pools"]
     paths["corpus_rl"] = out / "world" / "corpus_rl.jsonl"
     held_out = [name for split in HELD_OUT_SPLITS for name in pools[split]]
-    _write_jsonl(paths["corpus_rl"], rl_corpus(read_jsonl(paths["corpus"]), held_out))
+    write_jsonl(paths["corpus_rl"], rl_corpus(read_jsonl(paths["corpus"]), held_out))
     return paths, warm_dirs
 
 
@@ -443,7 +443,7 @@ def write_world(out: Path, world: dict) -> dict[str, Path]:
     """Write the world's corpus and splits under ``out/world`` (reused when ``world`` matches); return their paths."""
     from horizon_world import HORIZON_SPLITS
 
-    from mempo_trl.kit.demo_world import _write_jsonl
+    from mempo_trl.kit.demo_world import write_jsonl
 
     world_dir = out / "world"
     paths = {name: world_dir / f"{name}.jsonl" for name in ("corpus", *HORIZON_SPLITS)}
@@ -456,9 +456,9 @@ def write_world(out: Path, world: dict) -> dict[str, Path]:
 
             passages = wiki_length_corpus(passages, world["passage_words"], seed=world["seed"])
         world_dir.mkdir(parents=True, exist_ok=True)
-        _write_jsonl(paths["corpus"], passages)
+        write_jsonl(paths["corpus"], passages)
         for name in HORIZON_SPLITS:
-            _write_jsonl(paths[name], generated.splits[name])
+            write_jsonl(paths[name], generated.splits[name])
         marker.write_text(json.dumps({"world": world, "pools": generated.pools}, indent=1))
     return paths
 
@@ -749,7 +749,7 @@ def fresh_value(rng, answers: list[str]) -> tuple[list[str], dict[str, str]]:
         >>> fresh_value(random.Random(0), ["painter"])[0] != ["painter"]
         True
     """
-    from mempo_trl.kit.demo_world import _OCCUPATIONS
+    from mempo_trl.kit.demo_world import OCCUPATIONS
 
     match = _NUMBER.fullmatch(answers[0])
     if match:
@@ -760,8 +760,8 @@ def fresh_value(rng, answers: list[str]) -> tuple[list[str], dict[str, str]]:
             new = int(digits[0] + "".join(str(rng.randrange(10)) for _ in digits[1:]))
         forms = {f"{old:,}": f"{new:,}", str(old): str(new)}
         return [_revaluer(forms)(answer) for answer in answers], forms
-    if answers[0] in _OCCUPATIONS:
-        new_word = rng.choice([o for o in _OCCUPATIONS if o != answers[0]])
+    if answers[0] in OCCUPATIONS:
+        new_word = rng.choice([o for o in OCCUPATIONS if o != answers[0]])
         return [new_word], {answers[0]: new_word}
     return list(answers), {}
 
@@ -769,7 +769,7 @@ def fresh_value(rng, answers: list[str]) -> tuple[list[str], dict[str, str]]:
 def _revaluer(forms: dict[str, str]):
     """A function that rewrites, in one pass, every whole occurrence of each key of ``forms`` to its value: a number
     not inside a longer one, a word with its article made to agree ("a painter" -> "an engineer")."""
-    from mempo_trl.kit.demo_world import _article
+    from mempo_trl.kit.demo_world import article
 
     def alternatives(keys):
         return "|".join(re.escape(key) for key in sorted(keys, key=len, reverse=True))
@@ -787,7 +787,7 @@ def _revaluer(forms: dict[str, str]):
         if found.get("number"):
             return forms[found["number"]]
         new = forms[found["word"]]
-        return _article(new) if found["article"] else new
+        return article(new) if found["article"] else new
 
     return lambda text: pattern.sub(replace, text)
 

@@ -94,13 +94,13 @@ def checked_gate(study_out: Path, study: dict) -> dict:
 def rows_dir(out: Path, study_out: Path, study: dict, smoke: dict) -> Path:
     """``out/data/{train,validation}.jsonl``: the warm and validation rows of K = ``smoke["k"]``."""
     from mempo_trl.data import read_jsonl
-    from mempo_trl.kit.demo_world import _write_jsonl
+    from mempo_trl.kit.demo_world import write_jsonl
 
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     for split, source in (("train", "warm"), ("validation", "validation")):
         rows = read_jsonl(study_out / "world" / f"{source}.jsonl")
-        _write_jsonl(data / f"{split}.jsonl", [r for r in rows if r["data_source"] == f"horizon_{smoke['k']}"])
+        write_jsonl(data / f"{split}.jsonl", [r for r in rows if r["data_source"] == f"horizon_{smoke['k']}"])
     return data
 
 

@@ -13,7 +13,14 @@ from datasets import Dataset
 from helpers import cpu_config, scripted_scorers
 
 from mempo_trl import MemPOTrainer
-from mempo_trl.context import ENVIRONMENT_INSTRUCTION, initial_messages, render_prompt, round_messages
+from mempo_trl.context import (
+    CONTEXT_RULES,
+    ENVIRONMENT_INSTRUCTION,
+    initial_messages,
+    register_context_rule,
+    render_prompt,
+    round_messages,
+)
 from mempo_trl.environments import (
     EnvironmentConventionError,
     call_tool,
@@ -298,6 +305,27 @@ def test_full_history_on_key_vault_appends_every_turn_and_scores_no_memory(tiny_
     assert "memory/reward" not in metrics and metrics["memory/scored_rounds"][-1] == 0
     last_prompt = tokenizer.decode(out["prompt_ids"][3][out["prompt_mask"][3].bool()])
     assert last_prompt.count("holds code") == 3  # round 4 of episode 1 sees the three results
+
+
+@pytest.fixture
+def last_two():
+    """A context rule added as a user would: one `register_context_rule` call (removed after the test)."""
+    register_context_rule("last_two", lambda rounds: rounds[-2:], "the last two rounds")
+    yield "last_two"
+    CONTEXT_RULES.pop("last_two"), CONTEXT_RULES.helps.pop("last_two")
+
+
+def test_a_user_added_context_rule_shows_its_rounds_and_scores_memory(tiny_model_dir, tmp_path, monkeypatch, last_two):
+    rows = key_vault_rows(2, seed=0, num_boxes=3)
+    trainer, tokenizer = make_trainer(tiny_model_dir, tmp_path, monkeypatch, KeyVaultEnv, rows, last_two)
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([row for row in rows for _ in range(2)])
+    metrics = trainer._metrics["train"]
+    assert (
+        metrics["episode/em"][-1] == 1.0 and metrics["memory/scored_rounds"][-1] == 12 and "memory/reward" in metrics
+    )
+    last_prompt = tokenizer.decode(out["prompt_ids"][3][out["prompt_mask"][3].bool()])
+    assert last_prompt.count("holds code") == 2  # round 4 of episode 1 sees the last two results
 
 
 def test_safe_env_owns_the_reward_and_trains_on_the_outcome_only_with_a_warning(

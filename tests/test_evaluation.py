@@ -467,6 +467,40 @@ def test_hf_generator_reports_each_finished_batch(tiny_model_dir):
     assert sizes == [2, 1] and len(completions) == 3
 
 
+def test_progress_counts_the_turns_written_within_one_batch(tiny_model_dir):
+    """One batch of 3 prompts: the bar moves as each row ends (SmolLM2's recipe evaluates 20 questions in one batch,
+    and the bar showed 0/20 for the whole round)."""
+    from mempo_trl.evaluation import _Progress
+    from mempo_trl.generation import HFGenerator
+
+    model, tokenizer = load_tiny(tiny_model_dir)
+    generate = HFGenerator(model, tokenizer, max_new_tokens=6, batch_size=8)
+    eos, word = generate.eos_token_ids[0], tokenizer("a", add_special_tokens=False)["input_ids"][0]
+    ends = {0: 1, 1: 3, 2: 5}  # the step at which row k writes eos; before it, the token of "a"
+
+    def force_ends(input_ids, scores):
+        step = input_ids.shape[1] - 1
+        scores[:] = -float("inf")
+        for row, at in ends.items():
+            scores[row, eos if step == at else word] = 0.0
+        return scores
+
+    real = model.generate
+    model.generate = lambda **kw: real(**kw, logits_processor=[force_ends])
+    progress = _Progress(generate, total=3, max_turns=2, desc="eval", enabled=True)
+    seen = []
+    progress.bar.set_postfix_str = seen.append
+    progress([[1], [2], [3]])
+    assert seen == [
+        "round 1/2, 0/3 turns written",
+        "round 1/2, 1/3 turns written",
+        "round 1/2, 2/3 turns written",
+        "round 1/2, 3/3 turns written",
+    ]
+    progress.close()
+    assert generate.on_turns is None
+
+
 def test_cli_progress_counts_the_turns_written_under_vllm(tiny_model_dir, tmp_path, cache, capsys, monkeypatch):
     """`eval --use_vllm true` on the fake engine (`tests/fake_vllm.py` as the `vllm` package): the bar counts every
     round's turns once vLLM returns them (it showed `0/N turns written` for every round)."""

@@ -45,6 +45,23 @@ def test_our_settings_raise_no_deprecation_warning(tmp_path):
         assert not MemPOConfig(output_dir=str(tmp_path), gradient_checkpointing=False, **BASE).activation_checkpointing
 
 
+def test_sft_defaults_work_on_a_cpu_without_a_deprecation_warning(tmp_path):
+    """`mempo-trl sft`'s config: TRL's bf16 default stops a CPU run ("doesn't support bf16/gpu"), and its
+    `gradient_checkpointing=True` warns; on a machine without a bf16 GPU the run is float32, checkpointing is on under
+    its current name, and an explicit value still wins."""
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    from mempo_trl.config import MemPOSFTConfig as config_class
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = config_class(output_dir=str(tmp_path), report_to="none")
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning | DeprecationWarning)] == []
+    assert args.bf16 is is_torch_bf16_gpu_available() and args.activation_checkpointing
+    assert config_class(output_dir=str(tmp_path), use_cpu=True, report_to="none").bf16 is False
+    assert not config_class(output_dir=str(tmp_path), activation_checkpointing=False).activation_checkpointing
+
+
 @pytest.mark.parametrize("disable_tqdm", [True, False])
 def test_one_line_per_logged_step(tiny_model_dir, tmp_path, capsys, disable_tqdm):
     model, tokenizer = load_tiny(tiny_model_dir)

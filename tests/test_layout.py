@@ -3,6 +3,7 @@ package never imports the lab (`lab/`, the experiments outside it) nor names the
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,9 +114,12 @@ MOVED = (
     "HORIZON_SPLITS",
     "build_learner",
     "derive_learner",
+    "LEARNER_WARM",
+    "resolve_environment",
 )
 """Lab-only code that left the package: what was `mempo_trl.kit.induction`, the horizon world and the learner's
-build (`lab/induction_pretraining.py`, `lab/horizon_world.py`, `lab/learning.py`)."""
+build and warm-start settings (`lab/induction_pretraining.py`, `lab/horizon_world.py`, `lab/learning.py`); and dead
+code deleted (`kit.envs.resolve_environment`)."""
 
 
 def lab_modules() -> set[str]:
@@ -158,3 +162,42 @@ def test_the_package_names_no_lab_only_code():
         if found:
             offenders[str(path.relative_to(PACKAGE))] = found
     assert offenders == {}
+
+
+def test_the_lab_imports_no_private_name_of_the_package():
+    """The lab, the benches and the scripts use the package's public names only (a private one can change unseen)."""
+    root = LAB.parent
+    offenders = []
+    for path in sorted([*LAB.rglob("*.py"), *(root / "bench").rglob("*.py"), *(root / "scripts").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mempo_trl"):
+                offenders += [f"{path.relative_to(root)}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert offenders == []
+
+
+def test_every_public_name_of_the_kit_has_a_user_outside_the_lab():
+    """A kit name that only the lab uses belongs in the lab, and one nobody uses is dead: each public top-level name of
+    `mempo_trl.kit` is named somewhere in the package (besides its definition), the tests, the examples (the
+    notebook), the benches or the scripts."""
+    root = LAB.parent
+    texts = {
+        path: path.read_text(encoding="utf-8", errors="ignore")
+        for folder in ("src", "tests", "examples", "bench", "scripts")
+        for path in (root / folder).rglob("*")
+        if path.suffix in (".py", ".ipynb", ".sh", ".yaml") and path.is_file()
+    }
+    unused = []
+    for module in sorted((PACKAGE / "kit").glob("*.py")):
+        for node in ast.parse(module.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            for name in (n for n in names if not n.startswith("_")):
+                word = re.compile(rf"\b{name}\b")
+                uses = sum(len(word.findall(text)) - (path == module) for path, text in texts.items())
+                if uses <= 0:
+                    unused.append(f"{module.name}: {name}")
+    assert unused == []

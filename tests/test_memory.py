@@ -125,7 +125,7 @@ def test_memory_reward_log_ratio_and_length_penalty():
 def test_the_memory_reward_variants_are_the_choices_of_their_setting():
     """One registry: `memory_reward_type` offers exactly its keys, and each key computes its own variant."""
     (choices,) = [f.metadata["choices"] for f in fields(MemoryRewardSettings) if f.name == "memory_reward_type"]
-    assert tuple(MEMORY_REWARDS) == choices
+    assert tuple(MEMORY_REWARDS) == tuple(choices)
     p_mem, p_full = torch.tensor([0.5]), torch.tensor([0.25])
     assert [memory_reward(p_mem, p_full, mode=mode, eps=1e-9).item() for mode in choices] == pytest.approx(
         [0.25, math.log(2.0)]
@@ -148,7 +148,7 @@ def test_memory_scores_fill_the_scored_rows_and_leave_the_others_nan():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"mode": "ratio"}, "mode must be"),
+        ({"mode": "ratio"}, "memory_reward_type must be one of"),
         ({"mode": "log_ratio", "eps": 0.0}, "eps must be > 0"),
         ({"length_penalty": -1.0}, "length_penalty must be >= 0"),
         ({"length_penalty": 0.1}, "needs mem_lengths"),

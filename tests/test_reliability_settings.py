@@ -42,16 +42,23 @@ def test_a_memory_setting_that_voids_the_memory_reward_is_refused(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
-def test_memory_coef_zero_announces_that_memory_is_off(tmp_path, capsys, tiny_model_dir):
-    assert main(train(tmp_path, tiny_model_dir, memory_coef=0.0, max_turns=2)) == 0
+@pytest.mark.parametrize(
+    "setting, reason",
+    [
+        ({"memory_coef": 0.0}, "memory_coef is 0 (set memory_coef > 0 for MemPO)"),
+        ({"context_mode": "full_history"}, "context_mode='full_history' does not score the memory reward"),
+    ],
+)
+def test_a_setting_that_turns_memory_off_says_so_once(tmp_path, capsys, tiny_model_dir, setting, reason):
+    assert main(train(tmp_path, tiny_model_dir, max_turns=2, **setting)) == 0
     out = capsys.readouterr().out
-    announced = "mempo-trl: memory_coef is 0: the memory advantage is off, this run trains on the outcome reward only"
-    assert out.count(announced) == 1, out[-3000:]
+    announced = "the memory advantage is off, this run trains on the outcome reward only"
+    assert out.count(announced) == 1 and f"mempo-trl: {reason}" in out, out[-3000:]
 
 
 def test_memory_on_says_nothing_about_it(tmp_path, capsys, tiny_model_dir):
     assert main(train(tmp_path, tiny_model_dir, memory_coef=0.5, max_turns=2)) == 0
-    assert "memory_coef is 0" not in capsys.readouterr().out
+    assert "the memory advantage is off" not in capsys.readouterr().out
 
 
 def test_dynamic_sampling_that_drops_every_group_says_so_once(tmp_path, capsys, tiny_model_dir):

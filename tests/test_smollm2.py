@@ -157,6 +157,7 @@ def test_kit_smollm2_writes_a_standard_trainable_folder(tmp_path, smollm2_tokeni
     done = _mempo("kit", "smollm2", "--output_dir", str(out))
     assert done.returncode == 0, done.stderr
     assert "134,515,008 parameters" in done.stdout and "Paris" in done.stdout
+    assert 0 <= done.stdout.find("(tokenizer, then the weights") < done.stdout.find("134,515,008")  # a line before
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config  # trainers refuse a model marked quantised
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

@@ -35,8 +35,10 @@ class GlossaryTask:
         return [TaskStart(row["question"], environment=row["glossary"]) for row in rows]
 
     def act(self, environments, contents, topk):
-        results = [glossary.get(term, "unknown term") for glossary, term in zip(environments, contents)]
-        return [f"<information>{result}</information>" for result in results]
+        return [glossary.get(term, "unknown term") for glossary, term in zip(environments, contents)]
+
+    def render_result(self, result):
+        return f"<information>{result}</information>"
 
     def action_problem(self, content):
         return None

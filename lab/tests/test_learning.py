@@ -295,7 +295,7 @@ def test_the_shipped_learner_is_the_experiments_forgetful_warm_start(tmp_path):
     from mempo_trl.kit.learner import shipped_learner
 
     paths = write_learner_world(tmp_path, learner.LEARNER_WORLD, learner.SPLIT_SIZES)
-    derived = {**asdict(learner.LEARNER_WARM), **learning.FORGETFUL, "mem_drop": learning.HEADLINE["mem_drop"]}
+    derived = {**asdict(learning.LEARNER_WARM), **learning.FORGETFUL, "mem_drop": learning.HEADLINE["mem_drop"]}
     assert learning.shipped_warm_start(derived, paths) == shipped_learner()
     assert learning.shipped_warm_start({**derived, "mem_drop": 0.9}, paths) is None
     small = write_learner_world(

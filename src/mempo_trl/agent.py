@@ -72,7 +72,7 @@ class AgentResult:
 
     @classmethod
     def from_episode(cls, episode: Episode) -> "AgentResult":
-        turns = [
+        turns: list[dict[str, Any]] = [
             {
                 "mem": r.turn.mem,
                 "think": r.turn.think,
@@ -119,13 +119,13 @@ class MemPOAgent:
 
     def __init__(
         self,
-        tokenizer,
-        retriever,
+        tokenizer: Any,
+        retriever: Any,
         generator: GenerateFn,
         protocol: TurnProtocol | None = None,
         environment_factory: EnvironmentFactory | None = None,
         task: Task | None = None,
-    ):
+    ) -> None:
         try:
             self.task = make_task(retriever, environment_factory, task)
         except ValueError as err:
@@ -140,7 +140,7 @@ class MemPOAgent:
     def from_pretrained(
         cls,
         path_or_hub_id: str | Path,
-        retriever=None,
+        retriever: Any = None,
         *,
         environment_factory: EnvironmentFactory | None = None,
         task: Task | None = None,
@@ -194,51 +194,16 @@ class MemPOAgent:
             logger.warning("%s (%s of %s)", message, PROTOCOL_FILE, path)
         protocol = task.protocol(protocol)
         tokenizer = load_chat_tokenizer(path, revision=revision)
-        if openai is not None:
-            from mempo_trl.endpoint import OpenAIChatGenerator
-
-            if task.action != "search":
-                raise AgentError(
-                    "an OpenAI-compatible endpoint plays the search task; an environment's tool schemas "
-                    "are not sent to it: drop --openai_base_url or --environment"
-                )
-            generator = OpenAIChatGenerator(
-                tokenizer=tokenizer,
-                max_new_tokens=protocol.max_completion_length,
-                temperature=temperature,
-                seed=seed,
-                stops=protocol.stops,
-                **openai,
+        if openai is not None and task.action != "search":
+            raise AgentError(
+                "an OpenAI-compatible endpoint plays the search task; an environment's tool schemas "
+                "are not sent to it: drop --openai_base_url or --environment"
             )
-        elif use_vllm:
-            from mempo_trl.generation import VLLMGenerator
+        from mempo_trl.generation import GeneratorOptions, make_generator
 
-            # vLLM's "auto" runs a float32 checkpoint in bfloat16 (fp16 on some GPUs): an explicit dtype holds for it too.
-            llm_kwargs = {"dtype": dtype} if dtype != "auto" else {}
-            generator = VLLMGenerator(
-                path,
-                tokenizer,
-                protocol.max_completion_length,
-                temperature,
-                seed=seed,
-                stops=protocol.stops,
-                **{**llm_kwargs, **(vllm_kwargs or {})},
-            )
-        else:
-            import torch
-
-            from mempo_trl.generation import HFGenerator
-
-            torch.manual_seed(seed)
-            model = load_model(path, device=device, dtype=dtype, revision=revision)
-            generator = HFGenerator(
-                model,
-                tokenizer,
-                protocol.max_completion_length,
-                temperature,
-                batch_size=batch_size,
-                stops=protocol.stops,
-            )
+        backend = "openai" if openai is not None else "vllm" if use_vllm else "transformers"
+        options = GeneratorOptions(device, dtype, revision, temperature, batch_size, seed, vllm_kwargs, openai)
+        generator = make_generator(backend, path, tokenizer, protocol, options)
         agent = cls(tokenizer, None, generator, protocol, task=task)
         agent.saved_protocol = saved
         return agent
@@ -283,11 +248,11 @@ class MemPOAgent:
     def __enter__(self) -> "MemPOAgent":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def load_chat_tokenizer(path: str, revision: str | None = None):
+def load_chat_tokenizer(path: str, revision: str | None = None) -> Any:
     """The tokenizer of a model (`mempo_trl.loading.load_tokenizer`); `AgentError` when it has no chat template."""
     from mempo_trl.loading import load_tokenizer
 
@@ -295,15 +260,3 @@ def load_chat_tokenizer(path: str, revision: str | None = None):
     if not tokenizer.chat_template:
         raise AgentError(f"the tokenizer of {path} has no chat template; MemPO prompts are chat conversations.")
     return tokenizer
-
-
-def load_model(path: str, device: str | None = None, dtype: str = "auto", revision: str | None = None):
-    """A causal LM in eval mode on `device` (default: cuda when available)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype if dtype == "auto" else getattr(torch, dtype), revision=revision
-    )
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval()

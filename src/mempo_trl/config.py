@@ -3,8 +3,10 @@
 import os
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
-from trl import GRPOConfig
+from transformers.utils import is_torch_bf16_gpu_available
+from trl import GRPOConfig, SFTConfig
 
 from mempo_trl.protocol import TurnProtocol
 from mempo_trl.settings import (
@@ -20,7 +22,7 @@ ROW_LEVEL_LOSSES = ("grpo", "dr_grpo", "sapo", "luspo")
 """TRL's loss types whose normaliser counts rows: `MemPOTrainer` leaves its placeholder rows out of it."""
 
 
-def truncated_sampling(config) -> list[str]:
+def truncated_sampling(config: Any) -> list[str]:
     """The sampling settings of ``config`` that truncate the distribution (``top_p < 1``, ``top_k > 0``,
     ``min_p > 0``), as ``name=value``.
 
@@ -73,7 +75,8 @@ class MemPOConfig(GRPOConfig):
             `vllm_max_model_length` (with vLLM, when set) or the model's `max_position_embeddings`, minus
             `max_completion_length` (vLLM rejects such prompts). `"end_episode"`: the episode ends before that round
             (no answer, so outcome 0), counted in the `episode/context_overflow` metric. `"truncate_information"`:
-            the tail of the `<information>` blocks in the context is cut first (oldest first in `full_history` mode),
+            the tail of the results in the context (`<information>` blocks, tool results) is cut first (oldest
+            first in `full_history` mode; the task renders what is left, `Task.render_result`),
             and the episode ends only if that is not enough. A first-round context that does not fit is an error.
             The same applies to `max_context_tokens` when it is the smaller limit.
         max_context_tokens (`int` or `None`, *optional*, defaults to `None`):
@@ -212,11 +215,11 @@ class MemPOConfig(GRPOConfig):
     activation_checkpointing: bool | None = field(
         default=None, metadata={"help": "Recompute activations in the backward pass to save memory (default: on)."}
     )
-    gradient_checkpointing: bool | None = field(
+    gradient_checkpointing: bool | None = field(  # type: ignore[assignment]  # None: unset (TRL types it bool)
         default=None, metadata={"help": "Deprecated alias of `activation_checkpointing`."}
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True
         problems = field_type_problems(self)  # before GRPOConfig's own checks, which divide by num_generations
@@ -276,3 +279,23 @@ class MemPOConfig(GRPOConfig):
             True
         """
         return {**self.__dict__, "hub_token": None}
+
+
+@dataclass
+class MemPOSFTConfig(SFTConfig):
+    """TRL's `SFTConfig` (for `mempo-trl sft`) with two defaults a CPU run needs: ``bf16`` only where the accelerator
+    supports it (TRL's default, bf16 on, stops a CPU run with transformers' "doesn't support bf16/gpu" error; a CPU
+    run trains in float32, as `mempo-trl train`'s CPU recipes), and checkpointing under its current name
+    ``activation_checkpointing`` (TRL's ``gradient_checkpointing=True`` warns on every run); an explicit value of
+    either still wins."""
+
+    gradient_checkpointing: bool | None = field(  # type: ignore[assignment]  # None: unset (TRL types it bool)
+        default=None, metadata={"help": "Deprecated alias of `activation_checkpointing`."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None and not self.fp16 and (self.use_cpu or not is_torch_bf16_gpu_available()):
+            self.bf16 = False
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True
+        super().__post_init__()

@@ -8,7 +8,8 @@ Round t of an episode is generated from:
   tool(<information> of round t-1)``. Nothing older is kept: what the model still needs must be in its ``<mem>``;
 - t > 1, ``context_mode="full_history"`` (Search-R1 baseline): every earlier round's output and result.
 
-Which finished rounds a context shows is one rule, `shown_rounds`. With a TRL-style environment
+Which finished rounds a context shows is one rule, `shown_rounds`, of the context rule ``context_mode`` names
+(`CONTEXT_RULES`; a new one is one `register_context_rule` call). With a TRL-style environment
 (`mempo_trl.environments`) the question is the task text its ``reset`` returned and the result of round t-1 is its
 tool's result; the rebuild is the same.
 
@@ -17,13 +18,66 @@ full-history context of round t and ``mem_traj_t`` is ``system + user(question)`
 block at the start of the assistant turn. `mempo_trl.protocol.TurnProtocol` holds the settings these functions take.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
+
+from mempo_trl.registry import Registry
 
 
-ContextMode = Literal["memory", "full_history"]
-CONTEXT_MODES = ("memory", "full_history")
+@dataclass(frozen=True)
+class ContextRule:
+    """A context rule: which finished rounds a context shows (``shown``: the rounds, oldest first, to those shown)
+    and whether training scores the memory reward under it (``scores_memory``: the rule hides earlier rounds, so what
+    the agent still needs has to be in its ``<mem>``; False: the memory advantage is off and the run says so)."""
+
+    shown: Callable[[Sequence], Sequence]
+    scores_memory: bool = True
+
+
+CONTEXT_RULES = Registry("context_mode")
+"""The context rules by name (`register_context_rule`): the choices of ``context_mode``."""
+
+ContextMode = str
+"""A name in `CONTEXT_RULES`."""
+
+
+def register_context_rule(name: str, shown: Callable[[Sequence], Sequence], help: str, scores_memory: bool = True):
+    """Add a context rule: ``context_mode=name`` then shows the rounds ``shown`` picks, and ``help`` is its line in
+    the help of ``context_mode``. Returns the `ContextRule`.
+
+    Example:
+        >>> rule = register_context_rule("last_two_doc", lambda rounds: rounds[-2:], "the last two rounds")
+        >>> shown_rounds([1, 2, 3], "last_two_doc"), rule.scores_memory
+        ([2, 3], True)
+        >>> _ = CONTEXT_RULES.pop("last_two_doc"), CONTEXT_RULES.helps.pop("last_two_doc")
+    """
+    return CONTEXT_RULES.register(name, ContextRule(shown, scores_memory), help)
+
+
+def last_round(rounds: Sequence) -> Sequence:
+    """The last finished round only (MemPO)."""
+    return rounds[-1:]
+
+
+def every_round(rounds: Sequence) -> Sequence:
+    """Every finished round (append-only)."""
+    return rounds
+
+
+register_context_rule("memory", last_round, "MemPO, the last round only (what is older must be in its `<mem>`)")
+register_context_rule(
+    "full_history",
+    every_round,
+    "Search-R1 baseline, every round (TRL's append-only context; no memory reward)",
+    scores_memory=False,
+)
+
+CONTEXT_MODES = CONTEXT_RULES.keys()
+"""The names of the context rules, a live view (a rule registered later is one)."""
+
+COMPARED_CONTEXT_MODES = ("memory", "full_history")
+"""The two reference rules that ``--context_mode both`` and `mempo_trl.sweep` compare."""
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -51,17 +105,25 @@ def initial_messages(
 
 
 def shown_rounds(rounds: Sequence, context_mode: ContextMode = "memory") -> Sequence:
-    """The finished rounds a context shows, oldest first: the last one (``"memory"``) or all of them
-    (``"full_history"``). The rebuild (`round_messages`) and the truncation of an overlong context
-    (`mempo_trl.rollout.RolloutEngine.fit_prompt`) both follow this one rule.
+    """The finished rounds a context shows, oldest first, by the rule ``context_mode`` names (`CONTEXT_RULES`): the
+    last one (``"memory"``), all of them (``"full_history"``), ... The rebuild (`round_messages`) and the truncation
+    of an overlong context (`mempo_trl.rollout.RolloutEngine.fit_prompt`) both follow this one rule.
 
     Example:
         >>> shown_rounds([1, 2, 3]), shown_rounds([1, 2, 3], "full_history"), shown_rounds([])
         ([3], [1, 2, 3], [])
     """
-    if context_mode not in CONTEXT_MODES:
-        raise ValueError(f"context_mode must be one of {CONTEXT_MODES}, got {context_mode!r}.")
-    return rounds if context_mode == "full_history" else rounds[-1:]
+    return CONTEXT_RULES.resolve(context_mode).shown(rounds)
+
+
+def scores_memory(context_mode: ContextMode) -> bool:
+    """Whether training scores the memory reward under the rule ``context_mode`` names (`ContextRule`).
+
+    Example:
+        >>> scores_memory("memory"), scores_memory("full_history")
+        (True, False)
+    """
+    return CONTEXT_RULES.resolve(context_mode).scores_memory
 
 
 def round_messages(
@@ -74,7 +136,8 @@ def round_messages(
     Args:
         base: the round-1 messages (`initial_messages`).
         history: one ``(assistant_output, information_block)`` pair per finished round, oldest first.
-        context_mode: ``"memory"`` keeps only the last pair; ``"full_history"`` keeps them all.
+        context_mode: the context rule (`shown_rounds`): ``"memory"`` keeps only the last pair,
+            ``"full_history"`` keeps them all.
 
     Example:
         >>> base = initial_messages("q")
@@ -105,16 +168,33 @@ def _field(passage: Any, key: str) -> str:
     return str(value).strip()
 
 
-def render_information(passages: Sequence[Any]) -> str:
-    """Search-R1 style result message; passages have ``.title``/``.text`` or are dicts with those keys.
+def passages_text(passages: Sequence[Any]) -> str:
+    """The text of a search result, Search-R1 style; passages have ``.title``/``.text`` or are dicts with those keys.
+    An empty result list is ``No results.``.
 
-    An empty result list renders as ``<information>No results.</information>``.
-
-    >>> render_information([{"title": "Ulm", "text": "A city."}, {"title": "B", "text": "C."}])
-    '<information>Doc 1(Title: Ulm) A city.\\nDoc 2(Title: B) C.</information>'
+    >>> passages_text([{"title": "Ulm", "text": "A city."}, {"title": "B", "text": "C."}])
+    'Doc 1(Title: Ulm) A city.\\nDoc 2(Title: B) C.'
     """
     docs = [f"Doc {i}(Title: {_field(p, 'title')}) {_field(p, 'text')}" for i, p in enumerate(passages, start=1)]
-    return "<information>" + ("\n".join(docs) if docs else NO_RESULTS) + "</information>"
+    return "\n".join(docs) if docs else NO_RESULTS
+
+
+def information_block(text: str) -> str:
+    """The message a search result's ``text`` is shown as: ``<information>text</information>``.
+
+    >>> information_block("No results.")
+    '<information>No results.</information>'
+    """
+    return f"<information>{text}</information>"
+
+
+def render_information(passages: Sequence[Any]) -> str:
+    """Search-R1 style result message of ``passages``: `information_block` of their `passages_text`.
+
+    >>> render_information([{"title": "Ulm", "text": "A city."}])
+    '<information>Doc 1(Title: Ulm) A city.</information>'
+    """
+    return information_block(passages_text(passages))
 
 
 def render_gold_answer(

@@ -161,7 +161,8 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
 
 class _Progress:
     """Wraps a `GenerateFn`: a bar of finished questions, with the round, the active count and, for a generator
-    that reports its batches (`HFGenerator.on_batch`), how many of the round's turns are written so far."""
+    that reports its batches (`HFGenerator.on_batch`, and within a batch ``on_turns``), how many of the round's turns
+    are written so far."""
 
     def __init__(self, generate: GenerateFn, total: int, max_turns: int, desc: str, enabled: bool):
         from tqdm.auto import tqdm
@@ -169,20 +170,33 @@ class _Progress:
         self.generate = generate
         self.max_turns = max_turns
         self.round = 0
-        self.active = self.written = 0
+        self.active = self.written = self.in_batch = 0
+        self.shown = ""
         self.bar = tqdm(total=total, desc=desc, unit="q", disable=not enabled, file=sys.stderr)
         self.takes_messages = getattr(generate, "takes_messages", False)
         self.reports_batches = enabled and hasattr(generate, "on_batch")
         if self.reports_batches:
             self.previous_on_batch = generate.on_batch
             generate.on_batch = self._batch_done
+        self.reports_turns = enabled and hasattr(generate, "on_turns")
+        if self.reports_turns:
+            self.previous_on_turns = generate.on_turns
+            generate.on_turns = self._turns_written
 
     def _postfix(self) -> None:
-        self.bar.set_postfix_str(f"round {self.round}/{self.max_turns}, {self.written}/{self.active} turns written")
+        text = f"round {self.round}/{self.max_turns}, {self.written + self.in_batch}/{self.active} turns written"
+        if text != self.shown:
+            self.shown = text
+            self.bar.set_postfix_str(text)
 
     def _batch_done(self, size: int) -> None:
-        self.written += size
+        self.written, self.in_batch = self.written + size, 0
         self._postfix()
+
+    def _turns_written(self, count: int) -> None:
+        if count != self.in_batch:
+            self.in_batch = count
+            self._postfix()
 
     def __call__(self, prompts: list[list[int]], **kwargs):
         self.round += 1
@@ -194,6 +208,8 @@ class _Progress:
     def close(self) -> None:
         if self.reports_batches:
             self.generate.on_batch = self.previous_on_batch
+        if self.reports_turns:
+            self.generate.on_turns = self.previous_on_turns
         self.bar.update(self.bar.total - self.bar.n)
         self.bar.close()
 

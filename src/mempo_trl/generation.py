@@ -4,12 +4,19 @@
 tags as strings (`mempo_trl.stopping.action_stopping_criteria`, as the trainer's HF generation); `VLLMGenerator` runs vLLM's
 offline engine with the tags as stop strings. Both are given the same token ids by the rollout engine, so they see
 exactly the same prompts, and `mempo_trl.rollout.cut_after_action` cuts what they return by the same policy.
+
+The backends are a registry (`GENERATORS`: ``transformers``, ``vllm`` and ``openai``, the OpenAI-compatible chat
+API of `mempo_trl.endpoint`); `make_generator` builds one by name for `MemPOAgent.from_pretrained`.
 """
 
+import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mempo_trl.padding import pad_ids
+from mempo_trl.registry import Registry
 from mempo_trl.stopping import action_stopping_criteria
 from mempo_trl.turns import ACTION_STOPS, stop_token_ids
 
@@ -79,6 +86,7 @@ class HFGenerator:
         self.top_p = top_p
         self.batch_size = batch_size
         self.on_batch: Callable[[int], None] | None = None  # called with each finished batch's size (progress bars)
+        self.on_turns: Callable[[int], None] | None = None  # during a batch: how many of its turns are written
         self.eos_token_ids = stop_token_ids(tokenizer, model.generation_config.eos_token_id, stops)
         self.stopping_criteria = action_stopping_criteria(tokenizer, stops)
         pad = tokenizer.pad_token_id
@@ -98,6 +106,7 @@ class HFGenerator:
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
         )
+        pad = self.pad_token_id
         # Similar lengths in one batch waste less padding; the order is restored at the end.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         completions: list[list[int]] = [[] for _ in prompts]
@@ -109,11 +118,14 @@ class HFGenerator:
                     batch = order[start : start + self.batch_size]
                     input_ids, attention_mask = pad_ids([prompts[i] for i in batch], self.pad_token_id)
                     width = input_ids.size(1)
+                    criteria = self.stopping_criteria
+                    if self.on_turns is not None:
+                        criteria = [*criteria, FinishedRows(self.on_turns, width, {*self.eos_token_ids, pad})]
                     output = self.model.generate(
                         input_ids=input_ids.to(self.model.device),
                         attention_mask=attention_mask.to(self.model.device),
                         generation_config=config,
-                        stopping_criteria=self.stopping_criteria,
+                        stopping_criteria=criteria,
                     )
                     for row, i in enumerate(batch):
                         completions[i] = strip_completion(output[row, width:].tolist(), self.eos_token_ids)
@@ -122,6 +134,22 @@ class HFGenerator:
         finally:
             self.model.train(was_training)
         return completions, None
+
+
+class FinishedRows:
+    """A stopping criterion that stops nothing: after each generated token it calls ``report`` with how many rows of
+    the batch have ended (their last token is an eos or the pad id that `generate` writes after the end), so that a
+    progress bar counts the turns written within one batch."""
+
+    def __init__(self, report: Callable[[int], None], width: int, end_ids: set[int]):
+        self.report, self.width, self.end_ids = report, width, sorted(end_ids)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        ended = torch.isin(input_ids[:, -1], torch.tensor(self.end_ids, device=input_ids.device))
+        self.report(int(ended.sum()) if input_ids.shape[1] > self.width else 0)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class VLLMGenerator:
@@ -167,6 +195,11 @@ class VLLMGenerator:
 
         self._tokens_prompt = TokensPrompt
         before = {p.pid for p in psutil.Process().children(recursive=True)}
+        print(
+            f"mempo-trl: starting vLLM's engine for {model_path} (minutes on a CPU; the first start compiles) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         self.llm = LLM(model=str(model_path), seed=seed, **llm_kwargs)
         self._reaper = Reaper(new_children(before))
         atexit.register(self.close)
@@ -204,3 +237,99 @@ class VLLMGenerator:
         if engine_core is not None:
             engine_core.shutdown()
         self._reaper.close()
+
+
+@dataclass(frozen=True)
+class GeneratorOptions:
+    """What a generation backend is built with besides the model path, its tokenizer and the turn protocol (the
+    arguments of `MemPOAgent.from_pretrained` of the same names; ``openai``: `OpenAIChatGenerator`'s)."""
+
+    device: str | None = None
+    dtype: str = "auto"
+    revision: str | None = None
+    temperature: float = 0.0
+    batch_size: int = 16
+    seed: int = 0
+    vllm_kwargs: dict | None = None
+    openai: dict | None = None
+
+
+GENERATORS = Registry("generation backend")
+"""The generation backends by name (`register_generator`), each ``build(path, tokenizer, protocol, options)`` to a
+`GenerateFn`; `MemPOAgent.from_pretrained` picks one (``use_vllm``, ``openai``)."""
+
+
+def register_generator(name: str, build: Callable, help: str) -> Callable:
+    """Add a generation backend: ``build(path, tokenizer, protocol, options: GeneratorOptions)`` returns its
+    `GenerateFn`; ``help`` is its line in `GENERATORS.help_text`."""
+    return GENERATORS.register(name, build, help)
+
+
+def make_generator(backend: str, path: str, tokenizer: Any, protocol: Any, options: GeneratorOptions) -> Any:
+    """The `GenerateFn` of the backend ``backend`` names (`GENERATORS`) for the model at ``path``."""
+    return GENERATORS.resolve(backend)(path, tokenizer, protocol, options)
+
+
+def load_model(path: str, device: str | None = None, dtype: str = "auto", revision: str | None = None) -> Any:
+    """A causal LM in eval mode on `device` (default: cuda when available)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype if dtype == "auto" else getattr(torch, dtype), revision=revision
+    )
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device).eval()
+
+
+def transformers_generator(path: str, tokenizer: Any, protocol: Any, options: GeneratorOptions) -> HFGenerator:
+    """`HFGenerator` over the model at ``path`` (`load_model`), torch seeded with ``options.seed``."""
+    import torch
+
+    torch.manual_seed(options.seed)
+    model = load_model(path, device=options.device, dtype=options.dtype, revision=options.revision)
+    return HFGenerator(
+        model,
+        tokenizer,
+        protocol.max_completion_length,
+        options.temperature,
+        batch_size=options.batch_size,
+        stops=protocol.stops,
+    )
+
+
+def vllm_generator(path: str, tokenizer: Any, protocol: Any, options: GeneratorOptions) -> VLLMGenerator:
+    """`VLLMGenerator` over the model at ``path``; ``options.dtype`` (unless "auto") and ``vllm_kwargs`` go to
+    `vllm.LLM`."""
+    # vLLM's "auto" runs a float32 checkpoint in bfloat16 (fp16 on some GPUs): an explicit dtype holds for it too.
+    llm_kwargs = {"dtype": options.dtype} if options.dtype != "auto" else {}
+    return VLLMGenerator(
+        path,
+        tokenizer,
+        protocol.max_completion_length,
+        options.temperature,
+        seed=options.seed,
+        stops=protocol.stops,
+        **{**llm_kwargs, **(options.vllm_kwargs or {})},
+    )
+
+
+def openai_generator(path: str, tokenizer: Any, protocol: Any, options: GeneratorOptions) -> Any:
+    """`mempo_trl.endpoint.OpenAIChatGenerator` with ``options.openai``; ``path`` gave only the tokenizer."""
+    from mempo_trl.endpoint import OpenAIChatGenerator
+
+    return OpenAIChatGenerator(
+        tokenizer=tokenizer,
+        max_new_tokens=protocol.max_completion_length,
+        temperature=options.temperature,
+        seed=options.seed,
+        stops=protocol.stops,
+        **(options.openai or {}),
+    )
+
+
+register_generator("transformers", transformers_generator, "transformers' `model.generate` (the default)")
+register_generator("vllm", vllm_generator, "vLLM's offline engine (`use_vllm`)")
+register_generator(
+    "openai", openai_generator, "an OpenAI-compatible chat API (`openai`: the model path gives the tokenizer only)"
+)

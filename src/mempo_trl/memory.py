@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from mempo_trl.memory_rewards import MEMORY_REWARDS
+from mempo_trl.memory_rewards import MEMORY_REWARDS, PART_REWARDS
 
 
 def answer_probability(
@@ -74,7 +74,6 @@ def memory_reward(
 ) -> torch.Tensor:
     """Memory reward per round, ``(N,), (N,) -> (N,)``: the variant ``mode`` names (`MEMORY_REWARDS`).
 
-    ``"diff"``: ``p_mem - p_full`` (paper); ``"log_ratio"``: ``log(p_mem + eps) - log(p_full + eps)``.
     With ``length_penalty > 0`` subtracts ``length_penalty * mem_lengths / max_mem_tokens``.
 
     >>> memory_reward(torch.tensor([0.12, 0.71]), torch.tensor([0.35, 0.68]))
@@ -82,9 +81,7 @@ def memory_reward(
     """
     if p_mem.shape != p_full.shape:
         raise ValueError(f"p_mem {tuple(p_mem.shape)} and p_full {tuple(p_full.shape)} must have the same shape")
-    if mode not in MEMORY_REWARDS:
-        raise ValueError(f"mode must be one of {tuple(MEMORY_REWARDS)}, got {mode!r}")
-    reward = MEMORY_REWARDS[mode](p_mem, p_full, eps)
+    reward = MEMORY_REWARDS.resolve(mode)(p_mem, p_full, eps)
     return reward - memory_length_penalty(reward, mem_lengths, length_penalty, max_mem_tokens)
 
 
@@ -205,9 +202,22 @@ def losses_reward(
     return torch.where(lost, mean_loss.to(joint.dtype), joint)
 
 
-PART_REWARDS = {"weakest": weakest_part_reward, "losses": losses_reward}
-"""The memory rewards of ``memory_reward_parts`` other than ``joint``, each ``(full, mem, parts, mode, eps,
-threshold) -> (N,)``."""
+def joint_reward(
+    full: tuple[torch.Tensor, torch.Tensor],
+    mem: tuple[torch.Tensor, torch.Tensor],
+    parts: torch.Tensor | None = None,
+    mode: str = "diff",
+    eps: float = 1e-6,
+    threshold: float | None = math.log(0.5),
+) -> torch.Tensor:
+    """The memory reward of one P over all gold tokens (the paper's), ``(N, K) x 2 -> (N,)``; ``parts`` is unused.
+
+    >>> full = (torch.log(torch.tensor([[0.9, 0.5]])), torch.tensor([[1, 1]]))
+    >>> mem = (torch.log(torch.tensor([[0.9, 0.1]])), torch.tensor([[1, 1]]))
+    >>> joint_reward(full, mem, threshold=None)  # geometric means: sqrt(0.9 * 0.1) - sqrt(0.9 * 0.5)
+    tensor([-0.3708])
+    """
+    return memory_reward(answer_probability(*mem, threshold), answer_probability(*full, threshold), mode, eps)
 
 
 def memory_scores(
@@ -225,7 +235,7 @@ def memory_scores(
     ``(len(scored), K)``, under the full history (``full``) and the memory (``mem``); ``settings`` is a
     `MemoryRewardSettings` (the variant, its eps, the answer parts, the length penalty), ``threshold`` the one
     `answer_probability` applies, ``parts`` ``(len(scored), K)`` the part of each answer token (for
-    ``memory_reward_parts`` other than ``joint``: `PART_REWARDS`). P_full and P_mem are always over all gold
+    ``memory_reward_parts``: `PART_REWARDS`). P_full and P_mem are always over all gold
     tokens."""
     scores = MemoryScores.unscored(num_rows)
     if not scored:
@@ -233,10 +243,10 @@ def memory_scores(
     p_full = answer_probability(*full, threshold).cpu()
     p_mem = answer_probability(*mem, threshold).cpu()
     mode, eps = settings.memory_reward_type, settings.memory_reward_eps
-    if settings.memory_reward_parts in PART_REWARDS and parts is not None:
-        rewards = PART_REWARDS[settings.memory_reward_parts](full, mem, parts, mode, eps, threshold).cpu()
-    else:
+    if parts is None:
         rewards = memory_reward(p_mem, p_full, mode, eps)
+    else:
+        rewards = PART_REWARDS.resolve(settings.memory_reward_parts)(full, mem, parts, mode, eps, threshold).cpu()
     lengths = [float(length) for length in mem_lengths]
     rewards = rewards - memory_length_penalty(rewards, lengths, settings.memory_length_penalty, max_mem_tokens)
     index = torch.tensor(list(scored))

@@ -13,6 +13,7 @@ import torch
 from accelerate.utils import gather_object, is_peft_model
 from trl.trainer.utils import use_adapter
 
+from mempo_trl.context import scores_memory
 from mempo_trl.grpo_mirror import activation_checkpointing_off
 from mempo_trl.memory import MemoryScores, memory_scores, quantile_threshold
 from mempo_trl.scoring import (
@@ -23,13 +24,31 @@ from mempo_trl.scoring import (
 )
 
 
+def memory_off_reason(context_mode: str, settings) -> str | None:
+    """Why a run with these settings trains without the memory advantage (a context rule that does not score memory,
+    or ``memory_coef`` 0), None when it scores it.
+
+    Example:
+        >>> from mempo_trl.settings import MemoryRewardSettings
+        >>> memory_off_reason("full_history", MemoryRewardSettings())
+        "context_mode='full_history' does not score the memory reward (a rule that shows earlier rounds)"
+        >>> memory_off_reason("memory", MemoryRewardSettings(memory_coef=0.0))
+        'memory_coef is 0 (set memory_coef > 0 for MemPO)'
+    """
+    if not scores_memory(context_mode):
+        return f"context_mode={context_mode!r} does not score the memory reward (a rule that shows earlier rounds)"
+    if settings.memory_coef == 0.0:
+        return "memory_coef is 0 (set memory_coef > 0 for MemPO)"
+    return None
+
+
 class MemoryScoring:
     """`MemPOTrainer`'s memory scoring: `_check_memory_scoring` once at set-up, `_memory_rewards` at every step."""
 
     def _check_memory_scoring(self) -> None:
         """Refuse the memory settings the loaded model cannot serve, announce a run without the memory advantage, and
         set ``shared_prefix_scoring`` (``memory_scoring``: ``shared_prefix``, or ``auto`` with 4D attention masks) and
-        ``_score_memory`` (memory mode with ``memory_coef != 0``)."""
+        ``_score_memory`` (a context rule that scores memory, `scores_memory`, with ``memory_coef != 0``)."""
         settings, attention = self.memory_settings, self.model.config._attn_implementation
         if settings.memory_scoring == "shared_prefix" and attention not in SHARED_PREFIX_ATTENTION:
             raise ValueError(
@@ -40,12 +59,9 @@ class MemoryScoring:
             raise ValueError(
                 "memory_full_from_reference=True needs a reference model: set beta > 0 or train a PEFT adapter."
             )
-        memory_mode = self.protocol.context_mode == "memory"
-        if memory_mode and settings.memory_coef == 0.0 and self.is_world_process_zero():
-            print(
-                "mempo-trl: memory_coef is 0: the memory advantage is off, this run trains on the outcome reward only "
-                "(set memory_coef > 0 for MemPO)."
-            )
+        memory_mode = scores_memory(self.protocol.context_mode)
+        if self.is_world_process_zero() and (off := memory_off_reason(self.protocol.context_mode, settings)):
+            print(f"mempo-trl: {off}: the memory advantage is off, this run trains on the outcome reward only.")
         self.shared_prefix_scoring = settings.memory_scoring == "shared_prefix" or (
             settings.memory_scoring == "auto" and attention in SHARED_PREFIX_ATTENTION
         )

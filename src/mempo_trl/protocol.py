@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from mempo_trl.context import (
     CONTEXT_MODES,
+    CONTEXT_RULES,
     DEFAULT_INSTRUCTION,
     DEFAULT_SYSTEM_PROMPT,
     ENVIRONMENT_INSTRUCTION,
@@ -55,7 +56,7 @@ class TurnProtocol:
     max_turns: int = setting(8, "Rounds per episode at most.", minimum=1)
     retrieval_topk: int = setting(3, "Passages returned for each search.", minimum=1)
     context_mode: ContextMode = setting(
-        "memory", "`memory` (MemPO) or `full_history` (Search-R1 baseline).", choices=CONTEXT_MODES
+        "memory", CONTEXT_RULES.help_text("Which earlier rounds a context shows:"), choices=CONTEXT_MODES
     )
     max_completion_length: int = setting(512, "Tokens per turn at most.", minimum=1)
     max_context_tokens: int | None = setting(
@@ -77,7 +78,7 @@ class TurnProtocol:
         None, "Extra variables of the chat template for every context (e.g. `enable_thinking`); TRL's field."
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         """Refuse values a protocol cannot be played with, with the rules of `MemPOConfig` (types first)."""
         problems = field_type_problems(self, strict=True)
         for name in ("system_prompt", "instruction"):
@@ -126,7 +127,7 @@ class TurnProtocol:
         instruction = ENVIRONMENT_INSTRUCTION if self.instruction == DEFAULT_INSTRUCTION else self.instruction
         return replace(self, action="tool_call", instruction=instruction)
 
-    def stop_token_ids(self, tokenizer, model_eos: int | Sequence[int] | None = None) -> list[int]:
+    def stop_token_ids(self, tokenizer: Any, model_eos: int | Sequence[int] | None = None) -> list[int]:
         """Ids that end a turn of this protocol (`stop_token_ids` with its `stops`)."""
         return stop_token_ids(tokenizer, model_eos, self.stops)
 
@@ -139,7 +140,7 @@ class TurnProtocol:
         return round_messages(base, history, self.context_mode)
 
     @classmethod
-    def from_config(cls, config, environment: bool = False) -> "TurnProtocol":
+    def from_config(cls, config: Any, environment: bool = False) -> "TurnProtocol":
         """The protocol of a `MemPOConfig` (or anything with the same attributes); ``environment``: `for_environment`."""
         protocol = cls(**{f.name: getattr(config, f.name) for f in fields(cls) if f.name != "action"})
         return protocol.for_environment() if environment else protocol

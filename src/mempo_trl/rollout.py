@@ -49,9 +49,10 @@ class RoundRecord:
     (`dataclasses.replace`) to add the round's result, and never rewrites one.
 
     ``mem_span`` holds the inclusive token indices of the ``<mem>...</mem>`` block inside ``completion_ids``;
-    ``information`` is the result message of the round's tool action (the ``<information>`` block of a search, the
-    text a tool returned), as the task returned it, None when the round ran none. What later contexts show of it can
-    be shorter (`Episode.shown_information`).
+    ``result`` is the text of the round's action result as the task returned it (`Task.act`) and ``information``
+    the message the task renders it as (`Task.render_result`: the ``<information>`` block of a search, the text a
+    tool returned), both None when the round ran no action. What later contexts show of it can be shorter
+    (`Episode.shown_information`).
     """
 
     prompt_ids: list[int]
@@ -62,6 +63,7 @@ class RoundRecord:
     truncated: bool
     logprobs: list[float] | None = None
     information: str | None = None
+    result: str | None = None
 
 
 @dataclass
@@ -70,8 +72,9 @@ class Episode:
 
     ``environment`` is the TRL-style environment instance the episode plays (None for the search task) and ``tools``
     the JSON schemas of its tools, rendered in every context of the episode. ``cut_information`` maps a round's
-    index to the shortened result that contexts show in place of its record's ``information``, for the rounds whose
-    result ``context_overflow="truncate_information"`` cut (`RolloutEngine.fit_prompt`).
+    index to the shortened message that contexts show in place of its record's ``information``, for the rounds whose
+    result ``context_overflow="truncate_information"`` cut (`RolloutEngine.fit_prompt`); ``cut_results`` maps it to
+    the text kept of the result.
     """
 
     row: dict
@@ -84,6 +87,7 @@ class Episode:
     tools: list[dict] | None = None
     action_metric: str = "searches"
     cut_information: dict[int, str] = field(default_factory=dict)
+    cut_results: dict[int, str] = field(default_factory=dict)
 
     @property
     def golden_answers(self) -> list[str] | None:
@@ -318,9 +322,9 @@ class RolloutEngine:
 
     The protocol's ``context_overflow`` says what happens to a longer context: ``"end_episode"`` ends the episode
     before the round (``Episode.context_overflow``); ``"truncate_information"`` first cuts the tail of the
-    ``<information>`` blocks in the context (oldest first; the shortened text is what later contexts show,
-    `Episode.cut_information`, while the record keeps the full result) and ends the episode only when that is not
-    enough. A round-1 context (no information yet) that does not fit is an error.
+    results in the context (oldest first: the text the task returned is cut by tokens and the task renders what is
+    left, `Task.render_result`; the shortened message is what later contexts show, `Episode.cut_information`, while
+    the record keeps the full result) and ends the episode only when that is not enough. A round-1 context (no information yet) that does not fit is an error.
     """
 
     def __init__(
@@ -419,11 +423,12 @@ class RolloutEngine:
         if self.protocol.context_overflow == "truncate_information":
             searched = [t for t, r in enumerate(episode.rounds) if r.information is not None]
             for t in shown_rounds(searched, self.protocol.context_mode):
-                inner = episode.shown_information(t)[len("<information>") : -len("</information>")]
-                body = self.tokenizer(inner, add_special_tokens=False)["input_ids"]
+                kept = episode.cut_results.get(t, episode.rounds[t].result or "")
+                body = self.tokenizer(kept, add_special_tokens=False)["input_ids"]
                 while len(ids) > limit and body:
                     body = body[: max(0, len(body) - (len(ids) - limit))]
-                    episode.cut_information[t] = f"<information>{self.tokenizer.decode(body)} ...</information>"
+                    episode.cut_results[t] = self.tokenizer.decode(body)
+                    episode.cut_information[t] = self.task.render_result(f"{episode.cut_results[t]} ...")
                     ids = self.render(self.context_messages(episode), episode.tools)
                 if len(ids) <= limit:
                     return ids
@@ -498,8 +503,8 @@ class RolloutEngine:
                     for ep in episodes:
                         ep.finished = True
                 timings.retrieval += time.perf_counter() - start
-                for (ep, _), information in zip(searches, results):
-                    ep.rounds[-1] = replace(ep.rounds[-1], information=information)
+                for (ep, _), result in zip(searches, results):
+                    ep.rounds[-1] = replace(ep.rounds[-1], information=self.task.render_result(result), result=result)
         for ep in episodes:
             ep.finished = True
         lost = global_active(int(outage is not None)) if global_active is not None else int(outage is not None)

@@ -9,10 +9,11 @@ override arguments are generated from them (`override_field`), `mempo-trl train 
 
 import math
 import types
-from dataclasses import Field, dataclass, field, fields
+from collections.abc import Collection
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from mempo_trl.memory_rewards import MEMORY_REWARDS
+from mempo_trl.memory_rewards import MEMORY_REWARDS, PART_REWARDS
 
 
 PARSER_KEYS = ("help", "choices")
@@ -20,26 +21,29 @@ PARSER_KEYS = ("help", "choices")
 
 
 def setting(
-    default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, maximum: float | None = None
-) -> Field:
-    """A dataclass field with its help, choices and bounds in its metadata (`setting_problems` checks them)."""
-    metadata = {"help": help}
+    default: Any,
+    help: str,
+    choices: Collection | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> Any:
+    """A dataclass field with its help, choices and bounds in its metadata (`setting_problems` checks them); typed
+    ``Any`` as `dataclasses.field` is, so that a field declared with it keeps its annotation's type."""
+    metadata: dict[str, Any] = {"help": help}
     metadata.update(
         {k: v for k, v in (("choices", choices), ("minimum", minimum), ("maximum", maximum)) if v is not None}
     )
     return field(default=default, metadata=metadata)
 
 
-def flat_field(source: type, name: str) -> Field:
+def flat_field(source: type, name: str) -> Any:
     """A field of `MemPOConfig` with the default and help of ``source``'s field ``name`` (one place declares them)."""
     f = next(f for f in fields(source) if f.name == name)
-    metadata = {
-        key: list(value) if key == "choices" else value for key, value in f.metadata.items() if key in PARSER_KEYS
-    }
+    metadata = {key: value for key, value in f.metadata.items() if key in PARSER_KEYS}
     return field(default=f.default, metadata=metadata)
 
 
-def override_field(source: type, name: str, more_choices: tuple[str, ...] = (), note: str = "") -> Field:
+def override_field(source: type, name: str, more_choices: tuple[str, ...] = (), note: str = "") -> Any:
     """An optional command-line field (default None: keep the saved value) with the help and choices of
     ``source``'s field ``name``; ``more_choices`` and ``note`` extend them for one command."""
     f = next(f for f in fields(source) if f.name == name)
@@ -126,15 +130,15 @@ class MemoryRewardSettings(SettingsHome):
         None, "Use this quantile of the batch's answer-token log-probs as the threshold.", minimum=0.0, maximum=1.0
     )
     memory_reward_type: str = setting(
-        "diff", "`diff` (P_mem - P_full) or `log_ratio` (`mempo_trl.memory_rewards`).", choices=tuple(MEMORY_REWARDS)
+        "diff",
+        MEMORY_REWARDS.help_text("How P_mem and P_full give the memory reward (`mempo_trl.memory_rewards`):"),
+        choices=MEMORY_REWARDS.keys(),
     )
     memory_reward_eps: float = setting(1e-6, "eps of the log-ratio memory reward (> 0).")
     memory_reward_parts: str = setting(
         "joint",
-        "`joint`: one P over all gold tokens (paper). With multi-part golds (`sub_answers`), `weakest`: the reward "
-        "of the part it is lowest for; `losses`: where a part's reward is below 0, the mean of min(part reward, 0) "
-        "over the parts.",
-        choices=("joint", "weakest", "losses"),
+        PART_REWARDS.help_text("How the parts of a gold answer are scored:"),
+        choices=PART_REWARDS.keys(),
     )
     memory_length_penalty: float = setting(0.0, "lambda of the `<mem>` length penalty (0 = off).", minimum=0.0)
     memory_pooling: str = setting(

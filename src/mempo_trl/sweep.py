@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mempo_trl.agent import MemPOAgent
-from mempo_trl.context import ContextMode
+from mempo_trl.context import COMPARED_CONTEXT_MODES, ContextMode
 from mempo_trl.evaluation import EvalResult, evaluate
 
 
@@ -33,7 +33,7 @@ TABLE_COLUMNS = (
 def evaluate_objectives(
     agent: MemPOAgent,
     rows_by_objectives: Mapping[int, Sequence[dict]],
-    context_modes: Sequence[ContextMode] = ("memory", "full_history"),
+    context_modes: Sequence[ContextMode] = COMPARED_CONTEXT_MODES,
     progress: bool = True,
 ) -> dict[int, dict[str, EvalResult]]:
     """`evaluate` ``agent`` on the rows of every K (number of objectives) in every context mode: ``{K: {mode:

@@ -1,8 +1,9 @@
 """The task an agent acts in, behind one seam (`Task`): the search task (a retriever) and a TRL-style environment.
 
 `RolloutEngine`, `MemPOTrainer` and `MemPOAgent` play any `Task`: the task starts an episode from a dataset row, runs
-one round's actions (all of them at once: the search task answers them with one retriever call), names its action
-tags, checks its rows and sets the default reward functions before training, and says whether dynamic sampling may
+one round's actions (all of them at once: the search task answers them with one retriever call), renders their results
+as the messages contexts show (`render_result`: the rollout shortens a result's text, never its message), names its
+action tags, checks its rows and sets the default reward functions before training, and says whether dynamic sampling may
 play further rows (``can_refill``). For `mempo-trl train` it also reads its rows (`read_rows`), says whether the
 held-out evaluation plays it (``heldout``) and writes the model card's quick start (`usage`). A new kind of task is one
 class with these members (docs/environments.md, "Changing MemPO").
@@ -12,9 +13,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from mempo_trl.context import render_information
+from mempo_trl.context import information_block, passages_text
 from mempo_trl.data import load_qa, read_jsonl, validate_datasets
 from mempo_trl.environments import (
     EnvironmentFactory,
@@ -63,14 +64,14 @@ class Task(Protocol):
         """The protocol this task is played with, from the one the settings give."""
 
     @staticmethod
-    def read_rows(path: str, split: str, config: str | None = None):
+    def read_rows(path: str, split: str, config: str | None = None) -> Any:
         """The rows of ``split`` of the data at ``path`` (a `datasets.Dataset`), as `mempo-trl train` reads them."""
 
-    def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
+    def prepare(self, reward_funcs: list | None, train_dataset: Any, eval_dataset: Any) -> tuple[list, Any, Any]:
         """Check the rows before any model is loaded; return the reward functions (``reward_funcs`` or the task's
         default) and the datasets."""
 
-    def questions(self, rows) -> list[str] | None:
+    def questions(self, rows: Any) -> list[str] | None:
         """The questions of the rows' first contexts, checked against the context limit when the data is loaded;
         None when they are only known at the start of an episode."""
 
@@ -78,8 +79,12 @@ class Task(Protocol):
         """One `TaskStart` per row of a batch."""
 
     def act(self, environments: Sequence[Any], contents: Sequence[str], topk: int) -> list[str]:
-        """The result message of each action (``contents``: the text of each action block, ``environments`` those of
-        the episodes that wrote them), all of a round at once. A lost retriever raises `RetrieverOutage`."""
+        """The result of each action, as text (``contents``: the text of each action block, ``environments`` those
+        of the episodes that wrote them), all of a round at once. A lost retriever raises `RetrieverOutage`."""
+
+    def render_result(self, result: str) -> str:
+        """The message a context shows for the text of a result (`act`'s, or its shortened form ending ``" ..."``
+        when ``context_overflow="truncate_information"`` cut it)."""
 
     def action_problem(self, content: str) -> str | None:
         """Why an action block of a valid turn cannot be run (the turn is then invalid), or None."""
@@ -100,7 +105,7 @@ class SearchTask:
     passes_environments = False
     heldout = True
 
-    def __init__(self, retriever):
+    def __init__(self, retriever: Any) -> None:
         if isinstance(retriever, str):  # a `load_retriever` spec
             from mempo_trl.retrieval import load_retriever
 
@@ -113,18 +118,18 @@ class SearchTask:
         return protocol
 
     @staticmethod
-    def read_rows(path: str, split: str, config: str | None = None):
+    def read_rows(path: str, split: str, config: str | None = None) -> Any:
         """Validated QA rows (`load_qa`); a ``split`` that is a file is read as its own QA file."""
         return load_qa(split) if Path(split).is_file() else load_qa(path, split=split, config=config)
 
-    def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
+    def prepare(self, reward_funcs: list | None, train_dataset: Any, eval_dataset: Any) -> tuple[list, Any, Any]:
         """Every row checked (`validate_qa_rows`); the default reward is `mempo_outcome_reward`."""
         from mempo_trl.rewards import mempo_outcome_reward
 
         train_dataset, eval_dataset = validate_datasets(train_dataset, eval_dataset)
         return (reward_funcs if reward_funcs is not None else [mempo_outcome_reward]), train_dataset, eval_dataset
 
-    def questions(self, rows) -> list[str]:
+    def questions(self, rows: Any) -> list[str]:
         """The rows' ``question`` column."""
         return list(rows["question"]) if hasattr(rows, "column_names") else [row["question"] for row in rows]
 
@@ -133,8 +138,12 @@ class SearchTask:
         return [TaskStart(row["question"]) for row in rows]
 
     def act(self, environments: Sequence[Any], contents: Sequence[str], topk: int) -> list[str]:
-        """One retriever call for all the round's queries; each result rendered as an ``<information>`` block."""
-        return [render_information(passages) for passages in self.retriever.search(list(contents), topk)]
+        """One retriever call for all the round's queries; each result's passages as text (`passages_text`)."""
+        return [passages_text(passages) for passages in self.retriever.search(list(contents), topk)]
+
+    def render_result(self, result: str) -> str:
+        """An ``<information>`` block (`information_block`)."""
+        return information_block(result)
 
     def action_problem(self, content: str) -> None:
         """Any query can be searched."""
@@ -172,13 +181,13 @@ class EnvironmentTask:
         return protocol.for_environment()
 
     @staticmethod
-    def read_rows(path: str, split: str, config: str | None = None):
+    def read_rows(path: str, split: str, config: str | None = None) -> Any:
         """The reset rows of the .jsonl at ``path`` (one file: no splits)."""
         from datasets import Dataset
 
         return Dataset.from_list(read_jsonl(path))
 
-    def prepare(self, reward_funcs, train_dataset, eval_dataset) -> tuple[list, Any, Any]:
+    def prepare(self, reward_funcs: list | None, train_dataset: Any, eval_dataset: Any) -> tuple[list, Any, Any]:
         """`environment_reward_funcs`: the environments and the first row of each checked, ``get_reward`` added."""
         return (
             environment_reward_funcs(self.environment_factory, reward_funcs, train_dataset),
@@ -186,14 +195,15 @@ class EnvironmentTask:
             eval_dataset,
         )
 
-    def questions(self, rows) -> None:
+    def questions(self, rows: Any) -> None:
         """Known only from ``reset``."""
         return None
 
     def start(self, rows: Sequence[dict]) -> list[TaskStart]:
         """Instance k of the pool of each row's environment (`environment_name`) reset with the row: the question is
         the row's ``question`` and what ``reset`` returned (`task_text`)."""
-        starts, handed_out = [], defaultdict(int)
+        starts: list[TaskStart] = []
+        handed_out: defaultdict[str | None, int] = defaultdict(int)
         for row in rows:
             name = environment_name(row, self.factories)
             pool = self.pool[name]
@@ -207,7 +217,12 @@ class EnvironmentTask:
 
     def act(self, environments: Sequence[Any], contents: Sequence[str], topk: int) -> list[str]:
         """Each tool call run on its episode's instance (`call_tool`)."""
-        return [call_tool(env, *parse_tool_call(content)) for env, content in zip(environments, contents)]
+        calls = [cast(tuple[str, dict], parse_tool_call(content)) for content in contents]  # valid: `action_problem`
+        return [call_tool(env, *call) for env, call in zip(environments, calls)]
+
+    def render_result(self, result: str) -> str:
+        """The tool's result as it is (TRL's tool message)."""
+        return result
 
     def action_problem(self, content: str) -> str | None:
         """A ``<tool_call>`` that is not a JSON call."""
@@ -222,7 +237,7 @@ class EnvironmentTask:
         return environment_usage(model_id, self.environment_factory)
 
 
-def make_task(retriever=None, environment_factory=None, task: Task | None = None) -> Task:
+def make_task(retriever: Any = None, environment_factory: Any = None, task: Task | None = None) -> Task:
     """The task of exactly one of ``task``, ``retriever`` (`SearchTask`) and ``environment_factory``
     (`EnvironmentTask`); `ValueError` otherwise."""
     given = [value is not None for value in (task, retriever, environment_factory)]

@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from trl import GRPOTrainer
@@ -114,19 +115,28 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
             }"""),
     }
 
+    # What TRL's (untyped or wider) attributes hold here, for the type checker.
+    args: MemPOConfig
+    model: Any
+    num_generations: int
+    num_generations_eval: int
+    train_dataset: Any
+    environments: list | None  # type: ignore[assignment]  # TRL's class attribute is a None placeholder
+    model_card_info: dict[str, Any]
+
     def __init__(
         self,
-        model,
-        retriever=None,
-        reward_funcs=None,
+        model: Any,
+        retriever: Any = None,
+        reward_funcs: Any = None,
         args: MemPOConfig | None = None,
-        train_dataset=None,
-        eval_dataset=None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
         *,
-        environment_factory=None,
+        environment_factory: Any = None,
         task: Task | None = None,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         args, task = self._check_arguments(model, retriever, args, environment_factory, task, kwargs)
         check_map_style(train_dataset, eval_dataset)
         announce_reward_format(reward_funcs)
@@ -135,7 +145,7 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
         reward_funcs, train_dataset, eval_dataset = task.prepare(reward_funcs, train_dataset, eval_dataset)
         if args.use_vllm:  # vLLM stops on the closing action tags as strings, whatever their tokenisation
             stops = {"stop": list(protocol.stops), "include_stop_str_in_output": True}
-            args.generation_kwargs = {**stops, **(args.generation_kwargs or {})}
+            args.generation_kwargs = {**stops, **cast(dict, args.generation_kwargs or {})}  # a dict once parsed
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, **kwargs)
         self.protocol, self.task, self.model_card_info = protocol, task, {}
         self.retriever = getattr(task, "retriever", None)  # a `SearchTask`'s
@@ -165,7 +175,9 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
             self.add_callback(self.rollout_log)
 
     @staticmethod
-    def _check_arguments(model, retriever, args, environment_factory, task, kwargs: dict) -> tuple[MemPOConfig, Task]:
+    def _check_arguments(
+        model: Any, retriever: Any, args: MemPOConfig | None, environment_factory: Any, task: Task | None, kwargs: dict
+    ) -> tuple[MemPOConfig, Task]:
         """Refuse what MemPO cannot train with, before any model is loaded; return this trainer's copy of ``args``
         (a default `MemPOConfig` named after the model when None: what changes in it stays with this trainer) and
         its task (`make_task`)."""
@@ -312,7 +324,12 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
         step, metrics = dynamic_sampling(step, settings, self.num_generations, rank, draw, self._play_and_score, logs)
         for name, value in metrics.items():
             self._metrics["train"][name].append(value)
-        if step.dropped.all() and not self._warned_all_dropped and self.accelerator.is_main_process:
+        if (
+            step.dropped is not None
+            and step.dropped.all()
+            and not self._warned_all_dropped
+            and self.accelerator.is_main_process
+        ):
             self._warned_all_dropped = True
             print(
                 f"mempo-trl: WARNING: step {self.state.global_step + 1}: dynamic_sampling={settings.dynamic_sampling!r} "
@@ -331,10 +348,10 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
         every process has the same number of rows, a multiple of ``steps_per_generation``; the rows of the episodes
         that are ``dropped`` (one flag per episode) get a fully masked completion."""
         rows, device = tuple(rows), self.accelerator.device
-        per_step = self.args.steps_per_generation if mode == "train" else 1
+        per_step = (self.args.steps_per_generation or 1) if mode == "train" else 1  # an int once the config is built
         placeholders = math.ceil(self._global_max(len(rows)) / per_step) * per_step - len(rows)
         kept = [not dropped[row.episode_index] for row in rows]
-        pad_id, multiple = self._tokenizer.pad_token_id, self.pad_to_multiple_of
+        pad_id, multiple = self._tokenizer.pad_token_id, cast(int | None, self.pad_to_multiple_of)
         tensors = round_tensors(rows, kept, placeholders, pad_id, multiple, self.mask_truncated_completions)
         tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
         tensors["num_items_in_batch"] = self.accelerator.gather(tensors["completion_mask"].sum()).sum()
@@ -370,7 +387,9 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
         logps = [row.logprobs for row in rows]
         return logps if all(lp is not None for lp in logps) else None
 
-    def _log_step(self, batch: RoundBatch, step: ScoredStep, advantages, scores: MemoryScores, scoring_seconds):
+    def _log_step(
+        self, batch: RoundBatch, step: ScoredStep, advantages: Any, scores: MemoryScores, scoring_seconds: float
+    ) -> None:
         """What `GRPOTrainer` logs (`_log_grpo_metrics`: the trajectories as completions), then MemPO's metrics
         (`mempo_trl.metrics`, each averaged over all processes; ``time/*``: the slowest process), and in training the
         step's account (tokens and seconds, `training_step`) and, with ``rollout_log_steps``, the main process's
@@ -405,7 +424,7 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
 
     # ------------------------------------------------------------------ TRL's loss and step
 
-    def _compute_loss(self, model, inputs):
+    def _compute_loss(self, model: Any, inputs: dict) -> torch.Tensor:
         """TRL's loss; for the loss types that count rows (`ROW_LEVEL_LOSSES`), the micro-batch's placeholder and
         dropped rows (not ``real_rows``) leave it first, so that the mean over rows (`grpo`, `sapo`, `luspo`) or the
         rows x `max_completion_length` divisor (`dr_grpo`) count the real rounds, each a sequence as in TRL. A
@@ -422,7 +441,7 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
             }
         return super()._compute_loss(model, inputs)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
         """GRPOTrainer's training step, then `check_finite` on its loss: a NaN or infinite loss raises
         `NonFiniteError` before the optimizer step, so the weights keep their last finite values.
 
@@ -444,16 +463,18 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
         """The numeric metrics of the last logged training step and of the last evaluation (`mempo_trl.metrics.final_metrics`)."""
         return final_metrics(self.state.log_history)
 
-    def _save(self, output_dir: str | None = None, state_dict=None):
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Save as TRL does, plus the agent's turn protocol (`mempo_agent.json`, read by `MemPOAgent`)."""
         super()._save(output_dir, state_dict=state_dict)
         if self.args.should_save:  # every process comes here; only the writer has created `output_dir`
-            self.protocol.save(output_dir or self.args.output_dir)
+            self.protocol.save(str(output_dir or self.args.output_dir))
 
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+    def create_model_card(  # type: ignore[override]  # TRL's signature (`_BaseTrainer.create_model_card`)
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
+    ) -> None:
         """TRL's model card, rewritten for MemPO by `mempo_trl.model_card.mempo_model_card` (base model, install and
         usage, data, retriever, held-out result, recipe, last-step metrics)."""
-        model_name = model_name or Path(self.args.output_dir).name  # as `push_to_hub` names it (TRL: "None")
+        model_name = model_name or Path(str(self.args.output_dir)).name  # as `push_to_hub` names it (TRL: "None")
         hub_dataset = dataset_name if dataset_name and not Path(dataset_name).exists() else None
         super().create_model_card(model_name=model_name, dataset_name=hub_dataset, tags=tags)
         if self.is_world_process_zero():

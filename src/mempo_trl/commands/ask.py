@@ -13,6 +13,7 @@ import types
 from dataclasses import dataclass, field
 
 from mempo_trl.commands import add_command, parse
+from mempo_trl.context import COMPARED_CONTEXT_MODES
 from mempo_trl.protocol import TurnProtocol
 from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 from mempo_trl.settings import override_field
@@ -41,7 +42,10 @@ class AgentArguments:
     max_turns: int | None = override_field(TurnProtocol, "max_turns")
     retrieval_topk: int | None = override_field(TurnProtocol, "retrieval_topk")
     context_mode: str | None = override_field(
-        TurnProtocol, "context_mode", more_choices=("both",), note=" `eval` also takes `both`."
+        TurnProtocol,
+        "context_mode",
+        more_choices=("both",),
+        note=f" `eval` also takes `both` ({' and '.join(COMPARED_CONTEXT_MODES)}).",
     )
     max_completion_length: int | None = override_field(TurnProtocol, "max_completion_length")
     max_context_tokens: int | None = override_field(TurnProtocol, "max_context_tokens")

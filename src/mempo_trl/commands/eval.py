@@ -28,7 +28,7 @@ from pathlib import Path
 
 from mempo_trl.commands import add_command, parse
 from mempo_trl.commands.ask import AgentArguments, load_agent
-from mempo_trl.context import CONTEXT_MODES
+from mempo_trl.context import COMPARED_CONTEXT_MODES
 from mempo_trl.evaluation import EvalResult, compare_modes, evaluate, plot_context_tokens
 from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         retriever_info = _probe_retriever(retriever, retriever_args, rows[0]["question"])
         agent = load_agent(agent_args, retriever, context_mode)
 
-    modes = list(CONTEXT_MODES) if agent_args.context_mode == "both" else [agent.protocol.context_mode]
+    modes = list(COMPARED_CONTEXT_MODES) if agent_args.context_mode == "both" else [agent.protocol.context_mode]
     out = Path(eval_args.output_dir)
     settings = {
         "model_name_or_path": agent_args.model_name_or_path,

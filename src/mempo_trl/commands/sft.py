@@ -4,7 +4,7 @@
         --output_dir warm --num_train_epochs 3 --use_peft --lora_r 16
     accelerate launch -m mempo_trl sft --dataset_name distilled ...
 
-The arguments are TRL's (`SFTConfig`, `ModelConfig`: ``--use_peft``, ``--lora_r``, ...) and ``dataset_name``: a
+The arguments are TRL's (`SFTConfig`, with the CPU defaults of `mempo_trl.config.MemPOSFTConfig`; `ModelConfig`: ``--use_peft``, ``--lora_r``, ...) and ``dataset_name``: a
 distill output directory (its ``train.jsonl``) or a ``train.jsonl`` beside the ``mempo_agent.json`` it was played
 with. The rows are TRL's conversational prompt-completion rows, so the loss is on the teacher's turns only
 (``completion_only_loss``) and each context is rendered with the student's chat template. The model is saved with
@@ -90,16 +90,19 @@ def check_rows(dataset, source: Path, tokenizer, max_length: int | None) -> None
 def main(argv: list[str] | None = None) -> int:
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM
-    from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config
+    from trl import ModelConfig, SFTTrainer, get_peft_config
 
     from mempo_trl.agent import load_chat_tokenizer
     from mempo_trl.callbacks import DropSetAsideOnSave
+    from mempo_trl.config import MemPOSFTConfig
     from mempo_trl.loading import check_model_path
     from mempo_trl.outputs import drop_set_aside
     from mempo_trl.processes import end_with_parent
 
     end_with_parent()  # started by a run's process (`child_env`): it ends when that one dies
-    data_args, training_args, model_args = parse("mempo-trl sft", [SFTDataArguments, SFTConfig, ModelConfig], argv)
+    data_args, training_args, model_args = parse(
+        "mempo-trl sft", [SFTDataArguments, MemPOSFTConfig, ModelConfig], argv
+    )
     if not model_args.model_name_or_path:
         raise ValueError("no model: pass --model_name_or_path (the student: a model directory or a Hub id).")
     check_model_path(model_args.model_name_or_path)

@@ -184,14 +184,14 @@ def smollm2(argv: list[str]) -> int:
 
 
 def env_rows(argv: list[str]) -> int:
-    from mempo_trl.kit.demo_world import _write_jsonl
+    from mempo_trl.kit.demo_world import write_jsonl
 
     (args,) = parse("mempo-trl kit env-rows", [EnvRowsArguments], argv)
     rows = KIT_ENVIRONMENTS[args.environment][1]
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(out / "train.jsonl", rows(args.num_rows, seed=0))
-    _write_jsonl(out / "test.jsonl", rows(args.num_test_rows, seed=1))
+    write_jsonl(out / "train.jsonl", rows(args.num_rows, seed=0))
+    write_jsonl(out / "test.jsonl", rows(args.num_test_rows, seed=1))
     print(f"wrote {out}: train.jsonl {args.num_rows} rows (seed 0), test.jsonl {args.num_test_rows} rows (seed 1)")
     return 0
 

@@ -33,7 +33,7 @@ _ENTITY_SHARES = {"person": 0.4, "city": 0.2, "company": 0.16, "river": 0.08, "m
 _ONSETS = ("b", "br", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "tr", "v", "z")
 _VOWELS = ("a", "e", "i", "o", "u", "a", "e", "o", "ei", "ou")
 _CODAS = ("", "", "", "", "l", "n", "r", "s", "th", "m", "k")
-_OCCUPATIONS = ("painter", "chemist", "architect", "novelist", "engineer", "composer", "cartographer", "astronomer")
+OCCUPATIONS = ("painter", "chemist", "architect", "novelist", "engineer", "composer", "cartographer", "astronomer")
 _INDUSTRIES = {
     "Ironworks": "steel",
     "Shipping": "shipping",
@@ -157,7 +157,12 @@ class _Namer:
         return made_up_word(self.rng, self.used, min_syllables, max_syllables)
 
 
-def _article(noun: str) -> str:
+def article(noun: str) -> str:
+    """``noun`` with its indefinite article.
+
+    >>> article("engineer"), article("painter")
+    ('an engineer', 'a painter')
+    """
     return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
 
 
@@ -170,8 +175,9 @@ def _number_aliases(value: int, unit: str = "", short_unit: str = "") -> list[st
     return list(dict.fromkeys(aliases))
 
 
-class _Builder:
-    """Builds one world; passages are keyed by strings until they are shuffled and numbered."""
+class WorldBuilder:
+    """Builds one demo world (`generate_world`; the lab's horizon world extends it); passages are keyed by strings
+    until they are shuffled and numbered."""
 
     def __init__(self, seed: int, num_entities: int, distractor_rate: float):
         self.rng = random.Random(seed)
@@ -222,7 +228,7 @@ class _Builder:
                     surname=surname,
                     birth_year=birth,
                     birthplace=rng.choice(cities),
-                    occupation=rng.choice(_OCCUPATIONS),
+                    occupation=rng.choice(OCCUPATIONS),
                     move_year=birth + rng.randint(20, 40),
                     residence=rng.choice(cities),
                     death_year=birth + rng.randint(45, 95),
@@ -280,7 +286,7 @@ class _Builder:
                 born = self._passage(
                     f"e{i}a",
                     n,
-                    f"{n} was {_article(a['occupation'])} born in {a['birth_year']} in {a['birthplace'].name}.",
+                    f"{n} was {article(a['occupation'])} born in {a['birth_year']} in {a['birthplace'].name}.",
                 )
                 later = self._passage(
                     f"e{i}b",
@@ -362,7 +368,7 @@ class _Builder:
                 namer.used.add(twin_surname)
                 title = twin = f"{e.name.split()[0]} {twin_surname}"
                 born = a["birth_year"] + rng.randint(1, 30)
-                text = f"{twin} was {_article(rng.choice(_OCCUPATIONS))} born in {born} in {rng.choice(cities).name}."
+                text = f"{twin} was {article(rng.choice(OCCUPATIONS))} born in {born} in {rng.choice(cities).name}."
             elif e.kind == "company":
                 other = rng.choice(sorted(set(_INDUSTRIES) - {a["suffix"]}))
                 title = f"{stem} {other}"
@@ -500,7 +506,7 @@ def generate_world(
     """
     if num_entities < 30:
         raise ValueError(f"num_entities must be at least 30 (two entities of every kind), got {num_entities}")
-    builder = _Builder(seed, num_entities, distractor_rate)
+    builder = WorldBuilder(seed, num_entities, distractor_rate)
     builder.make_entities()
     builder.write_passages()
     builder.write_distractors()
@@ -508,7 +514,8 @@ def generate_world(
     return builder.finish(rows, seed)
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Write ``rows`` to ``path`` as JSON Lines (UTF-8, one object a line)."""
     with path.open("w", encoding="utf-8", newline="\n") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -534,9 +541,9 @@ def write_world(world: DemoWorld, out_dir: str | Path, test_fraction: float = 0.
         rows = [row["id"] for row in world.questions if row["data_source"] == kind]
         test_ids.update(rows[len(rows) - round(len(rows) * test_fraction) :])
     paths = DemoPaths(out / "corpus.jsonl", out / "train.jsonl", out / "test.jsonl")
-    _write_jsonl(paths.corpus, world.passages)
-    _write_jsonl(paths.train, [row for row in world.questions if row["id"] not in test_ids])
-    _write_jsonl(paths.test, [row for row in world.questions if row["id"] in test_ids])
+    write_jsonl(paths.corpus, world.passages)
+    write_jsonl(paths.train, [row for row in world.questions if row["id"] not in test_ids])
+    write_jsonl(paths.test, [row for row in world.questions if row["id"] in test_ids])
     return paths
 
 

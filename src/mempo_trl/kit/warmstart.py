@@ -65,7 +65,7 @@ _COMPARED_VALUE = {
 }
 
 
-def _subject(query: str) -> str:
+def query_subject(query: str) -> str:
     """The first run of capitalised words after the question word: the entity a single-hop query asks about."""
     words = query.rstrip("?").split()[1:]
     start = next(i for i, word in enumerate(words) if word[0].isupper())
@@ -121,7 +121,7 @@ def hop_facts(row: dict, results: Sequence[Sequence[Any]]) -> list[str]:
             values.append(_bridge(row["question"], queries[i + 1]))
         else:
             values.append(str(row["golden_answers"][0]))
-    return [f"{_subject(query)}: {value}." for query, value in zip(queries, values)]
+    return [f"{query_subject(query)}: {value}." for query, value in zip(queries, values)]
 
 
 def oracle_episode_turns(
