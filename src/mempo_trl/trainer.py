@@ -168,9 +168,12 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
                 "num_generations": self.num_generations,
                 "memory_coef": args.memory_coef,
             }
+            assert args.output_dir is not None  # `TrainingArguments` fills it in
+            # `TrainingArguments` turns report_to into a list; a str or None would be a caller's own args object
+            report_to = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to or [])
             directory = Path(args.output_dir) / ROLLOUTS_DIR
             self.rollout_log = RolloutLog(
-                directory, args.rollout_log_steps, args.rollout_log_episodes, header, args.report_to
+                directory, args.rollout_log_steps, args.rollout_log_episodes, header, report_to
             )
             self.add_callback(self.rollout_log)
 
