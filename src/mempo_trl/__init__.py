@@ -53,6 +53,7 @@ _EXPORTS = {
     "load_qa": "mempo_trl.data",
     "DataError": "mempo_trl.data",
     "compose_objectives": "mempo_trl.compose",
+    "convert_hotpotqa": "mempo_trl.hotpotqa",
     "load_tokenizer": "mempo_trl.loading",
     "check_model_files": "mempo_trl.loading",
     "check_adapter_files": "mempo_trl.loading",
