@@ -1,5 +1,7 @@
 """HotpotQA through the real CLI, on the 30-question fixture of `tests/data/hotpotqa` (CC BY-SA 4.0, see its README):
-`mempo-trl hotpotqa` (rows, one deduplicated corpus with stable ids, split safety, one-line errors)."""
+`mempo-trl hotpotqa` (rows, one deduplicated corpus with stable ids, split safety, one-line errors), the oracle teacher
+through `mempo-trl distill --teacher oracle` (valid episodes, the facts in memory, the exact answer), `mempo-trl
+compose` on the converted rows, and the oracle on the demo world's rows (the kit's warm-start oracle's turns)."""
 
 import doctest
 import json
@@ -8,10 +10,15 @@ from pathlib import Path
 import pytest
 from helpers import one_error_line
 
+import mempo_trl.commands.distill as distill_command
 import mempo_trl.hotpotqa as hotpotqa_module
+import mempo_trl.oracle as oracle_module
 from mempo_trl.cli import main
+from mempo_trl.context import render_information, round_messages
 from mempo_trl.data import load_qa, read_jsonl
 from mempo_trl.hotpotqa import LICENSE, passage_id
+from mempo_trl.protocol import TurnProtocol
+from mempo_trl.retrieval import BM25Retriever
 from mempo_trl.retrieval.corpus import parse_contents
 
 
@@ -43,7 +50,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def test_doctests():
-    for module in (hotpotqa_module,):
+    for module in (hotpotqa_module, oracle_module, distill_command):
         assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
 
 
@@ -143,3 +150,109 @@ def test_bad_rows_get_one_error_line_naming_file_row_and_field(field, message, t
     assert main(["hotpotqa", "--dataset_name", str(source), "--output_dir", str(out)]) == 2
     assert one_error_line(capsys).startswith(f"error: {source}, row 2: {message}")
     assert not list(out.glob("*.jsonl"))
+
+
+def _distill(rows: Path, split: str, tokenizer_dir, corpus: Path, out: Path, *more: str) -> int:
+    return main(
+        [
+            "distill",
+            "--teacher",
+            "oracle",
+            "--model_name_or_path",
+            str(tokenizer_dir),
+            "--dataset_name",
+            str(rows),
+            "--dataset_split",
+            split,
+            "--corpus",
+            str(corpus),
+            "--output_dir",
+            str(out),
+            *more,
+        ]
+    )
+
+
+def test_the_oracle_teacher_plays_hotpotqa_through_distill(converted, tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "oracle"
+    assert _distill(converted, "train", tiny_model_dir, converted / "corpus.jsonl", out) == 0
+    report = json.loads((out / "distill_report.json").read_text())
+    assert report["teacher"]["backend"] == "oracle"
+    # 14 of 15 found every gold paragraph (2 after a second search with the title); one gave up (no action).
+    assert report["by_reason"] == {"kept": 14, "format_invalid": 1}
+    rows = {row["id"]: row for row in read_jsonl(converted / "train.jsonl")}
+    episodes = read_jsonl(out / "episodes.jsonl")
+    protocol = TurnProtocol.from_pretrained(out)
+    retriever = BM25Retriever.from_corpus(str(converted / "corpus.jsonl"))
+    for entry in episodes:
+        row, rounds = rows[entry["id"]], entry["rounds"]
+        searches = [r["completion"].split("<search> ")[1].split(" </search>")[0] for r in rounds[:-1]]
+        assert searches[0] == row["hop_queries"][0]
+        if not entry["format_valid"]:
+            assert (
+                rounds[-1]["reason"].startswith("no action")
+                and "The search did not find it." in rounds[-1]["completion"]
+            )
+            continue
+        assert entry["em"] == 1.0 and entry["answer"] == row["golden_answers"][0]
+        assert [r["valid"] for r in rounds] == [True] * len(rounds)
+        assert [s for s in searches if s in row["hop_queries"]] == row["hop_queries"]
+        assert set(searches) <= {*row["hop_queries"], *row["supporting_titles"]}
+        last = rounds[-1]["completion"]
+        assert last == (
+            f"<mem> {' '.join(row['hop_facts'])} </mem>\n<think> I know the answer. </think>\n"
+            f"<answer> {row['golden_answers'][0]} </answer>"
+        )
+        for t, r in enumerate(rounds):  # the contexts: the protocol's rebuild of the turns and real results before
+            results = retriever.search(searches[:t], protocol.retrieval_topk)
+            history = [(rounds[k]["completion"], render_information(results[k])) for k in range(t)]
+            assert r["messages"] == round_messages(rounds[0]["messages"], history, protocol.context_mode)
+    assert sum(len(e["rounds"]) > 3 for e in episodes if e["format_valid"]) == 2
+    sft = read_jsonl(out / "train.jsonl")
+    assert len(sft) == sum(len(e["rounds"]) for e in episodes if e["format_valid"])
+    assert sft[0]["completion"][0]["content"] == episodes[0]["rounds"][0]["completion"]
+
+
+def test_compose_keeps_every_parts_hops_and_the_oracle_plays_composed_rows(converted, tiny_model_dir, tmp_path):
+    composed = tmp_path / "composed"
+    args = ["compose", "--dataset_name", str(converted), "--dataset_split", "train", "dev", "--objectives", "2", "4"]
+    assert main([*args, "--output_dir", str(composed)]) == 0
+    sources = {row["id"]: row for split in ("train", "dev") for row in read_jsonl(converted / f"{split}.jsonl")}
+    k2 = read_jsonl(composed / "k2" / "train.jsonl")
+    assert len(k2) == 7 and len(read_jsonl(composed / "k4" / "dev.jsonl")) == 3
+    for row in k2:
+        parts = [sources[i] for i in row["sub_ids"]]
+        for name in ("hop_queries", "hop_facts", "supporting_ids", "supporting_titles"):
+            assert row[name] == [hop for part in parts for hop in part[name]]
+    out = tmp_path / "oracle_k2"
+    assert _distill(composed / "k2", "train", tiny_model_dir, converted / "corpus.jsonl", out) == 0
+    for entry in read_jsonl(out / "episodes.jsonl"):
+        if entry["format_valid"]:
+            parts = [sources[i] for i in next(r for r in k2 if r["id"] == entry["id"])["sub_ids"]]
+            assert entry["em"] == 1.0 and entry["answer"] == "; ".join(p["golden_answers"][0] for p in parts)
+    assert json.loads((out / "distill_report.json").read_text())["kept"] >= 5
+
+
+def test_the_oracle_teacher_plays_the_demo_world_as_the_kits_oracle(demo_paths, tiny_model_dir, tmp_path):
+    from mempo_trl.kit.warmstart import oracle_episode_turns
+
+    out = tmp_path / "demo"
+    assert _distill(demo_paths.train, "train", tiny_model_dir, demo_paths.corpus, out, "--max_samples", "24") == 0
+    retriever = BM25Retriever.from_corpus(str(demo_paths.corpus))
+    rows = {row["id"]: row for row in read_jsonl(demo_paths.train)}
+    same = 0
+    for entry in read_jsonl(out / "episodes.jsonl"):
+        assert entry["em"] == 1.0
+        played = [r["completion"] for r in entry["rounds"]]
+        kit = [text for text, _ in oracle_episode_turns(rows[entry["id"]], retriever)]
+        same += played == kit
+    assert same >= 20  # the rows whose gold passages the first searches find: the kit's turns exactly
+
+
+def test_the_oracle_teacher_refuses_rows_without_hops_in_one_line(tiny_model_dir, demo_paths, tmp_path, capsys):
+    rows = write_jsonl(tmp_path / "plain.jsonl", [{"id": "a", "question": "Who?", "golden_answers": ["Ada"]}])
+    assert _distill(rows, "train", tiny_model_dir, demo_paths.corpus, tmp_path / "o") == 2
+    assert one_error_line(capsys).startswith(f"error: {rows}, row 1 (id 'a'): field 'hop_queries' is None")
+    more = ["--use_vllm", "true"]
+    assert _distill(demo_paths.train, "train", tiny_model_dir, demo_paths.corpus, tmp_path / "o2", *more) == 2
+    assert "--teacher oracle and --use_vllm name two teachers" in one_error_line(capsys)

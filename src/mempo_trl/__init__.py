@@ -64,6 +64,7 @@ _EXPORTS = {
     "AgentResult": "mempo_trl.agent",
     "OpenAIChatGenerator": "mempo_trl.endpoint",
     "distill": "mempo_trl.distill",
+    "OracleTeacher": "mempo_trl.oracle",
     "CheckpointError": "mempo_trl.checkpoints",
     "validate_checkpoint": "mempo_trl.checkpoints",
     "newest_complete_checkpoint": "mempo_trl.checkpoints",
