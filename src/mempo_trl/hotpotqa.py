@@ -292,3 +292,41 @@ def convert_hotpotqa(splits: dict[str, Iterable[tuple[str, dict]]]) -> tuple[dic
         "license": LICENSE,
     }
     return out, list(corpus.values()), report
+
+
+def gold_recall(rows: Sequence[dict], retriever, ks: Sequence[int] = (1, 3, 5, 10), batch_size: int = 64) -> dict:
+    """How often one search with the question as the query finds the gold paragraphs: for each k of ``ks``, the
+    share of ``rows`` (with ``supporting_ids``) whose top k results hold at least one (``one``) and all (``all``) of
+    them, overall and per ``data_source``.
+
+    Example:
+        >>> class Fixed:  # always returns the passages "a", then "b", then "c"
+        ...     def search(self, queries, topk):
+        ...         return [[type("P", (), {"id": i})() for i in "abc"[:topk]] for _ in queries]
+        >>> rows = [{"question": "q1", "supporting_ids": ["b", "c"], "data_source": "x"},
+        ...         {"question": "q2", "supporting_ids": ["a", "z"], "data_source": "x"}]
+        >>> gold_recall(rows, Fixed(), ks=(1, 3))["one"], gold_recall(rows, Fixed(), ks=(1, 3))["all"]
+        ({'1': 0.5, '3': 1.0}, {'1': 0.0, '3': 0.5})
+    """
+    found: list[tuple[str, list[int]]] = []  # per row: its data source, the rank (1-based) of each gold paragraph
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        results = retriever.search([row["question"] for row in batch], max(ks))
+        for row, passages in zip(batch, results):
+            ranks = {str(p.id): rank for rank, p in enumerate(passages, 1)}
+            gold = [ranks.get(str(pid), len(passages) + max(ks) + 1) for pid in row["supporting_ids"]]
+            found.append((row.get("data_source", "unknown"), gold))
+
+    def shares(ranks: list[list[int]]) -> dict:
+        n = max(len(ranks), 1)
+        return {
+            "questions": len(ranks),
+            "one": {str(k): round(sum(min(r) <= k for r in ranks) / n, 4) for k in ks},
+            "all": {str(k): round(sum(max(r) <= k for r in ranks) / n, 4) for k in ks},
+        }
+
+    sources = sorted({source for source, _ in found})
+    return {
+        **shares([r for _, r in found]),
+        "by_data_source": {s: shares([r for source, r in found if source == s]) for s in sources},
+    }

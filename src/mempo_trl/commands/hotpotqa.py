@@ -12,15 +12,19 @@ Every row of every split is checked before anything is written.
 
 import argparse
 import json
+import shlex
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mempo_trl.commands import add_command, parse
+from mempo_trl.commands.retrieval import IndexArguments
 
 
 CORPUS_FILE = "corpus.jsonl"
 REPORT_FILE = "hotpotqa_report.json"
+RETRIEVAL_FILE = "retrieval.json"
 _SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -46,6 +50,30 @@ class HotpotQAArguments:
             "two of them."
         },
     )
+    measure_retrieval: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Retrievers to measure on the written corpus (bm25, dense): the share of questions whose gold "
+            "paragraphs (at least one / all) are in the top k, the question as the query; printed and saved to "
+            "retrieval.json.",
+            "choices": ["bm25", "dense"],
+        },
+    )
+    retrieval_k: list[int] = field(
+        default_factory=lambda: [1, 3, 5, 10], metadata={"help": "The k of --measure_retrieval."}
+    )
+    retriever_model: str | None = field(
+        default=None, metadata={"help": "Local sentence-transformers model directory (--measure_retrieval dense)."}
+    )
+    retriever_cache_dir: str | None = field(
+        default=None, metadata={"help": "Where indexes are cached (default: $MEMPO_CACHE/<retriever type>)."}
+    )
+
+    def __post_init__(self):
+        if min(self.retrieval_k, default=0) < 1:
+            raise ValueError(f"retrieval_k must be whole numbers >= 1, got {self.retrieval_k}.")
+        if "dense" in (self.measure_retrieval or []) and not self.retriever_model:
+            raise ValueError("--measure_retrieval dense needs --retriever_model: a local sentence-transformers model.")
 
 
 def _file_rows(path: Path) -> Iterator[tuple[str, object]]:
@@ -107,6 +135,57 @@ def source_splits(name: str, config: str | None, splits: list[str] | None) -> di
     }
 
 
+def measure_retrieval(
+    args: HotpotQAArguments, index_args: IndexArguments, rows: dict[str, list[dict]], corpus: Path, command: str
+) -> dict:
+    """`gold_recall` of every split's questions (and all of them) for each retriever of ``--measure_retrieval``,
+    with the seconds each took (index build included), the ``command`` line, the machine and the date."""
+    import os
+    import platform
+    import time
+
+    from mempo_trl.hotpotqa import gold_recall
+    from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
+
+    splits = {**rows, "all": [row for split_rows in rows.values() for row in split_rows]}
+    measured = {}
+    for kind in args.measure_retrieval:
+        start = time.perf_counter()
+        settings = RetrieverArguments(
+            corpus=str(corpus),
+            retriever_type=kind,
+            retriever_model=args.retriever_model,
+            retriever_cache_dir=args.retriever_cache_dir,
+        )
+        retriever = build_retriever(settings, **index_args.kwargs(kind))
+        measured[kind] = {
+            "retriever": kind if kind == "bm25" else f"dense ({args.retriever_model})",
+            "index": index_args.kwargs(kind),
+            "splits": {
+                name: gold_recall(split_rows, retriever, args.retrieval_k) for name, split_rows in splits.items()
+            },
+            "seconds": round(time.perf_counter() - start, 2),
+        }
+    return {
+        "command": command,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "query": "the question",
+        "k": args.retrieval_k,
+        "retrievers": measured,
+    }
+
+
+def recall_table(measured: dict) -> str:
+    """The overall shares of a `measure_retrieval` result as a Markdown table: one row per retriever and k."""
+    lines = ["| retriever | k | at least one gold paragraph | both |", "| --- | ---: | ---: | ---: |"]
+    for kind, result in measured["retrievers"].items():
+        overall = result["splits"]["all"]
+        for k in measured["k"]:
+            lines.append(f"| {kind} | {k} | {overall['one'][str(k)]:.1%} | {overall['all'][str(k)]:.1%} |")
+    return "\n".join(lines)
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
 
@@ -116,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from mempo_trl.hotpotqa import convert_hotpotqa
     from mempo_trl.outputs import replace_run_outputs
 
-    (args,) = parse("mempo-trl hotpotqa", [HotpotQAArguments], argv, replace_later=True)
+    args, index_args = parse("mempo-trl hotpotqa", [HotpotQAArguments, IndexArguments], argv, replace_later=True)
     rows, corpus, report = convert_hotpotqa(source_splits(args.dataset_name, args.dataset_config, args.dataset_split))
     replace_run_outputs(args.output_dir)
     out = Path(args.output_dir)
@@ -131,6 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     source = {"dataset_name": args.dataset_name, "dataset_config": args.dataset_config, "splits": list(rows)}
     (out / REPORT_FILE).write_text(json.dumps({"source": source, **report}, indent=2) + "\n", encoding="utf-8")
+    if args.measure_retrieval:
+        command = shlex.join(["mempo-trl", "hotpotqa", *(sys.argv[2:] if argv is None else argv)])
+        measured = measure_retrieval(args, index_args, rows, out / CORPUS_FILE, command)
+        (out / RETRIEVAL_FILE).write_text(json.dumps(measured, indent=2) + "\n", encoding="utf-8")
+        questions = sum(len(split_rows) for split_rows in rows.values())
+        print(f"gold paragraphs in the top k, the question as the query ({questions} questions):")
+        print(recall_table(measured))
+        print(f"wrote {out / RETRIEVAL_FILE}")
     return 0
 
 
