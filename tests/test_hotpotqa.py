@@ -335,3 +335,16 @@ def test_the_600_questions_convert_and_the_oracle_keeps_what_docs_say(tiny_model
     oracle = tmp_path / "oracle"
     assert _distill(out, "train", tiny_model_dir, out / "corpus.jsonl", oracle) == 0
     assert json.loads((oracle / "distill_report.json").read_text())["by_reason"] == {"kept": 286, "format_invalid": 14}
+
+
+def test_the_readme_and_docs_retrieval_table_is_the_committed_measurement():
+    from mempo_trl.commands.hotpotqa import recall_table
+
+    root = Path(__file__).resolve().parents[1]
+    measured = json.loads((root / "bench" / "results" / "hotpotqa_retrieval.json").read_text())
+    assert measured["retrievers"]["bm25"]["splits"]["all"]["questions"] == 600
+    table = recall_table(measured)
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## On real data: HotpotQA") :]
+    assert table in section[: section.index("\n## ", 1)]
+    assert table in (root / "docs" / "hotpotqa.md").read_text(encoding="utf-8")
