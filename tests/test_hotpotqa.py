@@ -125,6 +125,43 @@ def test_a_question_in_two_splits_is_refused_before_anything_is_written(tmp_path
     assert not list(out.glob("*.jsonl"))
 
 
+def test_hub_rows_and_the_original_json_files_convert_as_the_offline_rows(converted, tmp_path, monkeypatch):
+    import datasets
+    from datasets import Dataset
+
+    loaded = []
+
+    def load_dataset(name, config):  # the Hub's splits of the same rows (this machine is offline)
+        loaded.append((name, config))
+        return datasets.DatasetDict(
+            {"train": Dataset.from_list(raw("train")), "validation": Dataset.from_list(raw("dev"))}
+        )
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    out = tmp_path / "hub"
+    args = ["--dataset_name", "hotpotqa/hotpot_qa", "--dataset_config", "distractor"]
+    assert main(["hotpotqa", *args, "--output_dir", str(out)]) == 0  # every split of the Hub's
+    assert loaded == [("hotpotqa/hotpot_qa", "distractor")]
+    assert read_jsonl(out / "train.jsonl") == read_jsonl(converted / "train.jsonl")
+    assert read_jsonl(out / "validation.jsonl") == read_jsonl(converted / "dev.jsonl")
+    by_id = sorted(map(json.dumps, read_jsonl(out / "corpus.jsonl")))  # train's paragraphs first here, dev's there
+    assert by_id == sorted(map(json.dumps, read_jsonl(converted / "corpus.jsonl")))
+    # HotpotQA's own JSON files: `_id`, and [title, ...] pairs for supporting_facts and context.
+    original = [
+        {
+            "_id": row["id"],
+            **{k: v for k, v in row.items() if k not in ("id", "supporting_facts", "context")},
+            "supporting_facts": [list(pair) for pair in zip(*row["supporting_facts"].values())],
+            "context": [list(pair) for pair in zip(*row["context"].values())],
+        }
+        for row in raw("dev")
+    ]
+    (tmp_path / "hotpot_dev_distractor_v1.json").write_text(json.dumps(original), encoding="utf-8")
+    args = ["--dataset_name", str(tmp_path / "hotpot_dev_distractor_v1.json"), "--dataset_split", "dev"]
+    assert main(["hotpotqa", *args, "--output_dir", str(tmp_path / "json")]) == 0
+    assert read_jsonl(tmp_path / "json" / "dev.jsonl") == read_jsonl(converted / "dev.jsonl")
+
+
 def _broken(field: str) -> dict:
     row = json.loads(json.dumps(raw("dev")[1]))
     if field == "answer":
