@@ -131,8 +131,10 @@ def test_hub_rows_and_the_original_json_files_convert_as_the_offline_rows(conver
 
     loaded = []
 
-    def load_dataset(name, config):  # the Hub's splits of the same rows (this machine is offline)
-        loaded.append((name, config))
+    def load_dataset(name, config, split=None):  # the Hub's splits of the same rows (this machine is offline)
+        loaded.append((name, config, split))
+        if split is not None:
+            return Dataset.from_list(raw("dev"))
         return datasets.DatasetDict(
             {"train": Dataset.from_list(raw("train")), "validation": Dataset.from_list(raw("dev"))}
         )
@@ -141,9 +143,12 @@ def test_hub_rows_and_the_original_json_files_convert_as_the_offline_rows(conver
     out = tmp_path / "hub"
     args = ["--dataset_name", "hotpotqa/hotpot_qa", "--dataset_config", "distractor"]
     assert main(["hotpotqa", *args, "--output_dir", str(out)]) == 0  # every split of the Hub's
-    assert loaded == [("hotpotqa/hotpot_qa", "distractor")]
+    assert loaded == [("hotpotqa/hotpot_qa", "distractor", None)]
     assert read_jsonl(out / "train.jsonl") == read_jsonl(converted / "train.jsonl")
     assert read_jsonl(out / "validation.jsonl") == read_jsonl(converted / "dev.jsonl")
+    assert main(["hotpotqa", *args, "--dataset_split", "validation", "--output_dir", str(tmp_path / "one")]) == 0
+    assert loaded[1] == ("hotpotqa/hotpot_qa", "distractor", "validation")  # only the split asked for is loaded
+    assert sorted(p.name for p in (tmp_path / "one").glob("*.jsonl")) == ["corpus.jsonl", "validation.jsonl"]
     by_id = sorted(map(json.dumps, read_jsonl(out / "corpus.jsonl")))  # train's paragraphs first here, dev's there
     assert by_id == sorted(map(json.dumps, read_jsonl(converted / "corpus.jsonl")))
     # HotpotQA's own JSON files: `_id`, and [title, ...] pairs for supporting_facts and context.

@@ -125,10 +125,12 @@ def source_splits(name: str, config: str | None, splits: list[str] | None) -> di
         raise DataError(f"{path}: file or folder not found.")
     import datasets
 
-    loaded = datasets.load_dataset(name, config)
-    for split in splits or []:
-        if split not in loaded:
-            raise DataError(f"{name} ({config}): no split {split!r}; its splits are {', '.join(loaded)}.")
+    # Only the splits asked for are loaded (fullwiki's are large); datasets names a missing split and the ones there.
+    loaded = (
+        {s: datasets.load_dataset(name, config, split=s) for s in splits}
+        if splits
+        else datasets.load_dataset(name, config)
+    )
     return {
         split: [(f"{name} [{split}], row {i}", row) for i, row in enumerate(loaded[split], 1)]
         for split in splits or loaded
