@@ -166,8 +166,8 @@ def memory_signal(
     whose hops do not retrieve their facts, are skipped. Returns the means overall and per ``data_source``, with ``rows``.
     """
     from mempo_trl.context import ScoringItem, gold_answer_tokens, initial_messages, memory_context_ids, render_prompt
-    from mempo_trl.kit.warmstart import NOTHING_YET
     from mempo_trl.memory import answer_probability
+    from mempo_trl.oracle import NOTHING_YET
     from mempo_trl.scoring import answer_token_logps
 
     items, owners = [], []  # owners[i]: (row index, "all" | "drop" | "none")

@@ -552,7 +552,7 @@ def scripted_memories(row: dict, retriever, study: dict, rng: random.Random) -> 
     """The scripted memories of a row (`SCRIPTED`) and the oracle's full history at its answer round."""
     from long_horizon import fresh_value
 
-    from mempo_trl.kit.warmstart import NOTHING_YET, hop_facts
+    from mempo_trl.oracle import NOTHING_YET, hop_facts
 
     protocol = protocol_of(study)
     _, history, _ = answer_round(row, retriever, study, 0.0, rng)

@@ -378,12 +378,13 @@ def name_copy_nll(model, tokenizer, rows: list[dict], retriever, instruction: st
     """Does the model copy a name from the question? Teacher-forced NLL (nats) of the asked entity's name in the first
     search of each row's oracle episode: ``first`` (the name's first token: which entity) and ``later`` (the rest,
     given the first); a model that copies scores near 0, one that guesses a made-up word ~3-4."""
-    from mempo_trl.kit.warmstart import query_subject, sft_examples
+    from mempo_trl.kit.warmstart import sft_examples
+    from mempo_trl.oracle import subject
 
     first, later = [], []
     for row in rows:
         prompt, completion = sft_examples([row], retriever, tokenizer, instruction=instruction, max_turns=99)[0]
-        name = tokenizer(" " + query_subject(row["hop_queries"][0]), add_special_tokens=False)["input_ids"]
+        name = tokenizer(" " + subject(row["hop_queries"][0]), add_special_tokens=False)["input_ids"]
         start = _find(completion, name)
         nll = _completion_nll(model, prompt, completion)
         first.append(nll[start])

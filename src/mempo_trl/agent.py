@@ -23,7 +23,7 @@ With a TRL-style environment (`mempo_trl.environments`) instead of a retriever, 
 """
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -153,6 +153,7 @@ class MemPOAgent:
         seed: int = 0,
         vllm_kwargs: dict | None = None,
         openai: dict | None = None,
+        generator: Callable[[Any, TurnProtocol], GenerateFn] | None = None,
         **overrides: Any,
     ) -> "MemPOAgent":
         """Load a trained agent: the model, its tokenizer and its saved `TurnProtocol`.
@@ -162,7 +163,9 @@ class MemPOAgent:
         generates with vLLM's offline engine (``vllm_kwargs`` go to `vllm.LLM`; ``dtype``, unless "auto", too), else
         with transformers. ``openai`` (the arguments of `mempo_trl.endpoint.OpenAIChatGenerator` but the tokenizer:
         ``base_url``, ``model``, ...) generates with an OpenAI-compatible API instead, and ``path_or_hub_id`` then
-        gives only the tokenizer and the saved protocol (the search task only). Pass an ``environment_factory``
+        gives only the tokenizer and the saved protocol (the search task only). ``generator(tokenizer, protocol)``
+        builds the `GenerateFn` instead of loading weights (a scripted teacher, `mempo_trl.oracle.OracleTeacher`):
+        ``path_or_hub_id`` then gives only the tokenizer and the saved protocol too. Pass an ``environment_factory``
         instead of a ``retriever`` to play a TRL-style environment.
 
         Example:
@@ -171,7 +174,7 @@ class MemPOAgent:
         from mempo_trl.loading import check_model_path
 
         path = str(path_or_hub_id)
-        if openai is None:  # with an endpoint, only the tokenizer is read
+        if openai is None and generator is None:  # with an endpoint or a scripted teacher, only the tokenizer is read
             check_model_path(path)
         try:
             saved = TurnProtocol.from_pretrained(path, revision=revision)
@@ -199,12 +202,15 @@ class MemPOAgent:
                 "an OpenAI-compatible endpoint plays the search task; an environment's tool schemas "
                 "are not sent to it: drop --openai_base_url or --environment"
             )
-        from mempo_trl.generation import GeneratorOptions, make_generator
+        if generator is not None:  # a scripted teacher: no weights to load
+            generate = generator(tokenizer, protocol)
+        else:
+            from mempo_trl.generation import GeneratorOptions, make_generator
 
-        backend = "openai" if openai is not None else "vllm" if use_vllm else "transformers"
-        options = GeneratorOptions(device, dtype, revision, temperature, batch_size, seed, vllm_kwargs, openai)
-        generator = make_generator(backend, path, tokenizer, protocol, options)
-        agent = cls(tokenizer, None, generator, protocol, task=task)
+            backend = "openai" if openai is not None else "vllm" if use_vllm else "transformers"
+            options = GeneratorOptions(device, dtype, revision, temperature, batch_size, seed, vllm_kwargs, openai)
+            generate = make_generator(backend, path, tokenizer, protocol, options)
+        agent = cls(tokenizer, None, generate, protocol, task=task)
         agent.saved_protocol = saved
         return agent
 

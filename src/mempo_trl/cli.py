@@ -20,10 +20,10 @@ class _Parser(argparse.ArgumentParser):
 
 def command_modules() -> tuple:
     """The modules that register the subcommands, in `--help` order (the kit registers its own `mempo-trl kit`)."""
-    from mempo_trl.commands import ask, compose, distill, eval, merge, retrieval, sft, train, view
+    from mempo_trl.commands import ask, compose, distill, eval, hotpotqa, merge, retrieval, sft, train, view
     from mempo_trl.kit import cli as kit
 
-    return train, eval, view, compose, ask, distill, sft, retrieval, merge, kit
+    return train, eval, view, hotpotqa, compose, ask, distill, sft, retrieval, merge, kit
 
 
 def build_parser() -> argparse.ArgumentParser:

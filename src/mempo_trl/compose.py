@@ -17,6 +17,9 @@ from mempo_trl.data import DataError, has_answer_text
 
 COMPOSED_COLUMNS = ("sub_ids", "sub_data_sources", "num_objectives")
 """The columns a composed row adds to the QA columns: the source ``id`` and ``data_source`` of every part, and K."""
+HOP_COLUMNS = ("supporting_titles", "supporting_ids", "hop_queries", "hop_facts")
+"""Per-hop columns (`mempo-trl hotpotqa` rows, the demo world's) a composed row keeps, every part's hops in part order,
+when every part has them: what the oracle teacher (`mempo_trl.oracle`) plays."""
 
 
 def _split_of(row: dict) -> str | None:
@@ -58,7 +61,8 @@ def check_source_rows(rows: Sequence[dict], source_name: str = "dataset") -> Non
 
 
 def compose_row(parts: Sequence[dict], row_id: str) -> dict:
-    """One row asking the questions of ``parts`` (QA rows) in order; with one part, its question as it is.
+    """One row asking the questions of ``parts`` (QA rows) in order; with one part, its question as it is. The
+    `HOP_COLUMNS` every part has are kept, the parts' hops one after the other.
 
     Example:
         >>> row = compose_row([{"id": "3", "question": "Where was Ada born?", "golden_answers": ["Ulm", "Ulm, DE"],
@@ -84,6 +88,11 @@ def compose_row(parts: Sequence[dict], row_id: str) -> dict:
         "sub_ids": [str(part["id"]) for part in parts],
         "sub_data_sources": sources,
         "num_objectives": len(parts),
+        **{
+            name: [hop for part in parts for hop in part[name]]
+            for name in HOP_COLUMNS
+            if all(isinstance(part.get(name), list) for part in parts)
+        },
     }
 
 

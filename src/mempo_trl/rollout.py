@@ -40,7 +40,8 @@ from mempo_trl.turns import ACTION_STOPS, Turn, parse_turn
 GenerateFn = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None]]
 """Maps prompts (token id lists) to one completion each (token id lists) and, optionally, their sampling log-probs.
 One whose ``takes_messages`` attribute is true (a chat endpoint, `mempo_trl.endpoint`) is also given each prompt's
-context messages, as ``messages=``."""
+context messages, as ``messages=``; one whose ``takes_episodes`` attribute is true (a scripted teacher,
+`mempo_trl.oracle.OracleTeacher`) each prompt's `Episode`, as ``episodes=``."""
 
 
 @dataclass(frozen=True)
@@ -481,6 +482,8 @@ class RolloutEngine:
             if getattr(generate, "takes_messages", False):  # a chat endpoint: the same contexts, as messages
                 contexts = [self.context_messages(ep) for ep in active] or [episodes[0].base_messages]
                 completions, logprobs = generate(prompts or placeholder, messages=contexts)
+            elif getattr(generate, "takes_episodes", False):  # a scripted teacher: it reads each episode's row
+                completions, logprobs = generate(prompts or placeholder, episodes=active)
             else:
                 completions, logprobs = generate(prompts or placeholder)
             timings.generation += time.perf_counter() - start

@@ -134,10 +134,16 @@ def endpoint_settings(args: AgentArguments, **more) -> dict | None:
 
 
 def load_agent(
-    args: AgentArguments, retriever, context_mode: str | None = None, environment_factory=None, openai_cache=None
+    args: AgentArguments,
+    retriever,
+    context_mode: str | None = None,
+    environment_factory=None,
+    openai_cache=None,
+    generator=None,
 ):
     """`MemPOAgent.from_pretrained` with the arguments; an override of a saved setting prints one line.
-    ``openai_cache``: the endpoint's request cache (`OpenAIChatGenerator`'s ``cache_path``), if any."""
+    ``openai_cache``: the endpoint's request cache (`OpenAIChatGenerator`'s ``cache_path``), if any; ``generator``:
+    the builder of a scripted teacher (`MemPOAgent.from_pretrained`), if any."""
     from mempo_trl.agent import MemPOAgent
 
     return MemPOAgent.from_pretrained(
@@ -152,6 +158,7 @@ def load_agent(
         batch_size=args.per_device_eval_batch_size,
         seed=args.seed,
         openai=endpoint_settings(args, **({"cache_path": openai_cache} if openai_cache else {})),
+        generator=generator,
         **{**args.protocol_overrides(), "context_mode": context_mode},
     )
 

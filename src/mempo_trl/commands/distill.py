@@ -6,8 +6,14 @@
         --openai_base_url http://127.0.0.1:8000/v1 --openai_model Qwen/Qwen2.5-72B-Instruct \\
         --dataset_name data/nq_hotpotqa_train --corpus wiki.jsonl --output_dir distilled
 
-The teacher runs with transformers, vLLM (`--use_vllm`) or behind an OpenAI-compatible API (`--openai_base_url`;
-`model_name_or_path` then gives only the tokenizer the contexts are measured with). Writes ``train.jsonl`` (one
+The teacher (`--teacher`, `TEACHERS`) runs with transformers, vLLM (`--use_vllm`) or behind an
+OpenAI-compatible API (`--openai_base_url`; `model_name_or_path` then gives only the tokenizer the contexts are
+measured with), or is the oracle (`--teacher oracle`, `mempo_trl.oracle`), which plays rows with known hops
+(`mempo-trl hotpotqa` rows) without a model:
+
+    mempo-trl distill --teacher oracle --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct \\
+        --dataset_name data/hotpotqa --dataset_split train --corpus data/hotpotqa/corpus.jsonl --output_dir distilled
+ Writes ``train.jsonl`` (one
 prompt-completion row per round of every kept episode, for `mempo-trl sft`), ``episodes.jsonl`` (every episode
 played), ``requests.jsonl`` (the API's answers), ``mempo_agent.json`` (the turn protocol played) and
 ``distill_report.json``. Rerun the same command after a stop: it continues where it stopped and sends no answered
@@ -17,7 +23,7 @@ request again (one in flight when the run was killed is sent again).
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from mempo_trl.commands import add_command, parse
@@ -28,6 +34,17 @@ from mempo_trl.retrieval.settings import RetrieverArguments, build_retriever
 REPORT_FILE = "distill_report.json"
 SETTINGS_FILE = "distill_settings.json"
 REQUESTS_FILE = "requests.jsonl"
+TEACHERS = {
+    "transformers": "the model's weights, generated with transformers (the default)",
+    "vllm": "the model's weights, generated with vLLM (as --use_vllm)",
+    "openai": "an OpenAI-compatible API (--openai_base_url, --openai_model); --model_name_or_path gives only the "
+    "tokenizer and the protocol",
+    "oracle": "a scripted agent (`mempo_trl.oracle`) for rows with hop_queries and hop_facts (`mempo-trl hotpotqa` "
+    "rows, the demo world's): it searches each hop with the real retriever (again with the title when the gold "
+    "paragraph is missed), keeps the facts found in <mem> and answers the gold; --model_name_or_path gives only the "
+    "tokenizer (the student's) and the protocol",
+}
+"""The teachers `mempo-trl distill` plays (``--teacher``), and what each is."""
 
 
 @dataclass
@@ -54,6 +71,15 @@ class DistillArguments:
     )
     save_every: int = field(
         default=16, metadata={"help": "Rows played together; their episodes are saved when the group ends."}
+    )
+    teacher: str | None = field(
+        default=None,
+        metadata={
+            "help": "Who plays the episodes (default: transformers, or as --use_vllm / --openai_base_url say): "
+            + "; ".join(f"{name}: {text}" for name, text in TEACHERS.items())
+            + ".",
+            "choices": list(TEACHERS),
+        },
     )
 
     @property
@@ -89,6 +115,36 @@ def _rows(args: DistillArguments) -> list[dict]:
     return rows
 
 
+def teacher_name(teacher: str | None, agent_args: AgentArguments) -> str:
+    """The `TEACHERS` entry that plays: ``--teacher``, or the backend flags' (``--use_vllm``, ``--openai_base_url``);
+    `ValueError` when they disagree.
+
+    Example:
+        >>> teacher_name(None, AgentArguments("m", use_vllm=True)), teacher_name("oracle", AgentArguments("m"))
+        ('vllm', 'oracle')
+    """
+    flagged = "openai" if agent_args.openai_base_url else "vllm" if agent_args.use_vllm else None
+    if teacher is None or teacher == flagged:
+        return flagged or teacher or "transformers"
+    if flagged is not None:
+        flag = "--openai_base_url" if flagged == "openai" else "--use_vllm"
+        raise ValueError(f"--teacher {teacher} and {flag} name two teachers: give one.")
+    if teacher == "openai":
+        raise ValueError("--teacher openai needs --openai_base_url URL and --openai_model NAME.")
+    return teacher
+
+
+def _check_oracle_rows(rows: list[dict], source_name: str) -> None:
+    """Raise `DataError` naming the first row the oracle teacher cannot play (`mempo_trl.oracle.row_problem`)."""
+    from mempo_trl.data import DataError
+    from mempo_trl.oracle import row_problem
+
+    for number, row in enumerate(rows, 1):
+        problem = row_problem(row)
+        if problem is not None:
+            raise DataError(f"{source_name}, row {number} (id {row['id']!r}): {problem}.")
+
+
 def _check_same_run(out: Path, settings: dict, save: bool = False) -> None:
     """Refuse to continue an output directory whose saved episodes another teacher, source or protocol played (the
     ``settings`` given are compared); with ``save``, record ``settings``."""
@@ -119,17 +175,23 @@ def saved_group(out: Path, done: int, total: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     from mempo_trl.commands.eval import _versions
     from mempo_trl.distill import distill
+    from mempo_trl.oracle import OracleTeacher
 
     agent_args, args, retriever_args = parse(
         "mempo-trl distill", [AgentArguments, DistillArguments, RetrieverArguments], argv
     )
     if agent_args.context_mode == "both":
         raise ValueError("distill plays one context mode: memory or full_history.")
+    name = teacher_name(args.teacher, agent_args)
+    if name == "vllm":
+        agent_args = replace(agent_args, use_vllm=True)
     out = Path(args.output_dir)
     rows = _rows(args)
+    if name == "oracle":
+        _check_oracle_rows(rows, args.dataset_name)
     teacher = {
         "model_name_or_path": agent_args.model_name_or_path,
-        "backend": "openai" if agent_args.openai_base_url else "vllm" if agent_args.use_vllm else "transformers",
+        "backend": name,
         "openai_base_url": agent_args.openai_base_url,
         "openai_model": agent_args.openai_model,
         "temperature": agent_args.temperature,
@@ -144,7 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     _check_same_run(out, {"teacher": teacher, "data": data})  # before the teacher loads
     retriever = build_retriever(retriever_args)
-    agent = load_agent(agent_args, retriever, agent_args.context_mode, openai_cache=out / REQUESTS_FILE)
+    oracle = None
+    if name == "oracle":
+
+        def oracle(tokenizer, protocol):
+            return OracleTeacher(tokenizer, retriever, protocol.retrieval_topk, protocol.max_turns)
+
+    agent = load_agent(
+        agent_args, retriever, agent_args.context_mode, openai_cache=out / REQUESTS_FILE, generator=oracle
+    )
     agent.rollout_engine().check_first_contexts(rows, args.dataset_name)
     _check_same_run(out, {"teacher": teacher, "data": data, "protocol": asdict(agent.protocol)}, save=True)
     agent.protocol.save(out)

@@ -23,7 +23,6 @@ context (and in the memory reward's ``mem_traj``), and a 48-token turn has no ro
 import hashlib
 import json
 import random
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -39,89 +38,17 @@ from mempo_trl.context import (
     render_prompt,
     round_messages,
 )
+from mempo_trl.oracle import ANSWER_THOUGHT, SEARCH_THOUGHT, hop_facts, turn_text
 
 
 WARM_START_FILE = "warm_start.json"
 """Written next to the weights by `sft_warm_start`: the settings and the stats of the run."""
-
-NOTHING_YET = "Nothing yet."
-SEARCH_THOUGHT = "I must search."
-ANSWER_THOUGHT = "I know the answer."
 
 WARM_STEPS = 600
 WARM_LR = 5e-3
 WARM_BATCH_SIZE = 16
 """The tiny model's warm start (`tiny_warm_settings`, `build_warm_tiny_model`): enough steps for its loss to pass
 the drop where it starts copying names from its context."""
-
-_WORD_RE = re.compile(r"[\w,'-]+|[^\w\s]")
-# The value a comparison hop reads from its passage, keyed by a word of the hop query (demo-world templates).
-_COMPARED_VALUE = {
-    "population": re.compile(r"population of ([\d,]+)"),
-    "born": re.compile(r"born in (\d+)"),
-    "founded": re.compile(r"founded in (\d+)"),
-    "long": re.compile(r"([\d,]+) kilometres long"),
-    "height": re.compile(r"height of ([\d,]+) metres"),
-}
-
-
-def query_subject(query: str) -> str:
-    """The first run of capitalised words after the question word: the entity a single-hop query asks about."""
-    words = query.rstrip("?").split()[1:]
-    start = next(i for i, word in enumerate(words) if word[0].isupper())
-    end = next((i for i in range(start, len(words)) if not words[i][0].isupper()), len(words))
-    return " ".join(words[start:end])
-
-
-def _bridge(question: str, next_query: str) -> str:
-    """The bridge entity: what ``next_query`` says where ``question`` has its bridge phrase (word-level diff)."""
-    a, b = _WORD_RE.findall(question), _WORD_RE.findall(next_query)
-    head = 0
-    while head < min(len(a), len(b)) and a[head] == b[head]:
-        head += 1
-    tail = 0
-    while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
-        tail += 1
-    return " ".join(b[head : len(b) - tail])
-
-
-def _compared_value(query: str, passage_text: str) -> str:
-    for word, pattern in _COMPARED_VALUE.items():
-        if word in query and (match := pattern.search(passage_text)):
-            return match.group(1)
-    raise ValueError(f"no compared value for {query!r} in {passage_text!r}")
-
-
-def hop_facts(row: dict, results: Sequence[Sequence[Any]]) -> list[str]:
-    """What each hop of a demo-world row finds, as ``"Subject: value."``; ``results`` are the hops' passages.
-
-    A hop's value is the gold answer for the last hop, the bridge entity named by the next hop query for an
-    earlier one, the sub-answer of a multi-objective row, and for a comparison the number read from the
-    supporting passage (which must be among the hop's results).
-
-    Example:
-        >>> row = {"question": "What is the population of the birthplace of Tisdin Purbro?",
-        ...        "golden_answers": ["634,400"], "data_source": "demo_2hop", "supporting_ids": ["52", "93"],
-        ...        "hop_queries": ["In which city was Tisdin Purbro born?", "What is the population of Sedo?"],
-        ...        "sub_answers": []}
-        >>> hop_facts(row, [[], []])
-        ['Tisdin Purbro: Sedo.', 'Sedo: 634,400.']
-    """
-    queries = row["hop_queries"]
-    values = []
-    for i, query in enumerate(queries):
-        if row.get("sub_answers"):
-            values.append(str(row["sub_answers"][i][0]))
-        elif row.get("data_source") == "demo_compare":
-            passage = next((p for p in results[i] if p.id == row["supporting_ids"][i]), None)
-            if passage is None:
-                raise ValueError(f"the search {query!r} did not return passage {row['supporting_ids'][i]}")
-            values.append(_compared_value(query, passage.text))
-        elif i + 1 < len(queries):
-            values.append(_bridge(row["question"], queries[i + 1]))
-        else:
-            values.append(str(row["golden_answers"][0]))
-    return [f"{query_subject(query)}: {value}." for query, value in zip(queries, values)]
 
 
 def oracle_episode_turns(
@@ -178,19 +105,15 @@ def oracle_episode_turns(
             kept[i] = facts[i]
     turns: list[tuple[str, str | None]] = []
     for i, (query, passages) in enumerate(zip(queries, results)):
-        mem = " ".join(fact for fact in kept[:i] if fact) or NOTHING_YET
         thought = counted_thought(i, len(queries), SEARCH_THOUGHT) if counted else SEARCH_THOUGHT
-        text = f"<mem> {mem} </mem>\n<think> {thought} </think>\n<search> {query} </search>"
-        turns.append((text, render_information(passages)))
+        turns.append((turn_text(kept[:i], thought, f"<search> {query} </search>"), render_information(passages)))
     for i in [i for i, fact in enumerate(kept) if not fact] if repair else []:
-        mem = " ".join(fact for fact in kept if fact) or NOTHING_YET
-        text = f"<mem> {mem} </mem>\n<think> {SEARCH_THOUGHT} </think>\n<search> {queries[i]} </search>"
+        text = turn_text(kept, SEARCH_THOUGHT, f"<search> {queries[i]} </search>")
         turns.append((text, render_information(results[i])))
         kept[i] = facts[i]
     answer, _ = render_gold_answer(row["golden_answers"], row.get("sub_answers"))
-    mem = " ".join(fact for fact in kept if fact) or NOTHING_YET
     thought = counted_thought(len(queries), len(queries), ANSWER_THOUGHT) if counted else ANSWER_THOUGHT
-    turns.append((f"<mem> {mem} </mem>\n<think> {thought} </think>\n{answer}", None))
+    turns.append((turn_text(kept, thought, answer), None))
     return turns
 
 
