@@ -10,6 +10,9 @@ from mempo_trl.protocol import TurnProtocol
 from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings, field_type_problems, flat_field
 
 
+LOSS_FORWARDS = ("padded", "shared_prefix")
+"""The values of `MemPOConfig.loss_forward`."""
+
 ROW_LEVEL_LOSSES = ("grpo", "dr_grpo", "sapo", "luspo")
 """TRL's loss types whose normaliser counts rows: `MemPOTrainer` leaves its placeholder rows out of it."""
 
@@ -127,6 +130,20 @@ class MemPOConfig(GRPOConfig):
             tokens) per sequence. `"auto"`: `shared_prefix` when
             the model's attention allows it, else `batched`.
 
+        > Parameters that control the loss forward
+
+        loss_forward (`str`, *optional*, defaults to `"padded"`):
+            How the loss (and the old / reference log-probs) forwards the rows. Either way the LM head projects only
+            the hidden states that predict a trained completion token, on every device (TRL 1.16 does so only on
+            Triton devices), with the same log-probs and gradients as projecting every position (tested, fp32).
+            `"padded"`: TRL's forward of the padded `[prompt | completion]` batch. `"shared_prefix"`: the rows of a
+            micro-batch that share a prompt prefix (the rounds of a question: system prompt, instruction, question)
+            forward it once into a KV cache kept in the autograd graph, then only their own tails over it under a
+            4D mask (two forwards, as `memory_scoring="shared_prefix"`, with gradient): fewer forwarded tokens, the
+            same loss and gradients up to float rounding (tested against `"padded"`; not bit-identical, hence
+            opt-in). Needs `sdpa` or `eager` attention, `activation_checkpointing=False`, one process, no PEFT
+            adapter and no MoE auxiliary loss (refused at start otherwise).
+
         > Parameters that control dynamic sampling (DAPO)
 
         dynamic_sampling (`str`, *optional*, defaults to `"keep"`):
@@ -182,6 +199,15 @@ class MemPOConfig(GRPOConfig):
     memory_scoring_batch_size: int = flat_field(MemoryRewardSettings, "memory_scoring_batch_size")
     memory_scoring: str = flat_field(MemoryRewardSettings, "memory_scoring")
 
+    loss_forward: str = field(
+        default="padded",
+        metadata={
+            "help": "`padded`: the loss forwards each row whole. `shared_prefix`: rows that share a prompt prefix "
+            "forward it once (fewer tokens; sdpa/eager, no activation checkpointing, one process).",
+            "choices": list(LOSS_FORWARDS),
+        },
+    )
+
     dynamic_sampling: str = flat_field(DynamicSamplingSettings, "dynamic_sampling")
     dynamic_sampling_tolerance: float = flat_field(DynamicSamplingSettings, "dynamic_sampling_tolerance")
     dynamic_sampling_max_rounds: int = flat_field(DynamicSamplingSettings, "dynamic_sampling_max_rounds")
@@ -206,6 +232,8 @@ class MemPOConfig(GRPOConfig):
         super().__post_init__()
         problems += TurnProtocol.problems(self) + MemoryRewardSettings.problems(self)
         problems += DynamicSamplingSettings.problems(self)
+        if self.loss_forward not in LOSS_FORWARDS:
+            problems.append(f"loss_forward must be one of {LOSS_FORWARDS}, got {self.loss_forward!r}.")
         if self.remove_unused_columns:
             problems.append(
                 "remove_unused_columns must be False: MemPOTrainer reads the dataset's own columns (`question`, "
