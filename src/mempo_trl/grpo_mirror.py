@@ -284,14 +284,15 @@ class GRPOMirror:
         on one position per prefix), the cache rows repeated for each row's group (an ``index_select``: a prefix's
         keys and values get the sum of its rows' gradients), then the tails over it under the ``allowed`` mask,
         the head on the trained tokens of ``mask`` only."""
-        param = next(model.parameters())
+        device = next(model.parameters()).device
+        # The mask's dtype is the attention scores': the autocast dtype under autocast (bf16 on a GPU), else the model's
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        dtype = dtype or next(model.parameters()).dtype
         key = cache_kwarg(model)
         cache = DynamicCache()
         model(shared.prefix_ids, use_cache=True, logits_to_keep=1, **{key: cache})
         cache.reorder_cache(shared.group_of_row)
-        bias = torch.zeros((), dtype=param.dtype, device=param.device).masked_fill(
-            ~shared.allowed, torch.finfo(param.dtype).min
-        )
+        bias = torch.zeros((), dtype=dtype, device=device).masked_fill(~shared.allowed, torch.finfo(dtype).min)
         with hidden_at(backbone, mask):
             return model(
                 shared.tail_ids,
