@@ -121,6 +121,16 @@ def test_shared_prefix_inputs_by_hand():
     assert shared.allowed.int().tolist()[1] == [c + u[0], c + u[1], c + u[2], c + u[3]]
     assert shared.tokens == 3 + 8 < ids.numel()
     assert shared_prefix_inputs(torch.tensor([[5, 1], [6, 2]]), torch.ones(2, 2, dtype=torch.long), 1) is None
+    # two groups: [5 6 7 8] and [5 6 7 3] share 3 tokens; [9 4] shares none (its own prefix: [9], 1 token)
+    ids = torch.tensor([[5, 6, 7, 8, 1], [5, 6, 7, 3, 1], [0, 0, 9, 4, 1]])
+    shared = shared_prefix_inputs(ids, (ids != 0).long(), 1)
+    assert shared.prefix_ids.tolist() == [[5, 6, 7], [9, 0, 0]] and shared.group_of_row.tolist() == [0, 0, 1]
+    assert shared.tail_ids.tolist() == [[8, 1], [3, 1], [4, 1]] and shared.tail_positions.tolist() == [
+        [3, 4],
+        [3, 4],
+        [1, 2],
+    ]
+    assert shared.allowed[:2, :, :3].all() and shared.allowed[2, :, :3].int().tolist() == [[1, 0, 0]] * 2
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -186,7 +196,7 @@ def test_the_trainer_step_loss_is_the_full_heads(tiny_model_dir, tmp_path, monke
 def test_shared_prefix_loss_refuses_what_it_cannot_run(tiny_model_dir, tmp_path):
     model, tokenizer = load_tiny(tiny_model_dir)
     args = cpu_config(tmp_path, loss_forward="shared_prefix", activation_checkpointing=True)
-    dataset = Dataset.from_list([{"question": "q", "golden_answers": ["a"]}])
+    dataset = Dataset.from_list([{"question": "Where is Alpha?", "golden_answers": ["Paris"]}])
     with pytest.raises(ValueError, match="loss_forward='shared_prefix' does not support activation_checkpointing"):
         MemPOTrainer(model, EchoRetriever(), args=args, train_dataset=dataset, processing_class=tokenizer)
     with pytest.raises(ValueError, match="loss_forward must be one of"):

@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from mempo_trl.protocol import TurnProtocol
-from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings, field_type_problems, flat_field
+from mempo_trl.settings import (
+    DynamicSamplingSettings,
+    LossForwardSettings,
+    MemoryRewardSettings,
+    field_type_problems,
+    flat_field,
+)
 
-
-LOSS_FORWARDS = ("padded", "shared_prefix")
-"""The values of `MemPOConfig.loss_forward`."""
 
 ROW_LEVEL_LOSSES = ("grpo", "dr_grpo", "sapo", "luspo")
 """TRL's loss types whose normaliser counts rows: `MemPOTrainer` leaves its placeholder rows out of it."""
@@ -175,8 +178,9 @@ class MemPOConfig(GRPOConfig):
     loss, so they count the real rounds only, as TRL counts its completions.
     """
 
-    # The settings of the turn protocol, the memory reward and dynamic sampling, declared (default, help, choices,
-    # bounds) and validated where they live: `TurnProtocol`, `MemoryRewardSettings`, `DynamicSamplingSettings`.
+    # The settings of the turn protocol, the memory reward, dynamic sampling and the loss forward, declared (default,
+    # help, choices, bounds) and validated where they live: `TurnProtocol`, `MemoryRewardSettings`,
+    # `DynamicSamplingSettings`, `LossForwardSettings`.
     max_turns: int = flat_field(TurnProtocol, "max_turns")
     retrieval_topk: int = flat_field(TurnProtocol, "retrieval_topk")
     context_mode: str = flat_field(TurnProtocol, "context_mode")
@@ -199,14 +203,7 @@ class MemPOConfig(GRPOConfig):
     memory_scoring_batch_size: int = flat_field(MemoryRewardSettings, "memory_scoring_batch_size")
     memory_scoring: str = flat_field(MemoryRewardSettings, "memory_scoring")
 
-    loss_forward: str = field(
-        default="padded",
-        metadata={
-            "help": "`padded`: the loss forwards each row whole. `shared_prefix`: rows that share a prompt prefix "
-            "forward it once (fewer tokens; sdpa/eager, no activation checkpointing, one process).",
-            "choices": list(LOSS_FORWARDS),
-        },
-    )
+    loss_forward: str = flat_field(LossForwardSettings, "loss_forward")
 
     dynamic_sampling: str = flat_field(DynamicSamplingSettings, "dynamic_sampling")
     dynamic_sampling_tolerance: float = flat_field(DynamicSamplingSettings, "dynamic_sampling_tolerance")
@@ -232,8 +229,7 @@ class MemPOConfig(GRPOConfig):
         super().__post_init__()
         problems += TurnProtocol.problems(self) + MemoryRewardSettings.problems(self)
         problems += DynamicSamplingSettings.problems(self)
-        if self.loss_forward not in LOSS_FORWARDS:
-            problems.append(f"loss_forward must be one of {LOSS_FORWARDS}, got {self.loss_forward!r}.")
+        problems += LossForwardSettings.problems(self)
         if self.remove_unused_columns:
             problems.append(
                 "remove_unused_columns must be False: MemPOTrainer reads the dataset's own columns (`question`, "

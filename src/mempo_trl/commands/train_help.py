@@ -1,7 +1,7 @@
 """`mempo-trl train --help`: the fields a MemPO run is about, first and short, printed without importing torch.
 
 Every section is generated from the dataclasses that declare the fields, with their own help: MemPO's fields from
-their homes (`TurnProtocol`, `MemoryRewardSettings`, `DynamicSamplingSettings`, whose fields `MemPOConfig` re-exposes
+their homes (`TurnProtocol`, `MemoryRewardSettings`, `DynamicSamplingSettings`, `LossForwardSettings`, whose fields `MemPOConfig` re-exposes
 flat), the recipe's `ScriptArguments` (TRL's, with MemPO's additions), the retrieval options; the TRL fields a recipe
 usually sets are listed by name. `--help_all` prints TRL's full parser help (every field of `GRPOConfig`,
 `TrainingArguments` and `ModelConfig`).
@@ -10,7 +10,7 @@ usually sets are listed by name. `--help_all` prints TRL's full parser help (eve
 from dataclasses import MISSING, fields
 
 from mempo_trl.protocol import TurnProtocol
-from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings
+from mempo_trl.settings import DynamicSamplingSettings, LossForwardSettings, MemoryRewardSettings
 
 
 COMMON_TRL_FIELDS = (
@@ -43,6 +43,7 @@ SETTINGS_HOMES = (
     (TurnProtocol, ("action", "max_completion_length", "chat_template_kwargs")),
     (MemoryRewardSettings, ()),
     (DynamicSamplingSettings, ()),
+    (LossForwardSettings, ()),
 )
 """The classes whose fields `MemPOConfig` re-exposes flat (`flat_field`), each with the fields it keeps to itself:
 the turn protocol's ``action`` follows the retriever or environment, and ``max_completion_length`` and
