@@ -563,9 +563,13 @@ def run(
                         result = run_trainer(kind, model_dir, rows, retriever, rounds, cfg)
                     result["code"] = "" if kind == "stock" or not before_src else code
                     results.append(result)
+                    rss = result.get("peak_rss_mib")
                     print(
                         f"done: rounds {rounds} G {num_generations} {_label(result)}: step {result['step_cpu']:.2f} s "
-                        f"CPU, load average {os.getloadavg()[0]:.1f}",
+                        f"CPU, memory scoring {result['memory_scoring_cpu']:.2f} s CPU, loss forwarded tokens "
+                        f"{int(result['loss_forwarded_tokens']):,}"
+                        + (f", peak RSS {rss:,.0f} MiB" if rss else "")
+                        + f"; load average {os.getloadavg()[0]:.1f}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -652,9 +656,10 @@ def ratios(results: list[dict]) -> list[dict]:
 def print_tables(results: list[dict]) -> None:
     print(
         "| rounds | G | trainer | step s | generation | retrieval | memory scoring | loss fwd+bwd | optimizer | other "
-        "| step CPU s | GFLOP | prefill tokens | loss rows x width | loss forwarded tokens | peak RSS MiB |"
+        "| step CPU s | CPU: generation | memory scoring | loss fwd+bwd | GFLOP | prefill tokens | loss rows x width "
+        "| loss forwarded tokens | peak RSS MiB |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|" + "---:|" * 16)
     for r in results:
         width = r["loss_tokens"] // max(r["loss_rows"], 1)
         flops = f"{r['flops'] / 1e9:.1f}" if r.get("flops") else ""
@@ -662,8 +667,10 @@ def print_tables(results: list[dict]) -> None:
         print(
             f"| {r['rounds']} | {r['num_generations']} | {_label(r)} | {r['step']:.2f} | "
             + " | ".join(f"{r[p]:.2f}" for p in PHASES)
-            + f" | {r['step_cpu']:.2f} | {flops} | {int(r['prefill_tokens']):,} | {int(r['loss_rows'])} x {int(width)} "
-            f"| {int(r['loss_forwarded_tokens']):,} | {rss} |"
+            + f" | {r['step_cpu']:.2f} | "
+            + " | ".join(f"{r[p + '_cpu']:.2f}" for p in ("generation", "memory_scoring", "loss_fwd_bwd"))
+            + f" | {flops} | {int(r['prefill_tokens']):,} | {int(r['loss_rows'])} x {int(width)} "
+            f"| {int(r.get('loss_forwarded_tokens', 0)):,} | {rss} |"
         )
     print()
     print(

@@ -257,7 +257,9 @@ class GRPOMirror:
             ids, attention = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             mask = trained_mask(attention, logits_to_keep)
             kwargs = {"output_router_logits": True} if compute_aux_loss else {}
-            shared = shared_prefix_inputs(ids, attention, logits_to_keep) if self._shared_prefix_loss else None
+            shared = None
+            if self.args.loss_forward == "shared_prefix":
+                shared = shared_prefix_inputs(ids, attention, logits_to_keep)
             labels = ids[:, -logits_to_keep:][mask].unsqueeze(0)
             with self.accelerator.autocast():
                 if shared is None:
@@ -274,10 +276,6 @@ class GRPOMirror:
                 all_aux.append(outputs.aux_loss)
         entropies = torch.cat(all_entropies) if compute_entropy else None
         return torch.cat(all_logps), entropies, torch.stack(all_aux).mean() if compute_aux_loss else None
-
-    @property
-    def _shared_prefix_loss(self) -> bool:
-        return self.args.loss_forward == "shared_prefix"
 
     def _shared_prefix_forward(self, model, backbone, shared, mask, labels):
         """The fused-head forward of `shared_prefix_inputs`' rows: the groups' prefixes into a KV cache (the head
