@@ -61,17 +61,55 @@ def test_memory_scoring_bench_schemes_agree(tiny_model_dir, one_thread):
 
 def test_train_step_bench_runs_both_trainers(tiny_model_dir, one_thread):
     bench = _load("bench_train_step")
-    results = bench.run(rounds_list=(2,), trajectories=2, num_generations=2, steps=1, model_dir=tiny_model_dir)
-    assert [r["kind"] for r in results] == ["stock", "batched", "shared_prefix"]
+    kinds = ("stock", "batched", "shared_prefix", "shared_prefix_loss")
+    results = bench.run(
+        rounds_list=(2,), trajectories=2, num_generations=2, steps=1, kinds=kinds, model_dir=tiny_model_dir
+    )
+    assert [r["kind"] for r in results] == list(kinds)
     for r in results:
         assert r["rounds"] == 2 and len(r["steps"]) == 1
         assert r["step"] > 0 and r["generation"] > 0 and r["loss_fwd_bwd"] > 0
         assert r["generation"] + r["retrieval"] + r["memory_scoring"] <= r["step"]
-    stock, batched, shared = results
+        assert r["flops"] is None  # counted in a warm-up step only
+    stock, batched, shared, shared_loss = results
     assert stock["memory_scoring"] == 0.0 and batched["memory_scoring"] > 0 and shared["memory_scoring"] > 0
-    assert batched["loss_rows"] == shared["loss_rows"] == 2 * 2  # one row per round
+    assert batched["loss_rows"] == shared["loss_rows"] == shared_loss["loss_rows"] == 2 * 2  # one row per round
     assert stock["loss_rows"] == 2  # one full-history row per trajectory
+    # the padded loss forwards its whole batch; the shared-prefix loss forwards each question's prefix once
+    assert (
+        stock["loss_forwarded_tokens"] == stock["loss_tokens"]
+        and shared["loss_forwarded_tokens"] == shared["loss_tokens"]
+    )
+    assert shared_loss["loss_forwarded_tokens"] < 0.9 * shared["loss_tokens"]
+    assert [row["trainer"] for row in bench.ratios(results)] == [bench.KINDS[k] for k in kinds[1:]]
     bench.print_tables(results)
+
+
+def test_train_step_bench_isolated_counts_flops_and_memory(tiny_model_dir, tmp_path, one_thread, capsys):
+    """A configuration in its own process (its peak RSS), FLOPs counted in the warm-up step, and the tables of two
+    saved reports merged."""
+    bench = _load("bench_train_step")
+    kinds = ("stock", "shared_prefix")
+    results = bench.run(
+        rounds_list=(2,),
+        trajectories=2,
+        num_generations=2,
+        steps=1,
+        warmup_steps=1,
+        kinds=kinds,
+        model_dir=tiny_model_dir,
+        count_flops=True,
+        isolate=True,
+    )
+    for r in results:
+        assert r["peak_rss_mib"] >= r["base_rss_mib"] > 0 and r["flops"] > 1e9
+    ratio = bench.ratios(results)[0]
+    assert ratio["flops"] == results[1]["flops"] / results[0]["flops"] and 0 < ratio["peak_rss"]
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, result in zip(paths, results):
+        bench.write_json(str(path), [result], ["--rounds", "2"], 1.0)
+    bench.main(["--merge", *map(str, paths), "--json", str(tmp_path / "merged.json")])
+    assert "| 2 | 2 | MemPO, shared_prefix |" in capsys.readouterr().out
 
 
 def test_wiki_length_corpus_pads_every_passage_and_keeps_its_text():

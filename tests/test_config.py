@@ -109,8 +109,8 @@ def test_single_token_action_tags_stop_generation(tiny_model_dir, tmp_path):
 
 def test_turn_and_memory_settings_have_one_home(tmp_path):
     """`MemPOConfig`'s own MemPO fields are exactly its homes' (`SETTINGS_HOMES`: `TurnProtocol`,
-    `MemoryRewardSettings`, `DynamicSamplingSettings`), take their default, help and choices from there (what
-    `mempo-trl train --help` prints, read from the homes), and are handed out whole."""
+    `MemoryRewardSettings`, `DynamicSamplingSettings`, `LossForwardSettings`), take their default, help and choices
+    from there (what `mempo-trl train --help` prints, read from the homes), and are handed out whole."""
     args = MemPOConfig(output_dir=str(tmp_path), **BASE)
     config_fields = {f.name: f for f in fields(MemPOConfig)}
     own = set(config_fields) - {f.name for f in fields(GRPOConfig)}

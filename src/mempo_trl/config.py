@@ -11,6 +11,7 @@ from trl import GRPOConfig, SFTConfig
 from mempo_trl.protocol import TurnProtocol
 from mempo_trl.settings import (
     DynamicSamplingSettings,
+    LossForwardSettings,
     MemoryRewardSettings,
     RolloutLogSettings,
     field_type_problems,
@@ -136,6 +137,20 @@ class MemPOConfig(GRPOConfig):
             tokens) per sequence. `"auto"`: `shared_prefix` when
             the model's attention allows it, else `batched`.
 
+        > Parameters that control the loss forward
+
+        loss_forward (`str`, *optional*, defaults to `"padded"`):
+            How the loss (and the old / reference log-probs) forwards the rows. Either way the LM head projects only
+            the hidden states that predict a trained completion token, on every device (TRL 1.16 does so only on
+            Triton devices), with the same log-probs and gradients as projecting every position (tested, fp32).
+            `"padded"`: TRL's forward of the padded `[prompt | completion]` batch. `"shared_prefix"`: the rows of a
+            micro-batch that share a prompt prefix (the rounds of a question: system prompt, instruction, question)
+            forward it once into a KV cache kept in the autograd graph, then only their own tails over it under a
+            4D mask (two forwards, as `memory_scoring="shared_prefix"`, with gradient): fewer forwarded tokens, the
+            same loss and gradients up to float rounding (tested against `"padded"`; not bit-identical, hence
+            opt-in). Needs `sdpa` or `eager` attention, `activation_checkpointing=False`, one process, no PEFT
+            adapter and no MoE auxiliary loss (refused at start otherwise).
+
         > Parameters that control dynamic sampling (DAPO)
 
         dynamic_sampling (`str`, *optional*, defaults to `"keep"`):
@@ -179,8 +194,9 @@ class MemPOConfig(GRPOConfig):
     loss, so they count the real rounds only, as TRL counts its completions.
     """
 
-    # The settings of the turn protocol, the memory reward and dynamic sampling, declared (default, help, choices,
-    # bounds) and validated where they live: `TurnProtocol`, `MemoryRewardSettings`, `DynamicSamplingSettings`.
+    # The settings of the turn protocol, the memory reward, dynamic sampling and the loss forward, declared (default,
+    # help, choices, bounds) and validated where they live: `TurnProtocol`, `MemoryRewardSettings`,
+    # `DynamicSamplingSettings`, `LossForwardSettings`.
     max_turns: int = flat_field(TurnProtocol, "max_turns")
     retrieval_topk: int = flat_field(TurnProtocol, "retrieval_topk")
     context_mode: str = flat_field(TurnProtocol, "context_mode")
@@ -202,6 +218,8 @@ class MemPOConfig(GRPOConfig):
     memory_full_from_reference: bool = flat_field(MemoryRewardSettings, "memory_full_from_reference")
     memory_scoring_batch_size: int = flat_field(MemoryRewardSettings, "memory_scoring_batch_size")
     memory_scoring: str = flat_field(MemoryRewardSettings, "memory_scoring")
+
+    loss_forward: str = flat_field(LossForwardSettings, "loss_forward")
 
     dynamic_sampling: str = flat_field(DynamicSamplingSettings, "dynamic_sampling")
     dynamic_sampling_tolerance: float = flat_field(DynamicSamplingSettings, "dynamic_sampling_tolerance")
@@ -230,6 +248,7 @@ class MemPOConfig(GRPOConfig):
         super().__post_init__()
         problems += TurnProtocol.problems(self) + MemoryRewardSettings.problems(self)
         problems += DynamicSamplingSettings.problems(self) + RolloutLogSettings.problems(self)
+        problems += LossForwardSettings.problems(self)
         if self.remove_unused_columns:
             problems.append(
                 "remove_unused_columns must be False: MemPOTrainer reads the dataset's own columns (`question`, "

@@ -14,6 +14,11 @@ mirrors TRL 1.16.0, `trl/trainer/grpo_trainer.py`:
   model's ``load_weights``, which the CPU backend cannot take (see `reload_vllm_weights`);
 - `_rollout_context`: the ZeRO-3 parameter gather (`unwrap_model_for_generation`, 1786-1791) and the vLLM sleep-mode
   wake-up and weight sync (1767-1771), held for the whole rollout instead of once per round;
+- `_get_per_token_logps_and_entropies`: TRL's method of that name (1419-1511), for text rows: the same
+  ``model(..., fused_lm_head=True)`` call through every wrapper, with only the hidden states that predict a trained
+  completion token projected through the LM head (`mempo_trl.loss_forward.hidden_at`), on every device (TRL's fused
+  head, `trl/trainer/utils.py` 1640-1660, compacts only on Triton devices and projects every position elsewhere);
+  with ``loss_forward="shared_prefix"``, the rows' shared prompt prefixes forwarded once (`_shared_prefix_forward`);
 - `_loss_log_probs`: old, sampling and reference log-probs and the vLLM importance-sampling ratio (2441-2470 and
   2629-2740);
 - `_log_grpo_metrics`: ``num_tokens`` and ``completions/*`` (2274-2310), ``rewards/<func>/{mean,std}``,
@@ -31,11 +36,14 @@ import math
 from contextlib import contextmanager
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import gather_object, is_peft_model
+from transformers import DynamicCache
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 
 from mempo_trl.generation import prompt_budget
+from mempo_trl.loss_forward import hidden_at, shared_prefix_inputs, trained_mask
+from mempo_trl.scoring import SHARED_PREFIX_ATTENTION, cache_kwarg
 from mempo_trl.stopping import ContinuousBatchingStops, action_stopping_criteria
 
 
@@ -198,6 +206,100 @@ class GRPOMirror:
         if self.accelerator.num_processes == 1:
             return value
         return int(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).max().item())
+
+    def _check_loss_forward(self) -> None:
+        """Refuse ``loss_forward="shared_prefix"`` where it cannot run: the two forwards need 4D attention masks
+        (``sdpa`` / ``eager``), a KV cache kept in the graph (activation checkpointing drops it) and one process on
+        a plain model (not tested under DDP, DeepSpeed, FSDP or PEFT), without a MoE auxiliary loss."""
+        args = self.args
+        if args.loss_forward != "shared_prefix":
+            return
+        attention = self.model.config._attn_implementation
+        problems = {
+            f"attention {attention!r} (use attn_implementation='sdpa' or 'eager')": attention
+            not in SHARED_PREFIX_ATTENTION,
+            "activation_checkpointing (set activation_checkpointing=False)": args.gradient_checkpointing,
+            "more than one process": self.accelerator.num_processes > 1,
+            "a PEFT model": is_peft_model(self.model),
+            "a Mixture-of-Experts auxiliary loss": getattr(self.model.config, "output_router_logits", False),
+        }
+        if asked := [name for name, on in problems.items() if on]:
+            raise ValueError(
+                f"loss_forward='shared_prefix' does not support {', '.join(asked)}: use loss_forward='padded'."
+            )
+
+    def _backbone(self, model) -> torch.nn.Module:
+        """The module whose forward TRL's fused LM head calls for the hidden states (``base_model``), under the
+        DDP / DeepSpeed / FSDP and PEFT wrappers of ``model``."""
+        model = self.accelerator.unwrap_model(model)
+        return (model.get_base_model() if is_peft_model(model) else model).base_model
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        """TRL's per-token log-probs (and entropies, and MoE auxiliary loss) of the last ``logits_to_keep`` tokens
+        of each row, in chunks of ``batch_size`` rows, with the LM head on the trained tokens only (`hidden_at`):
+        the same values (up to float rounding), zero where the attention mask is 0. MemPO's rows are text: the
+        multimodal arguments of TRL's method are refused."""
+        if given := [name for name, value in multimodal.items() if value is not None]:
+            raise ValueError(f"MemPOTrainer's loss takes text rows only, got {', '.join(given)}")
+        backbone, batch_size = self._backbone(model), batch_size or input_ids.size(0)
+        all_logps, all_entropies, all_aux = [], [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, attention = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            mask = trained_mask(attention, logits_to_keep)
+            kwargs = {"output_router_logits": True} if compute_aux_loss else {}
+            shared = None
+            if self.args.loss_forward == "shared_prefix":
+                shared = shared_prefix_inputs(ids, attention, logits_to_keep)
+            labels = ids[:, -logits_to_keep:][mask].unsqueeze(0)
+            with self.accelerator.autocast():
+                if shared is None:
+                    with hidden_at(backbone, mask):
+                        outputs = model(
+                            ids, attention_mask=attention, shift_labels=labels, fused_lm_head=True, **kwargs
+                        )
+                else:
+                    outputs = self._shared_prefix_forward(model, backbone, shared, mask, labels)
+            all_logps.append(outputs.log_probs.new_zeros(mask.shape).masked_scatter(mask, outputs.log_probs[0]))
+            if compute_entropy:
+                all_entropies.append(outputs.entropy.new_zeros(mask.shape).masked_scatter(mask, outputs.entropy[0]))
+            if compute_aux_loss:
+                all_aux.append(outputs.aux_loss)
+        entropies = torch.cat(all_entropies) if compute_entropy else None
+        return torch.cat(all_logps), entropies, torch.stack(all_aux).mean() if compute_aux_loss else None
+
+    def _shared_prefix_forward(self, model, backbone, shared, mask, labels):
+        """The fused-head forward of `shared_prefix_inputs`' rows: the groups' prefixes into a KV cache (the head
+        on one position per prefix), the cache rows repeated for each row's group (an ``index_select``: a prefix's
+        keys and values get the sum of its rows' gradients), then the tails over it under the ``allowed`` mask,
+        the head on the trained tokens of ``mask`` only."""
+        device = next(model.parameters()).device
+        # The mask's dtype is the attention scores': the autocast dtype under autocast (bf16 on a GPU), else the model's
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        dtype = dtype or next(model.parameters()).dtype
+        key = cache_kwarg(model)
+        cache = DynamicCache()
+        model(shared.prefix_ids, use_cache=True, logits_to_keep=1, **{key: cache})
+        cache.reorder_cache(shared.group_of_row)
+        bias = torch.zeros((), dtype=dtype, device=device).masked_fill(~shared.allowed, torch.finfo(dtype).min)
+        with hidden_at(backbone, mask):
+            return model(
+                shared.tail_ids,
+                attention_mask=bias.unsqueeze(1),
+                position_ids=shared.tail_positions,
+                shift_labels=labels,
+                fused_lm_head=True,
+                **{key: cache},
+            )
 
     def _loss_log_probs(self, batch: dict[str, torch.Tensor], sampling_logps, mode: str) -> dict[str, torch.Tensor]:
         """What the inherited loss needs besides advantages: old / sampling / reference log-probs and the vLLM

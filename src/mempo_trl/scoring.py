@@ -143,7 +143,7 @@ def pack_shared_prefix(
     return rows
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     """The keyword of the model's forward that takes a KV cache: ``cache`` (transformers >= 5.24) or
     ``past_key_values``, looked up on the innermost model (under PEFT and DeepSpeed wrappers)."""
     while True:
@@ -199,7 +199,7 @@ def shared_prefix_answer_logps(
         if num_chunks < len(chunks):
             raise ValueError(f"num_chunks={num_chunks} is less than the {len(chunks)} chunks needed.")
         chunks += [None] * (num_chunks - len(chunks))
-    cache_kwarg = _cache_kwarg(model)
+    cache_key = cache_kwarg(model)
     for chunk in chunks:
         batch = chunk or [([pad_token_id], [])]
         # One block per item: (row, its tokens, its first position, prefix tokens it sees, item).
@@ -253,14 +253,14 @@ def shared_prefix_answer_logps(
         rows_t = torch.tensor(row_of or [0], device=device)
         positions = torch.tensor(pos_of or [0], device=device)
         with eval_mode(model):
-            model(input_ids=prefix_ids.to(device), use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
+            model(input_ids=prefix_ids.to(device), use_cache=True, logits_to_keep=1, **{cache_key: cache})
             with _lm_head_inputs(model, rows_t, positions):
                 logits = model(
                     input_ids=input_ids.to(device),
                     attention_mask=bias.unsqueeze(1),
                     position_ids=position_ids.to(device),
                     use_cache=True,
-                    **{cache_kwarg: cache},
+                    **{cache_key: cache},
                 ).logits  # (P, V): one row per scored answer token
         del cache
         if not row_of:

@@ -1,7 +1,7 @@
 """Where a MemPO setting is declared once: its default, help, choices and bounds, as dataclass field metadata.
 
-`TurnProtocol` (`mempo_trl.protocol`), `MemoryRewardSettings`, `DynamicSamplingSettings` and `RolloutLogSettings`
-(here) declare their fields with `setting`;
+`TurnProtocol` (`mempo_trl.protocol`), `MemoryRewardSettings`, `DynamicSamplingSettings`, `RolloutLogSettings` and
+`LossForwardSettings` (here) declare their fields with `setting`;
 `MemPOConfig` re-exposes them as flat fields (`flat_field`: the names recipes and TRL's parser use), the agent's
 override arguments are generated from them (`override_field`), `mempo-trl train --help` prints their help, and
 `setting_problems` is their one validation. No torch and no TRL are imported here, so that the CLI's help stays fast.
@@ -230,6 +230,24 @@ class RolloutLogSettings(SettingsHome):
     )
     rollout_log_episodes: int = setting(
         16, "Episodes written per logged step at most (the main process's first ones).", minimum=1
+    )
+
+
+class LossForwardSettings(SettingsHome):
+    """How the loss forwards its rows (`mempo_trl.loss_forward`, the `MemPOConfig` docstring); an invalid value
+    raises `ValueError`.
+
+    Example:
+        >>> LossForwardSettings().loss_forward
+        'padded'
+    """
+
+    loss_forward: str = setting(
+        "padded",
+        "`padded`: the loss forwards each row whole. `shared_prefix`: the rows that share a prompt prefix (a "
+        "question's rounds) forward it once, with gradient (fewer tokens, same loss up to float rounding; sdpa/eager, "
+        "activation_checkpointing off, one process, no PEFT).",
+        choices=("padded", "shared_prefix"),
     )
 
 

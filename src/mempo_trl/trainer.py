@@ -152,6 +152,7 @@ class MemPOTrainer(MemoryScoring, GRPOMirror, GRPOTrainer):
         self.memory_settings = args.memory_settings()
         self.dynamic_sampling_settings = args.dynamic_sampling_settings()
         self._check_memory_scoring()
+        self._check_loss_forward()
         self._stop_turns_on(protocol.stops, protocol.stop_token_ids(self._tokenizer, self.eos_token_ids))
         self._sync_vllm_by_reload()
         limit = self._max_prompt_length()

@@ -1,16 +1,21 @@
 """`mempo-trl train --help`: the fields a MemPO run is about, first and short, printed without importing torch.
 
 Every section is generated from the dataclasses that declare the fields, with their own help: MemPO's fields from
-their homes (`TurnProtocol`, `MemoryRewardSettings`, `DynamicSamplingSettings`, `RolloutLogSettings`, whose fields
-`MemPOConfig` re-exposes flat), the recipe's `ScriptArguments` (TRL's, with MemPO's additions), the retrieval options; the TRL fields a recipe
-usually sets are listed by name. `--help_all` prints TRL's full parser help (every field of `GRPOConfig`,
+their homes (`TurnProtocol`, `MemoryRewardSettings`, `DynamicSamplingSettings`, `RolloutLogSettings`,
+`LossForwardSettings`, whose fields `MemPOConfig` re-exposes flat), the recipe's `ScriptArguments` (TRL's, with
+MemPO's additions), the retrieval options; the TRL fields a recipe usually sets are listed by name. `--help_all` prints TRL's full parser help (every field of `GRPOConfig`,
 `TrainingArguments` and `ModelConfig`).
 """
 
 from dataclasses import MISSING, fields
 
 from mempo_trl.protocol import TurnProtocol
-from mempo_trl.settings import DynamicSamplingSettings, MemoryRewardSettings, RolloutLogSettings
+from mempo_trl.settings import (
+    DynamicSamplingSettings,
+    LossForwardSettings,
+    MemoryRewardSettings,
+    RolloutLogSettings,
+)
 
 
 COMMON_TRL_FIELDS = (
@@ -44,6 +49,7 @@ SETTINGS_HOMES = (
     (MemoryRewardSettings, ()),
     (DynamicSamplingSettings, ()),
     (RolloutLogSettings, ()),
+    (LossForwardSettings, ()),
 )
 """The classes whose fields `MemPOConfig` re-exposes flat (`flat_field`), each with the fields it keeps to itself:
 the turn protocol's ``action`` follows the retriever or environment, and ``max_completion_length`` and
