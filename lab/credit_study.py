@@ -864,6 +864,11 @@ def main(argv: list[str] | None = None) -> int:
         help="go on when the warm start fails the gate (a diagnostic: the summary is credit_study_ungated.json)",
     )
     parser.add_argument(
+        "--expect",
+        help="a committed summary (lab/results/credit_study.json): exit 1 with one error line when this run's figures, "
+        "gate or recorded raw-output sha256 differ (a bit-for-bit rebuild check)",
+    )
+    parser.add_argument(
         "--gate_only",
         action="store_true",
         help="stop once the warm start passed its gate (the RL comparison's warm start: lab/rl_compare.py)",
@@ -987,6 +992,7 @@ def main(argv: list[str] | None = None) -> int:
         "gate": checked,
         "figures": figures,
         "seconds": phases,
+        "artifacts": artifact_sha256(out, digest),
         "machine": {
             **_machine(),
             "python": platform.python_version(),
@@ -1005,7 +1011,38 @@ def main(argv: list[str] | None = None) -> int:
         for v in dict.fromkeys((best, DEFAULT_VARIANT))
     )
     log(f"credit study (sampled groups): {line}; {sum(phases.values()) / 60:.1f} min; wrote {target}/{name}.*")
+    if args.expect:
+        differ = rebuild_mismatches(summary, json.loads(Path(args.expect).read_text()))
+        if differ:
+            print(f"error: the rebuild differs from {args.expect} in {', '.join(differ)}", file=sys.stderr)
+            return 1
+        log(f"the rebuild equals {args.expect} (figures, gate, recorded sha256)")
     return 0
+
+
+def artifact_sha256(out: Path, digest: str) -> dict[str, str | None]:
+    """The sha256 of the study's raw outputs in ``out`` (not in git): the scored groups and the warm start's LoRA
+    adapter of warm start ``digest``; None for one that is absent."""
+    import hashlib
+
+    names = [f"groups_{digest}.jsonl", f"warm_{digest}/adapter_model.safetensors"]
+    return {n: hashlib.sha256((out / n).read_bytes()).hexdigest() if (out / n).is_file() else None for n in names}
+
+
+def rebuild_mismatches(summary: dict, expected: dict) -> list[str]:
+    """What a rebuilt summary differs in from ``expected`` (a committed one): the figures, the gate's episodes, and
+    each raw output's sha256 that ``expected`` records (`artifact_sha256`).
+
+    >>> rebuild_mismatches({"figures": {"2": 1}, "artifacts": {"a": "x"}}, {"figures": {"2": 1}, "artifacts": {"a": "y"}})
+    ['artifacts.a']
+    >>> rebuild_mismatches({"figures": {"2": 1}}, {"figures": {"2": 2}, "gate": {"by_k": {"2": {}}}})
+    ['figures', 'gate']
+    """
+    parts = {"figures": lambda x: x.get("figures"), "gate": lambda x: (x.get("gate") or {}).get("by_k")}
+    out = [name for name, part in parts.items() if name in expected and part(summary) != part(expected)]
+    ours = summary.get("artifacts") or {}
+    out += [f"artifacts.{n}" for n, sha in (expected.get("artifacts") or {}).items() if sha and ours.get(n) != sha]
+    return out
 
 
 def best_variant(figures: dict) -> str:

@@ -60,6 +60,10 @@ def test_quick_run_end_to_end(tmp_path):
 
     study_out, out = tmp_path / "study", tmp_path / "link"
     assert credit_study.main(["--quick", "--out", str(study_out)]) == 0
+    study = json.loads((study_out / "credit_study.json").read_text())
+    assert all(len(sha) == 64 for sha in study["artifacts"].values())  # the groups' and the adapter's sha256
+    (tmp_path / "expected.json").write_text(json.dumps({**study, "figures": {}}))
+    assert credit_study.main(["--quick", "--out", str(study_out), "--expect", str(tmp_path / "expected.json")]) == 1
     assert outcome_link.main(["--quick", "--study_out", str(study_out), "--out", str(out)]) == 0
     summary = json.loads((out / "outcome_link.json").read_text())
     assert set(summary["figures"]) == {"2", "4"}
