@@ -1,7 +1,7 @@
-"""The outcome link (`lab/outcome_link.py`): its statistics by hand, and its command end to end at --quick."""
+"""The outcome link (`lab/outcome_link.py`): its statistics by hand (its command end to end at --quick: the credit
+study's quick test, `test_credit_study.py`)."""
 
 import doctest
-import json
 import math
 
 import outcome_link
@@ -50,32 +50,3 @@ def test_link_figures_pool_counts_over_questions():
     assert figures["true_positive"]["value"] == pytest.approx(2 / 3) and figures["true_positive"]["groups"] == 3
     assert figures["false_positive"]["value"] == pytest.approx(1 / 5)
     assert figures["false_positive"]["low"] <= 0.2 <= figures["false_positive"]["high"]
-
-
-@pytest.mark.slow
-def test_quick_run_end_to_end(tmp_path):
-    """`credit_study.py --quick` then `outcome_link.py --quick`: every K and round from the first search's to the
-    answer round, every variant; the answer round's memories are the credit study's own sampled memories."""
-    import credit_study
-
-    study_out, out = tmp_path / "study", tmp_path / "link"
-    assert credit_study.main(["--quick", "--out", str(study_out)]) == 0
-    study = json.loads((study_out / "credit_study.json").read_text())
-    assert all(len(sha) == 64 for sha in study["artifacts"].values())  # the groups' and the adapter's sha256
-    (tmp_path / "expected.json").write_text(json.dumps({**study, "figures": {}}))
-    assert credit_study.main(["--quick", "--out", str(study_out), "--expect", str(tmp_path / "expected.json")]) == 1
-    assert outcome_link.main(["--quick", "--study_out", str(study_out), "--out", str(out)]) == 0
-    summary = json.loads((out / "outcome_link.json").read_text())
-    assert set(summary["figures"]) == {"2", "4"}
-    for k, cell in summary["figures"].items():
-        assert set(cell) == {str(n) for n in range(1, int(k) + 1)}
-        for round_cell in cell.values():
-            assert set(round_cell["variants"]) == set(credit_study.VARIANTS)
-    digest = credit_study.warm_digest(credit_study.study_of(True))
-    link = {r["id"]: r["group"] for r in map(json.loads, (out / f"link_{digest}.jsonl").open())}
-    for record in map(json.loads, (study_out / f"groups_{digest}.jsonl").open()):
-        rounds = link[record["id"]]
-        answer = rounds[max(rounds, key=int)]
-        assert answer["memories"] == record["group"]["sampled"]["memories"]
-        assert len(answer["finished"]) == len(answer["memories"])
-        assert all(set(e) == {"all_parts_em", "share_em", "searches", "format_valid"} for e in answer["finished"])
