@@ -58,7 +58,7 @@ def test_compare_stage_dry_run(tmp_path):
     """`scripts/gpu_long_horizon.sh compare-dry-run`: the gated warm start with an RL split, one step of every arm,
     the warm start and every run evaluated, the verdict, collected as the GPU call collects them."""
     script = LAB.parent / "scripts" / "gpu_long_horizon.sh"
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "LIMIT_S": "3000"}  # a slow CPU
     done = subprocess.run(
         ["bash", str(script), "compare-dry-run", str(tmp_path)], capture_output=True, text=True, env=env, timeout=1800
     )
