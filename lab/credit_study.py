@@ -157,6 +157,54 @@ def merged(base: dict, overrides: dict) -> dict:
     return out
 
 
+def study_of(quick: bool = False, world_seed: int | None = None, horizons=None, rl_rows: int = 0) -> dict:
+    """The study's settings: `STUDY` (``quick``: with `QUICK`), its world made with seed ``world_seed`` and
+    ``horizons`` when given (the turn budget raised to K + 1 turns for the largest K), with ``rl_rows`` rows per K
+    in an RL split of its own (the RL comparison's questions, never scored here). Any of them changes the world, so
+    the warm start is trained, gated and scored anew (`warm_digest`).
+
+    >>> study_of() == STUDY
+    True
+    >>> s = study_of(True, world_seed=7, horizons=[2, 4, 6], rl_rows=5)
+    >>> s["world"]["seed"], s["world"]["horizons"], s["world"]["rows_per_horizon"]["rl"], s["protocol"]["max_turns"]
+    (7, [2, 4, 6], 5, 7)
+    """
+    study = merged(STUDY, QUICK) if quick else copy.deepcopy(STUDY)
+    world = study["world"]
+    if world_seed is not None:
+        world["seed"] = world_seed
+    if horizons:
+        world["horizons"] = sorted(horizons)
+        study["protocol"]["max_turns"] = max(study["protocol"]["max_turns"], max(horizons) + 1)
+    if rl_rows:
+        world["rows_per_horizon"] = {**world["rows_per_horizon"], "rl": rl_rows}
+    return study
+
+
+def add_study_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that pick the study's settings (`study_of`), shared by the lab's scripts that read its runs."""
+    parser.add_argument("--quick", action="store_true", help="smoke run with tiny shapes (`QUICK`)")
+    parser.add_argument(
+        "--world_seed", type=int, help=f"the world's seed (default {STUDY['world']['seed']}): fresh questions"
+    )
+    parser.add_argument(
+        "--horizons", type=int, nargs="+", help=f"the K of the world (default {STUDY['world']['horizons']})"
+    )
+    parser.add_argument(
+        "--rl_rows", type=int, default=0, help="rows per K in an RL split of the world (default 0: none)"
+    )
+
+
+def study_from_args(args: argparse.Namespace) -> dict:
+    """`study_of` the parsed `add_study_arguments` options."""
+    return study_of(args.quick, args.world_seed, args.horizons, args.rl_rows)
+
+
+def is_default_study(args: argparse.Namespace) -> bool:
+    """Whether the options give the published study's settings (no ``--quick``, world options at their defaults)."""
+    return not args.quick and args.world_seed is None and not args.horizons and not args.rl_rows
+
+
 def facts_held(memory: str, sub_answers: list[list[str]]) -> list[bool]:
     """For each needed fact (its gold aliases), whether the memory holds one of them as whole words after
     `normalize_answer` (case, punctuation, articles and thousands separators aside).
@@ -331,7 +379,7 @@ def write_world(out: Path, study: dict) -> dict[str, Path]:
     from mempo_trl.kit.demo_world import write_jsonl
 
     world_dir = out / "world"
-    paths = {name: world_dir / f"{name}.jsonl" for name in ("corpus", "warm", "validation")}
+    paths = {name: world_dir / f"{name}.jsonl" for name in ("corpus", "warm", "validation", "rl")}
     marker = world_dir / "world.json"
     if marker.is_file() and json.loads(marker.read_text())["world"] == study["world"]:
         return paths
@@ -341,7 +389,7 @@ def write_world(out: Path, study: dict) -> dict[str, Path]:
     )
     world_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(paths["corpus"], world.passages)
-    for name in ("warm", "validation"):
+    for name in ("warm", "validation", "rl"):
         write_jsonl(paths[name], world.splits[name])
     marker.write_text(json.dumps({"world": settings}, indent=1))
     return paths
@@ -624,12 +672,15 @@ def scripted_group(model, tokenizer, retriever, row: dict, study: dict) -> dict:
     return {"names": list(scripted), **group, "outcomes": [0.0] * len(blocks)}
 
 
-def sampled_groups(model, tokenizer, retriever, rows: list[dict], study: dict) -> list[dict]:
+def sampled_groups(model, tokenizer, retriever, rows: list[dict], study: dict, back: int = 0) -> list[dict]:
     """The sampled group of each question: G memories sampled from the warm model at the answer round, after the
     oracle's searches (`answer_round`, each with its own draw of the memory's drops, as in the warm start's data),
     each scored with its own full history. Sampling stops at ``</mem>``: the memory advantage does not read the
     outcomes (`mempo_advantages` pools the memory rewards alone), so the group's outcomes are all equal (0). A memory
-    that is not well-formed is not scored (as in training) and counted in ``unscored``."""
+    that is not well-formed is not scored (as in training) and counted in ``unscored``; ``draws`` keeps the draw
+    (0 to G - 1) of each scored one. ``back``: ``back`` rounds before the answer round (after K - ``back`` of the
+    oracle's searches; the same draws), for the rows with K > ``back`` (the others get no group: None); 0 samples
+    what the credit study samples."""
     import torch
 
     from mempo_trl.context import render_prompt, round_messages
@@ -637,32 +688,46 @@ def sampled_groups(model, tokenizer, retriever, rows: list[dict], study: dict) -
     from mempo_trl.rollout import cut_after_action
     from mempo_trl.turns import parse_turn
 
-    protocol, g, mem_drop = protocol_of(study), study["generations"], study["warm"]["mem_drop"]
+    protocol, g = protocol_of(study), study["generations"]
     generator = HFGenerator(
         model, tokenizer, protocol.max_completion_length, study["temperature"], batch_size=32, stops=MEM_STOPS
     )
+    rows = [row for row in rows if len(row["hop_queries"]) > back] if back else rows
+    if not rows:
+        return []
     rounds = [
-        answer_round(row, retriever, study, mem_drop, random.Random(f"{study['seed']}-{row['id']}-{n}"))
+        round_before(row, retriever, study, random.Random(f"{study['seed']}-{row['id']}-{n}"), back)
         for row in rows
         for n in range(g)
     ]
-    torch.manual_seed(study["seed"] + sum(ord(c) for c in rows[0]["id"]))
+    torch.manual_seed(study["seed"] + sum(ord(c) for c in rows[0]["id"]) + 7919 * back)
     completions, _ = generator([render_prompt(tokenizer, messages) for _, _, messages in rounds])
     groups = []
     for n, row in enumerate(rows):
-        blocks, fulls, unscored = [], [], 0
+        blocks, fulls, draws, unscored = [], [], [], 0
         for i in range(n * g, (n + 1) * g):
             text = cut_after_action(completions[i], tokenizer, generator.eos_token_ids, MEM_STOPS)[1]
             turn = parse_turn(text)
             if turn.mem_chars is None:
                 unscored += 1
                 continue
+            draws.append(i - n * g)
             base, history, _ = rounds[i]
             blocks.append(text[turn.mem_chars[0] : turn.mem_chars[1]])
             fulls.append(round_messages(base, history, "full_history"))
         group = score_group(model, tokenizer, row, blocks, fulls, study) if blocks else {"memories": [], "held": []}
-        groups.append({**group, "outcomes": [0.0] * len(blocks), "unscored": unscored})
+        groups.append({**group, "outcomes": [0.0] * len(blocks), "unscored": unscored, "draws": draws})
     return groups
+
+
+def round_before(row: dict, retriever, study: dict, rng: random.Random, back: int = 0) -> tuple[list, list, list]:
+    """`answer_round` (the memory's drops drawn from ``rng``) ``back`` rounds earlier: its first K - ``back``
+    searches, ``(base messages, history, that round's memory-mode messages)``."""
+    base, history, messages = answer_round(row, retriever, study, study["warm"]["mem_drop"], rng)
+    if not back:
+        return base, history, messages
+    history = history[: len(history) - back]
+    return base, history, protocol_of(study).round_messages(base, history)
 
 
 MEM_STOPS = ("</mem>",)
@@ -789,7 +854,7 @@ def plot(summary: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/credit_study", help="run directory (cached phases; not in git)")
-    parser.add_argument("--quick", action="store_true", help="smoke run with tiny shapes (`QUICK`)")
+    add_study_arguments(parser)
     parser.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="where the warm start, gate and scoring run"
     )
@@ -799,13 +864,23 @@ def main(argv: list[str] | None = None) -> int:
         help="go on when the warm start fails the gate (a diagnostic: the summary is credit_study_ungated.json)",
     )
     parser.add_argument(
+        "--expect",
+        help="a committed summary (lab/results/credit_study.json): exit 1 with one error line when this run's figures, "
+        "gate or recorded raw-output sha256 differ (a bit-for-bit rebuild check)",
+    )
+    parser.add_argument(
+        "--gate_only",
+        action="store_true",
+        help="stop once the warm start passed its gate (the RL comparison's warm start: lab/rl_compare.py)",
+    )
+    parser.add_argument(
         "--sample_minutes",
         type=float,
         help="stop sampling after this many minutes of this run (the summary says `complete: false`); rerun to go on",
     )
     args = parser.parse_args(argv)
-    study = merged(STUDY, QUICK) if args.quick else STUDY
-    published = not args.quick and args.out == "runs/credit_study"
+    study = study_from_args(args)
+    published = is_default_study(args) and args.out == "runs/credit_study"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target = RESULTS if published else out
@@ -881,6 +956,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
+    if args.gate_only:
+        log(f"the warm start passed its gate ({gate_path}); stopped there (--gate_only)")
+        return 0
     deadline = None if args.sample_minutes is None else time.time() + 60 * args.sample_minutes
     start = time.perf_counter()
     order = interleaved(rows)
@@ -914,6 +992,7 @@ def main(argv: list[str] | None = None) -> int:
         "gate": checked,
         "figures": figures,
         "seconds": phases,
+        "artifacts": artifact_sha256(out, digest),
         "machine": {
             **_machine(),
             "python": platform.python_version(),
@@ -932,7 +1011,38 @@ def main(argv: list[str] | None = None) -> int:
         for v in dict.fromkeys((best, DEFAULT_VARIANT))
     )
     log(f"credit study (sampled groups): {line}; {sum(phases.values()) / 60:.1f} min; wrote {target}/{name}.*")
+    if args.expect:
+        differ = rebuild_mismatches(summary, json.loads(Path(args.expect).read_text()))
+        if differ:
+            print(f"error: the rebuild differs from {args.expect} in {', '.join(differ)}", file=sys.stderr)
+            return 1
+        log(f"the rebuild equals {args.expect} (figures, gate, recorded sha256)")
     return 0
+
+
+def artifact_sha256(out: Path, digest: str) -> dict[str, str | None]:
+    """The sha256 of the study's raw outputs in ``out`` (not in git): the scored groups and the warm start's LoRA
+    adapter of warm start ``digest``; None for one that is absent."""
+    import hashlib
+
+    names = [f"groups_{digest}.jsonl", f"warm_{digest}/adapter_model.safetensors"]
+    return {n: hashlib.sha256((out / n).read_bytes()).hexdigest() if (out / n).is_file() else None for n in names}
+
+
+def rebuild_mismatches(summary: dict, expected: dict) -> list[str]:
+    """What a rebuilt summary differs in from ``expected`` (a committed one): the figures, the gate's episodes, and
+    each raw output's sha256 that ``expected`` records (`artifact_sha256`).
+
+    >>> rebuild_mismatches({"figures": {"2": 1}, "artifacts": {"a": "x"}}, {"figures": {"2": 1}, "artifacts": {"a": "y"}})
+    ['artifacts.a']
+    >>> rebuild_mismatches({"figures": {"2": 1}}, {"figures": {"2": 2}, "gate": {"by_k": {"2": {}}}})
+    ['figures', 'gate']
+    """
+    parts = {"figures": lambda x: x.get("figures"), "gate": lambda x: (x.get("gate") or {}).get("by_k")}
+    out = [name for name, part in parts.items() if name in expected and part(summary) != part(expected)]
+    ours = summary.get("artifacts") or {}
+    out += [f"artifacts.{n}" for n, sha in (expected.get("artifacts") or {}).items() if sha and ours.get(n) != sha]
+    return out
 
 
 def best_variant(figures: dict) -> str:

@@ -14,6 +14,8 @@
 #   bash scripts/gpu_long_horizon.sh credit-dry-run DIR   # `credit` on the CPU: --quick --device cpu, into DIR
 #   call 5 (optional, same warm machine): bash scripts/gpu_long_horizon.sh pipeline # the paper's pipeline, SmolLM2
 #   bash scripts/gpu_long_horizon.sh pipeline-dry-run DIR # `pipeline` at its smallest on the CPU, into DIR
+#   call 6 (same warm machine; again to finish): bash scripts/gpu_long_horizon.sh compare   # MemPO vs outcome-only
+#   bash scripts/gpu_long_horizon.sh compare-dry-run DIR  # `compare` at its smallest on the CPU, into DIR
 #
 # `run` takes ARGS (default "--seeds 0 1 --jobs 8": the test runs, after `--tune --split validation` on an earlier
 # call) and LIMIT_S (default 500: a call may run 600 s); a run cut by the limit resumes from its checkpoint on the next
@@ -25,7 +27,12 @@
 # learner's world with SmolLM2 as the student (compose -> distill with the kit learner as teacher -> LoRA SFT ->
 # merge-lora -> MemPO train -> eval over the number of objectives, README "Your data, the paper's pipeline") in
 # runs/pipeline_gpu, each step once (a step cut by LIMIT_S starts again on the next call), and copies the sweep,
-# the training metrics and the distillation report to $OUT.
+# the training metrics and the distillation report to $OUT. `compare` builds the credit study's warm start on a world
+# with an RL split of its own and gates it (`lab/credit_study.py --rl_rows 120 --gate_only`, in runs/credit_rl), then
+# runs `lab/rl_compare.py` (outcome-only GRPO, MemPO at the paper's default and at VARIANT, default diff; K = 4, seeds
+# 0 and 1, JOBS runs side by side, default 6) in what is left of LIMIT_S, and copies rl_compare.json (the evaluation
+# and the pre-registered verdict, lab/preregistration_credit.md) and the gate to $OUT; a call cut by LIMIT_S resumes
+# every run from its checkpoint on the next call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -86,6 +93,30 @@ credit | credit-dry-run)
     mkdir -p "$results"
     for file in credit_study.json credit_study.png gate.json phases.json rl_smoke/rl_smoke.json; do
         [ -f "$out/$file" ] && cp "$out/$file" "$results/"
+    done
+    ls "$results"
+    ;;
+compare | compare-dry-run)
+    if [ "$1" = compare ]; then
+        join_gguf
+        study=runs/credit_rl out=runs/rl_compare device=cuda quick="" rl=120 jobs=${JOBS:-6}
+        results=${OUT:?OUT is where the device tool collects files}
+    else
+        study=${2:?compare-dry-run DIR}/study out=${2}/compare device=cpu quick=--quick rl=2 jobs=1 results=${2}/collected
+    fi
+    deadline=$((SECONDS + ${LIMIT_S:-500}))
+    # shellcheck disable=SC2086
+    timeout "${LIMIT_S:-500}" "${PYTHON:-python}" lab/credit_study.py $quick --rl_rows "$rl" --gate_only \
+        --device "$device" --out "$study" || echo "credit_study: exit $? (a warm start cut by LIMIT_S resumes next call)"
+    if [ -f "$study/gate.json" ] && [ $((deadline - SECONDS)) -gt 30 ]; then
+        # shellcheck disable=SC2086
+        timeout $((deadline - SECONDS)) "${PYTHON:-python}" lab/rl_compare.py $quick --study_out "$study" --out "$out" \
+            --device "$device" --jobs "$jobs" --variant "${VARIANT:-diff}" \
+            || echo "rl_compare: exit $? (a run cut by LIMIT_S resumes next call)"
+    fi
+    mkdir -p "$results"
+    for file in "$out/rl_compare.json" "$study/gate.json"; do
+        [ -f "$file" ] && cp "$file" "$results/"
     done
     ls "$results"
     ;;
@@ -169,7 +200,7 @@ run | dry-run)
     ls "$results"
     ;;
 *)
-    sed -n '2,29p' "$0"
+    sed -n '2,35p' "$0"
     exit 2
     ;;
 esac

@@ -121,10 +121,11 @@ def test_pool_figures_of_a_group():
 def test_quick_run_end_to_end(tmp_path, monkeypatch, capsys):
     """`--quick` through the GPU script's CPU dry run (`scripts/gpu_long_horizon.sh credit-dry-run`): every phase,
     the summary of both K and every variant in the run directory (not in lab/results), collected as the GPU call
-    collects it; then a gate the warm start fails stops with one error line."""
+    collects it; the outcome link on that run (`_outcome_link_of`); a rebuild that differs from the summary it is
+    checked against (``--expect``) is one error line; then a gate the warm start fails stops with one error line."""
     out = tmp_path / "credit"
     script = LAB.parent / "scripts" / "gpu_long_horizon.sh"
-    env = {**os.environ, "PYTHON": sys.executable}
+    env = {**os.environ, "PYTHON": sys.executable, "LIMIT_S": "3000"}  # a loaded CPU takes over 500 s
     finished = subprocess.run(
         ["bash", str(script), "credit-dry-run", str(out)], capture_output=True, text=True, env=env, timeout=1200
     )
@@ -146,6 +147,12 @@ def test_quick_run_end_to_end(tmp_path, monkeypatch, capsys):
         assert cell["variants"]["diff"]["scripted"]["auc"]["value"] is not None
     assert set(summary["seconds"]) >= {"warm_start", "gate", "scored"}
     assert summary["command"].startswith("python lab/credit_study.py --quick --device cpu")
+    assert all(len(sha) == 64 for sha in summary["artifacts"].values())  # the groups' and the adapter's sha256
+    _outcome_link_of(out)
+    (tmp_path / "expected.json").write_text(json.dumps({**summary, "figures": {}}))
+    assert credit_study.main(["--quick", "--out", str(out), "--expect", str(tmp_path / "expected.json")]) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert line == f"error: the rebuild differs from {tmp_path / 'expected.json'} in figures"
     monkeypatch.setitem(credit_study.QUICK, "gate", {**credit_study.QUICK["gate"], "min_format_valid": 1.0})
     monkeypatch.chdir(LAB.parent)
     assert credit_study.main(["--quick", "--out", str(out)]) == 2
@@ -160,6 +167,29 @@ def test_quick_run_end_to_end(tmp_path, monkeypatch, capsys):
     (out / "gate.json").write_text(json.dumps({**gate, "warm_digest": "0" * 12, "by_k": {}}))
     assert credit_study.main(["--quick", "--out", str(out)]) == 2
     assert json.loads((out / "gate.json").read_text()) == gate
+
+
+def _outcome_link_of(study_out):
+    """`outcome_link.py --quick` on the quick study's run: every K and round from the first search's to the answer
+    round, every variant; the answer round's memories are the credit study's own sampled memories, each finished."""
+    import outcome_link
+
+    out = study_out / "link"
+    assert outcome_link.main(["--quick", "--study_out", str(study_out), "--out", str(out)]) == 0
+    summary = json.loads((out / "outcome_link.json").read_text())
+    assert set(summary["figures"]) == {"2", "4"}
+    for k, cell in summary["figures"].items():
+        assert set(cell) == {str(n) for n in range(1, int(k) + 1)}
+        for round_cell in cell.values():
+            assert set(round_cell["variants"]) == set(credit_study.VARIANTS)
+    digest = credit_study.warm_digest(credit_study.study_of(True))
+    link = {r["id"]: r["group"] for r in map(json.loads, (out / f"link_{digest}.jsonl").open())}
+    for record in map(json.loads, (study_out / f"groups_{digest}.jsonl").open()):
+        rounds = link[record["id"]]
+        answer = rounds[max(rounds, key=int)]
+        assert answer["memories"] == record["group"]["sampled"]["memories"]
+        assert len(answer["finished"]) == len(answer["memories"])
+        assert all(set(e) == {"all_parts_em", "share_em", "searches", "format_valid"} for e in answer["finished"])
 
 
 def test_pairwise_auc_counts_a_tie_as_half():
