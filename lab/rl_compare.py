@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
     from mempo_trl.data import read_jsonl
-    from mempo_trl.kit.demo_world import _write_jsonl
+    from mempo_trl.kit.demo_world import write_jsonl
     from mempo_trl.retrieval import BM25Retriever
 
     start = time.perf_counter()
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     data.mkdir(parents=True, exist_ok=True)
     for split, source in (("train", "rl"), ("validation", "validation")):
         rows = [r for r in read_jsonl(world / f"{source}.jsonl") if r["data_source"] == f"horizon_{k}"]
-        _write_jsonl(data / f"{split}.jsonl", rows)
+        write_jsonl(data / f"{split}.jsonl", rows)
     runs = {}
     for arm in ARMS:
         config = out / f"{arm}.yaml"
