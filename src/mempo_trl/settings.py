@@ -233,6 +233,7 @@ class RolloutLogSettings(SettingsHome):
     )
 
 
+@dataclass(frozen=True)
 class LossForwardSettings(SettingsHome):
     """How the loss forwards its rows (`mempo_trl.loss_forward`, the `MemPOConfig` docstring); an invalid value
     raises `ValueError`.
