@@ -350,3 +350,16 @@ def test_rows_that_are_already_multi_objective_are_left_out_and_counted():
     assert len(composed) == 2 and all("q0" not in row["sub_ids"] for row in composed)
     report = composition_report(rows, composed)
     assert report["multi_objective_rows_left_out"] == 1 and report["questions_unused"] == 1
+
+
+def test_too_few_questions_says_which_rows_were_left_out_and_why():
+    """Round-6 probe R-e: a row whose only gold holds ';' cannot be a part (';' joins the parts): the refusal says so."""
+    rows = [
+        {"id": "a", "question": "Population of Sedo?", "golden_answers": ["634,400; 7"]},
+        {"id": "b", "question": "Capital of Niham?", "golden_answers": ["Mithbopath"]},
+    ]
+    with pytest.raises(DataError) as raised:
+        compose_objectives(rows, 2, source_name="comma.jsonl")
+    message = str(raised.value)
+    assert "1 usable question(s) (1 row(s) whose every gold answer holds ';'" in message
+    assert "fewer objectives" in message

@@ -130,9 +130,19 @@ def compose_objectives(
     largest = max((len(pool) for pool in pools.values()), default=0)
     if num_objectives > largest:
         sizes = ", ".join(f"{len(p)} in split {s}" if s else f"{len(p)}" for s, p in pools.items()) or "0"
+        composed = sum(1 for row in rows if row.get("sub_answers"))
+        semicolons = sum(1 for row in rows if not row.get("sub_answers") and not _scorable_aliases(row))
+        why = "".join(
+            f" ({n} {what} left out)"
+            for n, what in (
+                (semicolons, "row(s) whose every gold answer holds ';', which joins the parts,"),
+                (composed, "multi-objective row(s)"),
+            )
+            if n
+        )
         raise DataError(
             f"{source_name}: {num_objectives} objectives need {num_objectives} distinct questions, but the pool has "
-            f"{sizes} usable question(s). Ask for fewer objectives, or give more rows."
+            f"{sizes} usable question(s){why}. Ask for fewer objectives, or give more rows."
         )
     rng = random.Random(seed)
     composed: list[dict] = []
