@@ -450,6 +450,22 @@ def warm_rows_file(out: Path, paths: dict, study: dict, retriever) -> Path:
     return data_dir
 
 
+def merged_warm_start(study: dict, study_out: Path, out: Path, log) -> Path:
+    """``out/merged_<digest>``: the study's LoRA warm start in ``study_out`` folded into its base by `mempo-trl
+    merge-lora` (once; a later call finds it); `ValueError` (the message of the one ``error:`` line) when the merge
+    fails."""
+    digest = warm_digest(study)
+    merged_dir = out / f"merged_{digest}"
+    if not (merged_dir / "config.json").is_file():
+        adapter = study_out / f"warm_{digest}"
+        log(f"merging {adapter} into {merged_dir}")
+        merge = mempo_command("merge-lora", {"model_name_or_path": adapter, "output_dir": merged_dir})
+        finished = subprocess.run(merge, capture_output=True, text=True)
+        if finished.returncode != 0:
+            raise ValueError(f"mempo-trl merge-lora of {adapter} failed: {finished.stderr.strip()[-500:]}")
+    return merged_dir
+
+
 def mempo_command(subcommand: str, options: dict, *flags: str) -> list[str]:
     """The command line of ``mempo-trl SUBCOMMAND`` run by this interpreter: each option as ``--key value``, then
     the bare ``flags``.

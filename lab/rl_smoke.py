@@ -215,17 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
     digest = credit_study.warm_digest(study)
-    merged_dir = out / f"merged_{digest}"
-    if not (merged_dir / "config.json").is_file():
-        adapter = study_out / f"warm_{digest}"
-        merge = credit_study.mempo_command("merge-lora", {"model_name_or_path": adapter, "output_dir": merged_dir})
-        log(f"merging {adapter} into {merged_dir}")
-        finished = subprocess.run(merge, capture_output=True, text=True)
-        if finished.returncode != 0:
-            print(
-                f"error: mempo-trl merge-lora of {adapter} failed: {finished.stderr.strip()[-500:]}", file=sys.stderr
-            )
-            return 2
+    try:
+        merged_dir = credit_study.merged_warm_start(study, study_out, out, log)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     data = rows_dir(out, study_out, study, smoke)
     corpus = study_out / "world" / "corpus.jsonl"
     arms = {}
