@@ -61,6 +61,9 @@ RECORD_VERSION = 2
 HASHED_SIZE = 1 << 20
 """Files up to this size (bytes) are fingerprinted by their content's sha256; larger ones (weights, optimizer
 states) by their size: hashing gigabytes at every claim would cost minutes."""
+CHECKPOINT = re.compile(r"checkpoint-\d+")
+"""The name of a checkpoint folder a run saves."""
+
 RUN_NAMES = re.compile(
     r"checkpoint-\d+|mempo_metrics\.json|mempo_agent\.json|mempo_save_incomplete\.json|results\.json|"
     r"trajectories\.jsonl|_mempo_outputs\.json|_mempo_run_going\.json|"
@@ -367,7 +370,8 @@ def write_record(path: Path, written: dict[str, str]) -> None:
 
 def run_outputs(directory: str | os.PathLike) -> list[str]:
     """The names in `directory` that mempo-trl runs provably wrote there: the entries its `RUN_RECORD` lists that
-    still match their fingerprint (a record without fingerprints: those with a name a run writes, `RUN_NAMES`), and
+    still match their fingerprint (a record without fingerprints: those with a name a run writes, `RUN_NAMES`; a
+    listed `checkpoint-N` folder whatever it holds now, as a save cut short: checkpoints are validated before use), and
     after a run that never ended (`RUN_GOING` left behind), the entries with a name a run writes that appeared after
     it began; with the `RECORDS` themselves.
 
@@ -387,6 +391,9 @@ def run_outputs(directory: str | os.PathLike) -> list[str]:
             try:
                 recorded = written[name]
                 proven = recorded in fingerprint_forms(path / name, legacy) if recorded else RUN_NAMES.fullmatch(name)
+                proven = proven or bool(
+                    CHECKPOINT.fullmatch(name) and (path / name).is_dir() and not (path / name).is_symlink()
+                )
             except OSError:
                 proven = False
         else:
