@@ -279,11 +279,8 @@ def entries(path: Path) -> list[str]:
 
 def file_digest(path: Path) -> str:
     """The sha256 of the file `path`'s bytes, in hex."""
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 16), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fingerprint(path: Path, times: bool = False, content: bool = True) -> str:
